@@ -1,0 +1,1 @@
+"""Greyhound: find and fix fail-slows and hangs in distributed training."""
