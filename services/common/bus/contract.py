@@ -1,0 +1,221 @@
+"""The bus contract: every subject and every message Greyhound puts on NATS.
+
+No subject string is written anywhere else. Subjects are versioned (``gh.v1``) and carry the job id
+in the third token, so consumers filter and shard by job. Every message carries ``schema_version``,
+an ``event_id`` (also the ``Nats-Msg-Id`` header, for JetStream de-duplication and idempotent
+handlers) and a timestamp. Telemetry is columnar (one message per agent flush, lists per field) so
+that a tracker can absorb tens of thousands of rank-iterations per second.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+PREFIX = "gh.v1"
+# Outside gh.v1.* so that no stream's subjects overlap with the dead letters.
+DLQ_PREFIX = "gh.dlq.v1"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def check_token(value: str, what: str) -> str:
+    """Job ids and agent ids become subject tokens: no dots, spaces or wildcards allowed."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must match [A-Za-z0-9_-]{{1,128}} (it is a NATS subject token)")
+    return value
+
+
+class Subjects:
+    """Builders for concrete subjects and the wildcard filters consumers subscribe with."""
+
+    @staticmethod
+    def hello(job: str, agent: str) -> str:
+        return f"{PREFIX}.{check_token(job, 'job id')}.hello.{check_token(agent, 'agent id')}"
+
+    @staticmethod
+    def iterations(job: str, agent: str) -> str:
+        return f"{PREFIX}.{check_token(job, 'job id')}.iter.{check_token(agent, 'agent id')}"
+
+    @staticmethod
+    def counters(job: str, agent: str) -> str:
+        return f"{PREFIX}.{check_token(job, 'job id')}.counters.{check_token(agent, 'agent id')}"
+
+    @staticmethod
+    def collectives(job: str, agent: str) -> str:
+        return f"{PREFIX}.{check_token(job, 'job id')}.colls.{check_token(agent, 'agent id')}"
+
+    @staticmethod
+    def detection(job: str) -> str:
+        return f"{PREFIX}.{check_token(job, 'job id')}.detect"
+
+    @staticmethod
+    def incident(job: str) -> str:
+        return f"{PREFIX}.{check_token(job, 'job id')}.incident"
+
+    @staticmethod
+    def control(job: str, agent: str) -> str:
+        return f"{PREFIX}.{check_token(job, 'job id')}.control.{check_token(agent, 'agent id')}"
+
+    @staticmethod
+    def dead_letter(stream: str) -> str:
+        return f"{DLQ_PREFIX}.{stream}"
+
+    # Wildcard filters (any job, any agent).
+    ALL_HELLO = f"{PREFIX}.*.hello.*"
+    ALL_ITERATIONS = f"{PREFIX}.*.iter.*"
+    ALL_COUNTERS = f"{PREFIX}.*.counters.*"
+    ALL_COLLECTIVES = f"{PREFIX}.*.colls.*"
+    ALL_DETECTIONS = f"{PREFIX}.*.detect"
+    ALL_INCIDENTS = f"{PREFIX}.*.incident"
+    ALL_CONTROL = f"{PREFIX}.*.control.*"
+    ALL_DEAD_LETTERS = f"{DLQ_PREFIX}.>"
+
+    @staticmethod
+    def job_of(subject: str) -> str:
+        """The job token of any gh.v1 subject."""
+        parts = subject.split(".")
+        if len(parts) < 4 or f"{parts[0]}.{parts[1]}" != PREFIX:
+            raise ValueError(f"not a {PREFIX} subject: {subject!r}")
+        return parts[2]
+
+
+def new_event_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Message(BaseModel):
+    """Envelope fields every message has; unknown fields are rejected so drift is caught early."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = 1
+    event_id: str = Field(default_factory=new_event_id, min_length=8, max_length=64)
+    ts: float = Field(default_factory=time.time, description="Unix seconds when the event was made")
+    job_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+
+
+class RankInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0)
+    host: str
+    pid: int = Field(ge=0)
+    device: int = Field(ge=-1)
+    node: int | None = Field(default=None, ge=0)
+
+
+class AgentHello(Message):
+    """An agent announces the ranks it watches; the tracker and API learn the job's shape from it."""
+
+    kind: Literal["hello"] = "hello"
+    agent_id: str
+    host: str
+    ranks: list[RankInfo]
+    world_size: int | None = Field(default=None, ge=1)
+
+
+def _same_lengths(model: BaseModel, fields: tuple[str, ...]) -> None:
+    lengths = {f: len(getattr(model, f)) for f in fields}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"columns must have equal lengths, got {lengths}")
+
+
+class IterationBatch(Message):
+    """Per-rank iteration times found since the agent's last flush (columnar).
+
+    ``iteration`` is the agent's per-rank iteration counter; ``end_ns`` is the wall-clock end of the
+    iteration (ns since the epoch, from the hook's anchor); ``duration_s`` the iteration time.
+    """
+
+    kind: Literal["iterations"] = "iterations"
+    agent_id: str
+    rank: list[int]
+    iteration: list[int]
+    end_ns: list[int]
+    duration_s: list[float]
+
+    @model_validator(mode="after")
+    def _columns(self) -> IterationBatch:
+        _same_lengths(self, ("rank", "iteration", "end_ns", "duration_s"))
+        return self
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+
+class CounterBatch(Message):
+    """CCL-D style per-communicator counters of each rank, sampled by the agent (columnar)."""
+
+    kind: Literal["counters"] = "counters"
+    agent_id: str
+    sampled_ns: int = Field(description="wall-clock ns of the sample")
+    rank: list[int]
+    comm_id: list[int]
+    comm_rank: list[int]
+    nranks: list[int]
+    entered: list[int]
+    completed: list[int]
+    last_seq: list[int]
+    last_op: list[int]
+    last_count: list[int]
+    last_dtype: list[int]
+
+    @model_validator(mode="after")
+    def _columns(self) -> CounterBatch:
+        _same_lengths(self, ("rank", "comm_id", "comm_rank", "nranks", "entered", "completed",
+                             "last_seq", "last_op", "last_count", "last_dtype"))
+        return self
+
+
+DetectionKind = Literal["slowdown", "recovery", "hang"]
+
+
+class DetectionEvent(Message):
+    """The tracker's verdict that a job changed: it got slower, recovered, or a communicator hangs."""
+
+    kind: DetectionKind
+    ranks: list[int] = Field(description="ranks whose detectors fired (all ranks of a sync job usually)")
+    first_iteration: int = Field(description="estimated first slow (or recovered) iteration")
+    detected_iteration: int
+    before_s: float = Field(ge=0)
+    after_s: float = Field(ge=0)
+    detected_ns: int = Field(description="wall-clock ns of detection")
+    comm_id: int | None = None
+    stalled_s: float | None = Field(default=None, ge=0)
+    method: str = "bocd-v"
+
+    @property
+    def slowdown(self) -> float:
+        return self.after_s / self.before_s if self.before_s > 0 else float("inf")
+
+
+IncidentStage = Literal["detected", "localized", "validated", "mitigated", "resolved"]
+
+
+class IncidentEvent(Message):
+    """An incident was opened or moved on (published after its database commit)."""
+
+    incident_id: str
+    stage: IncidentStage
+    kind: str
+    severity: float
+    summary: str
+
+
+class DeadLetter(BaseModel):
+    """What the dead-letter subject receives for a message that failed validation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stream: str
+    consumer: str
+    subject: str
+    reason: str
+    payload: str = Field(description="the raw payload, decoded as UTF-8 with replacement")
+    ts: float = Field(default_factory=time.time)

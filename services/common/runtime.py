@@ -1,0 +1,88 @@
+"""What every service process needs on start: resolved URLs, the bus, the streams, the schema."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from services.common.bus.client import connect, ensure_streams
+from services.common.db.migrate import upgrade_async
+from services.common.db.session import make_engine, make_sessionmaker
+from services.common.embedded import EmbeddedNats, EmbeddedPostgres
+from services.common.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backends:
+    """URLs of the bus and the database, and the embedded servers this process started (if any)."""
+
+    nats_url: str
+    database_url: str
+    started: list[EmbeddedNats | EmbeddedPostgres] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for server in reversed(self.started):
+            server.stop()
+        self.started.clear()
+
+
+def resolve_backends(settings: Settings, *, need_db: bool = True) -> Backends:
+    """Configured URLs win; an unset one starts (or reuses) the embedded server in data_dir."""
+    started: list[EmbeddedNats | EmbeddedPostgres] = []
+    nats_url = settings.nats_url
+    if nats_url is None:
+        nats = EmbeddedNats(settings.data_dir)
+        nats_url = nats.start()
+        started.append(nats)
+    db_url = settings.database_url or ""
+    if need_db and not db_url:
+        pg = EmbeddedPostgres(settings.data_dir)
+        db_url = pg.start()
+        started.append(pg)
+    return Backends(nats_url=nats_url, database_url=db_url, started=started)
+
+
+@dataclass
+class ServiceContext:
+    settings: Settings
+    backends: Backends
+    nc: NATS
+    js: JetStreamContext
+    engine: AsyncEngine | None
+    sessions: async_sessionmaker[AsyncSession] | None
+
+    def db(self) -> async_sessionmaker[AsyncSession]:
+        if self.sessions is None:
+            raise RuntimeError("this service was started without a database")
+        return self.sessions
+
+    async def close(self) -> None:
+        try:
+            await self.nc.drain()
+        except Exception:
+            log.debug("nats drain failed on close", exc_info=True)
+        if self.engine is not None:
+            await self.engine.dispose()
+        self.backends.stop()
+
+
+async def start_service(name: str, settings: Settings, *, need_db: bool = True,
+                        backends: Backends | None = None) -> ServiceContext:
+    """Connect to (or start) NATS and Postgres, create streams and run migrations."""
+    backends = backends or resolve_backends(settings, need_db=need_db)
+    nc = await connect(backends.nats_url, name=f"greyhound-{name}")
+    js = nc.jetstream()
+    await ensure_streams(js, settings)
+    engine = sessions = None
+    if need_db:
+        await upgrade_async(backends.database_url)
+        engine = make_engine(backends.database_url)
+        sessions = make_sessionmaker(engine)
+    log.info("%s connected (nats %s)", name, backends.nats_url)
+    return ServiceContext(settings, backends, nc, js, engine, sessions)

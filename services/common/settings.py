@@ -1,0 +1,59 @@
+"""Process settings: the one place that reads the environment (prefix ``GREYHOUND_``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Where the bus and the database live, and the knobs every service shares.
+
+    A URL left unset means "start the embedded server in ``data_dir``", so one machine with nothing
+    configured runs the whole system; production sets the URLs and nothing is started.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="ignore")
+
+    nats_url: str | None = None
+    database_url: str | None = None
+    data_dir: Path = Path(".greyhound")
+    shm_dir: Path = Path("/dev/shm/greyhound")
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=0, le=65535)
+    telemetry_max_age_s: float = Field(default=3600.0, gt=0)
+    telemetry_max_bytes: int = Field(default=2 * 1024**3, gt=0)
+    events_max_age_s: float = Field(default=30 * 24 * 3600.0, gt=0)
+    agent_poll_s: float = Field(default=0.05, gt=0)
+    agent_counters_s: float = Field(default=0.5, gt=0)
+    detector: str = "bocd-v"
+    log_level: str = "INFO"
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise ValueError(f"GREYHOUND_NATS_URL must start with nats:// or tls://, got {v!r}")
+        return v
+
+    @field_validator("database_url")
+    @classmethod
+    def _pg_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("postgresql://", "postgresql+asyncpg://")):
+            raise ValueError(f"GREYHOUND_DATABASE_URL must be a postgresql:// URL, got {v!r}")
+        return v
+
+    @field_validator("detector")
+    @classmethod
+    def _known_detector(cls, v: str) -> str:
+        if v not in ("bocd-v", "bocd", "window"):
+            raise ValueError(f"GREYHOUND_DETECTOR must be bocd-v, bocd or window, got {v!r}")
+        return v
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

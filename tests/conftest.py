@@ -1,0 +1,55 @@
+"""Shared fixtures: real embedded NATS and Postgres, each in a fresh temporary data directory."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.common.embedded import EmbeddedNats, EmbeddedPostgres
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="gh-nats-") as d:
+        server = EmbeddedNats(Path(d))
+        url = server.start()
+        yield url
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="gh-pg-") as d:
+        server = EmbeddedPostgres(Path(d))
+        url = server.start()
+        yield url
+        server.stop()
+
+
+@pytest.fixture()
+def fresh_db_url(pg_url: str) -> Iterator[str]:
+    """A brand-new database on the shared embedded cluster, dropped afterwards."""
+    import asyncio
+    import uuid
+
+    import asyncpg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = pg_url.replace("postgresql+asyncpg://", "postgresql://", 1)
+
+    async def run(sql: str) -> None:
+        conn = await asyncpg.connect(admin)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run(f'CREATE DATABASE "{name}"'))
+    base, _, query = pg_url.partition("?")
+    prefix = base.rsplit("/", 1)[0]
+    yield f"{prefix}/{name}" + (f"?{query}" if query else "")
+    asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
