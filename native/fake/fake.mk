@@ -1,0 +1,34 @@
+# Fake NCCL, CUDA runtime and cuBLAS for CPU-only tests. Included by native/Makefile, or standalone:
+#   make -C native -f fake/fake.mk -f workload/workload.mk all-fake
+# Paths are relative to native/; BUILD is the output directory, CFLAGS_COMMON the shared flags.
+BUILD ?= build
+CC ?= cc
+FAKE_CFLAGS = $(or $(CFLAGS_COMMON),-O2 -Wall -Wextra -Werror) -std=c11 -fPIC -fvisibility=hidden \
+              -D_GNU_SOURCE -Iinclude -Ifake
+FAKE_DIR := $(BUILD)/fake
+FAKE_COMMON_SRC := fake/fk_faults.c
+FAKE_NCCL_SRC := fake/nccl_shm.c fake/nccl_model.c fake/nccl_comm.c fake/nccl_coll.c $(FAKE_COMMON_SRC)
+FAKE_HDRS := include/nccl_abi.h fake/nccl_fake.h fake/fk_faults.h fake/fk_time.h fake/cuda_fake.h
+
+.PHONY: all-fake clean-fake
+all-fake: $(FAKE_DIR)/libnccl.so $(FAKE_DIR)/libcudart.so $(FAKE_DIR)/libcublas.so
+
+$(FAKE_DIR)/libnccl.so.2: $(FAKE_NCCL_SRC) $(FAKE_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libnccl.so.2 -o $@ $(FAKE_NCCL_SRC) -lpthread
+
+$(FAKE_DIR)/libcudart.so.12: fake/cudart.c $(FAKE_COMMON_SRC) $(FAKE_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libcudart.so.12 -o $@ fake/cudart.c $(FAKE_COMMON_SRC) -lpthread
+
+$(FAKE_DIR)/libcublas.so.12: fake/cublas.c $(FAKE_COMMON_SRC) $(FAKE_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libcublas.so.12 -o $@ fake/cublas.c $(FAKE_COMMON_SRC) -lpthread
+
+$(FAKE_DIR)/%.so: $(FAKE_DIR)/%.so.2
+	ln -sf $(<F) $@
+$(FAKE_DIR)/%.so: $(FAKE_DIR)/%.so.12
+	ln -sf $(<F) $@
+
+clean-fake:
+	rm -rf $(FAKE_DIR)

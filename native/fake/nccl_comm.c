@@ -1,0 +1,224 @@
+/*
+ * Communicator lifecycle. A unique id is 8 magic bytes plus 16 random ones; the random part
+ * names the shared-memory segment. A split child's id is a hash of the parent id, the color and
+ * the parent's split count, so all ranks of one color derive the same child without exchanging
+ * it; they still rendezvous on the parent to learn who else chose their color.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "fk_faults.h"
+#include "fk_time.h"
+#include "nccl_fake.h"
+
+#define FK_INPROGRESS_POLLS 2
+
+GH_EXPORT ncclResult_t pncclGetVersion(int *version) {
+  if (version == NULL) return ncclInvalidArgument;
+  *version = 22809; /* reports itself as NCCL 2.28.9 */
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclGetVersion);
+
+GH_EXPORT ncclResult_t pncclGetUniqueId(ncclUniqueId *uniqueId) {
+  if (uniqueId == NULL) return ncclInvalidArgument;
+  memset(uniqueId, 0, sizeof *uniqueId);
+  memcpy(uniqueId->internal, FK_ID_MAGIC, 8);
+  if (getrandom(uniqueId->internal + 8, 16, 0) != 16) return ncclSystemError;
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclGetUniqueId);
+
+static ncclResult_t init_rank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
+  if (comm == NULL) return ncclInvalidArgument;
+  struct ncclComm *c = NULL;
+  ncclResult_t r = fk_attach(&c, &id, nranks, rank, fk_global_rank(rank));
+  if (r != ncclSuccess) return r;
+  r = fk_wait_attached(c);
+  if (r != ncclSuccess) {
+    fk_detach(c);
+    return r;
+  }
+  *comm = c;
+  return ncclSuccess;
+}
+
+GH_EXPORT ncclResult_t pncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
+  return init_rank(comm, nranks, commId, rank);
+}
+GH_WEAK_ALIAS(ncclCommInitRank);
+
+/* The config is never read (it is versioned by size); every comm made here may go non-blocking.
+ * Initialisation itself completes before returning; `inprogress R` only changes what is reported:
+ * ncclInProgress now, then GetAsyncError says ncclInProgress a few more times before ncclSuccess. */
+GH_EXPORT ncclResult_t pncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank,
+                                               ncclConfig_t *config) {
+  (void)config;
+  ncclResult_t r = init_rank(comm, nranks, commId, rank);
+  if (r != ncclSuccess) return r;
+  struct ncclComm *c = *comm;
+  c->nonblocking = 1;
+  if (fk_fault_find(FK_INPROGRESS, c->global_rank, -1, NULL)) {
+    atomic_store(&c->async_polls, FK_INPROGRESS_POLLS);
+    atomic_store(&c->async, ncclInProgress);
+    return ncclInProgress;
+  }
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclCommInitRankConfig);
+
+/* One process owns every rank: attach them all first, then wait, so no rank waits alone. */
+GH_EXPORT ncclResult_t pncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
+  (void)devlist;
+  if (comms == NULL || ndev < 1 || ndev > FK_MAX_RANKS) return ncclInvalidArgument;
+  ncclUniqueId id;
+  ncclResult_t r = ncclGetUniqueId(&id); /* through the PLT, as real NCCL does */
+  if (r != ncclSuccess) return r;
+  for (int i = 0; i < ndev; i++) {
+    r = fk_attach(&comms[i], &id, ndev, i, i);
+    if (r != ncclSuccess) {
+      while (i-- > 0) fk_detach(comms[i]);
+      return r;
+    }
+  }
+  for (int i = 0; i < ndev; i++) fk_wait_attached(comms[i]);
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclCommInitAll);
+
+static uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+static ncclUniqueId child_id(const ncclUniqueId *parent, int color, uint32_t split_seq) {
+  uint64_t w[2];
+  memcpy(w, parent->internal + 8, 16);
+  uint64_t salt = ((uint64_t)(uint32_t)color << 32) | split_seq;
+  uint64_t h0 = mix64(w[0] ^ mix64(salt)), h1 = mix64(w[1] ^ mix64(h0 ^ salt));
+  ncclUniqueId id;
+  memset(&id, 0, sizeof id);
+  memcpy(id.internal, FK_ID_MAGIC, 8);
+  memcpy(id.internal + 8, &h0, 8);
+  memcpy(id.internal + 16, &h1, 8);
+  return id;
+}
+
+static int split_voted(const struct ncclComm *c, const void *arg) {
+  uint32_t need = *(const uint32_t *)arg + 1;
+  for (int r = 0; r < c->nranks; r++)
+    if (atomic_load(&c->shm->split_arrived[r]) < need) return 0;
+  return 1;
+}
+
+GH_EXPORT ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
+                                      ncclConfig_t *config) {
+  (void)config;
+  if (!fk_comm_ok(comm) || newcomm == NULL) return ncclInvalidArgument;
+  struct ncclComm *c = comm;
+  struct fk_shm *s = c->shm;
+  uint32_t n = c->split_seq++;
+  s->split_color[n % 2][c->rank] = color;
+  s->split_key[n % 2][c->rank] = key;
+  atomic_store(&s->split_arrived[c->rank], n + 1);
+  fk_bump(s);
+  ncclResult_t r = fk_wait(c, split_voted, &n);
+  if (r != ncclSuccess) return r;
+  *newcomm = NULL;
+  if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
+  /* New rank: position among same-color ranks ordered by (key, parent rank). */
+  int size = 0, newrank = 0;
+  for (int p = 0; p < c->nranks; p++) {
+    if (s->split_color[n % 2][p] != color) continue;
+    size++;
+    int k = s->split_key[n % 2][p];
+    if (k < key || (k == key && p < c->rank)) newrank++;
+  }
+  ncclUniqueId id = child_id(&c->id, color, n);
+  struct ncclComm *child = NULL;
+  r = fk_attach(&child, &id, size, newrank, c->global_rank);
+  if (r != ncclSuccess) return r;
+  r = fk_wait_attached(child);
+  if (r != ncclSuccess) {
+    fk_detach(child);
+    return r;
+  }
+  *newcomm = child;
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclCommSplit);
+
+GH_EXPORT ncclResult_t pncclCommDestroy(ncclComm_t comm) {
+  if (!fk_comm_ok(comm)) return ncclInvalidArgument;
+  fk_detach(comm);
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclCommDestroy);
+
+/* Abort fails this rank's waiters with ncclInvalidUsage and the other ranks' with ncclRemoteError,
+ * then frees the communicator once no call is inside it. */
+GH_EXPORT ncclResult_t pncclCommAbort(ncclComm_t comm) {
+  if (!fk_comm_ok(comm)) return comm == NULL ? ncclSuccess : ncclInvalidArgument;
+  struct ncclComm *c = comm;
+  atomic_store(&c->aborted, 1);
+  atomic_store(&c->shm->aborted, 1);
+  fk_bump(c->shm);
+  while (atomic_load(&c->inflight) > 0) fk_sleep_ns(1000000);
+  fk_detach(c);
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclCommAbort);
+
+GH_EXPORT ncclResult_t pncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
+  if (!fk_comm_ok(comm) || asyncError == NULL) return ncclInvalidArgument;
+  struct ncclComm *c = comm;
+  if (atomic_load(&c->async) == ncclInProgress && atomic_fetch_sub(&c->async_polls, 1) <= 1)
+    atomic_store(&c->async, ncclSuccess);
+  ncclResult_t r = (ncclResult_t)atomic_load(&c->async);
+  if (r == ncclSuccess && atomic_load(&c->shm->aborted)) r = ncclRemoteError;
+  *asyncError = r;
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclCommGetAsyncError);
+
+GH_EXPORT ncclResult_t pncclCommCount(const ncclComm_t comm, int *count) {
+  if (!fk_comm_ok(comm) || count == NULL) return ncclInvalidArgument;
+  *count = comm->nranks;
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclCommCount);
+
+/* One fake GPU per process: device = LOCAL_RANK when set, else 0. */
+GH_EXPORT ncclResult_t pncclCommCuDevice(const ncclComm_t comm, int *device) {
+  if (!fk_comm_ok(comm) || device == NULL) return ncclInvalidArgument;
+  const char *s = getenv("LOCAL_RANK");
+  *device = s != NULL ? atoi(s) : 0;
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclCommCuDevice);
+
+GH_EXPORT ncclResult_t pncclCommUserRank(const ncclComm_t comm, int *rank) {
+  if (!fk_comm_ok(comm) || rank == NULL) return ncclInvalidArgument;
+  *rank = comm->rank;
+  return ncclSuccess;
+}
+GH_WEAK_ALIAS(ncclCommUserRank);
+
+GH_EXPORT const char *pncclGetErrorString(ncclResult_t result) {
+  switch (result) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
+  }
+}
+GH_WEAK_ALIAS(ncclGetErrorString);
