@@ -150,7 +150,12 @@ class IterationBatch(Message):
 
 
 class CounterBatch(Message):
-    """CCL-D style per-communicator counters of each rank, sampled by the agent (columnar)."""
+    """CCL-D style per-communicator counters of each rank, sampled by the agent (columnar).
+
+    ``inflight_s`` is how long the call now inside NCCL has been there (0 when none): a rank stuck
+    inside a collective that every peer entered is the hardware-hang suspect. ``last_*`` describe
+    the rank's newest collective on that communicator, so ranks can be compared at one sequence.
+    """
 
     kind: Literal["counters"] = "counters"
     agent_id: str
@@ -161,7 +166,9 @@ class CounterBatch(Message):
     nranks: list[int]
     entered: list[int]
     completed: list[int]
-    last_seq: list[int]
+    last_seq_entered: list[int]
+    last_seq_completed: list[int]
+    inflight_s: list[float]
     last_op: list[int]
     last_count: list[int]
     last_dtype: list[int]
@@ -169,7 +176,8 @@ class CounterBatch(Message):
     @model_validator(mode="after")
     def _columns(self) -> CounterBatch:
         _same_lengths(self, ("rank", "comm_id", "comm_rank", "nranks", "entered", "completed",
-                             "last_seq", "last_op", "last_count", "last_dtype"))
+                             "last_seq_entered", "last_seq_completed", "inflight_s", "last_op",
+                             "last_count", "last_dtype"))
         return self
 
 

@@ -1,0 +1,151 @@
+"""Draining the hook's rings on one node: records in, per-rank iterations and counters out.
+
+No bus code here: the agent service publishes what this returns. One ``RankStream`` per ring file;
+new ring files (new ranks, restarted processes) are discovered on every scan.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from greyhound.core.period import IterationSegmenter
+from greyhound.hookabi import Op, RingReader, list_rings
+
+log = logging.getLogger(__name__)
+
+_COLLECTIVES = np.array([Op.ALLREDUCE, Op.ALLGATHER, Op.REDUCESCATTER, Op.BROADCAST, Op.REDUCE,
+                         Op.ALLTOALL, Op.SEND, Op.RECV], dtype=np.uint16)
+_K1 = np.uint64(0x9E3779B97F4A7C15)
+_K2 = np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+def call_keys(records: np.ndarray) -> np.ndarray:
+    """A categorical key per call (op, communicator, size, peer) for period detection."""
+    with np.errstate(over="ignore"):
+        k = records["op"].astype(np.uint64) * _K1
+        k ^= records["comm_id"].astype(np.uint64) * _K2
+        k ^= records["count"].astype(np.uint64) * np.uint64(0x165667B19E3779F9)
+        k ^= (records["peer"].astype(np.int64) + 1).astype(np.uint64)
+    return k.view(np.int64)
+
+
+@dataclass
+class RankIteration:
+    rank: int
+    iteration: int
+    end_wall_ns: int
+    duration_s: float
+
+
+@dataclass
+class RankStream:
+    """One rank's ring and the state needed to turn its records into iterations."""
+
+    path: Path
+    reader: RingReader
+    segmenter: IterationSegmenter = field(default_factory=IterationSegmenter)
+    last_count: dict[int, int] = field(default_factory=dict)
+    last_dtype: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.reader.header.rank
+
+    def wall_offset_ns(self) -> int:
+        h = self.reader.header
+        return int(h.wall_anchor_ns) - int(h.mono_anchor_ns)
+
+    def drain(self, max_records: int | None = None) -> list[RankIteration]:
+        recs = self.reader.poll(max_records)
+        if len(recs) == 0:
+            return []
+        recs = recs[np.isin(recs["op"], _COLLECTIVES)]
+        if len(recs) == 0:
+            return []
+        # Remember what each communicator last ran (for comparing ranks at one sequence number).
+        comm_ids = recs["comm_id"]
+        uniq, last_idx = np.unique(comm_ids[::-1], return_index=True)
+        for cid, i in zip(uniq.tolist(), (len(recs) - 1 - last_idx).tolist(), strict=True):
+            self.last_count[cid] = int(recs["count"][i])
+            self.last_dtype[cid] = int(recs["datatype"][i])
+        iters = self.segmenter.feed(call_keys(recs), recs["enter_ns"].astype(np.int64),
+                                    recs["return_ns"].astype(np.int64))
+        off = self.wall_offset_ns()
+        return [RankIteration(self.rank, it.index, it.end_ns + off, it.duration_s) for it in iters]
+
+
+@dataclass
+class CounterRows:
+    rank: list[int] = field(default_factory=list)
+    comm_id: list[int] = field(default_factory=list)
+    comm_rank: list[int] = field(default_factory=list)
+    nranks: list[int] = field(default_factory=list)
+    entered: list[int] = field(default_factory=list)
+    completed: list[int] = field(default_factory=list)
+    last_seq_entered: list[int] = field(default_factory=list)
+    last_seq_completed: list[int] = field(default_factory=list)
+    inflight_s: list[float] = field(default_factory=list)
+    last_op: list[int] = field(default_factory=list)
+    last_count: list[int] = field(default_factory=list)
+    last_dtype: list[int] = field(default_factory=list)
+
+
+class Collector:
+    """All rank streams of one job on this node."""
+
+    def __init__(self, shm_dir: Path, job: str) -> None:
+        self.shm_dir = shm_dir
+        self.job = job
+        self.streams: dict[Path, RankStream] = {}
+
+    def scan(self) -> list[RankStream]:
+        """Attach to ring files that appeared since the last scan; returns the new ones."""
+        new: list[RankStream] = []
+        for path in list_rings(self.shm_dir, self.job):
+            if path in self.streams:
+                continue
+            try:
+                reader = RingReader(path)
+            except (OSError, ValueError) as exc:  # half-written or foreign file: retry next scan
+                log.debug("cannot attach %s yet: %s", path, exc)
+                continue
+            stream = RankStream(path, reader)
+            self.streams[path] = stream
+            new.append(stream)
+        return new
+
+    def drain(self) -> list[RankIteration]:
+        out: list[RankIteration] = []
+        for stream in self.streams.values():
+            out.extend(stream.drain())
+        return out
+
+    def counters(self, now_mono_ns: int) -> CounterRows:
+        rows = CounterRows()
+        for stream in self.streams.values():
+            comms = stream.reader.comms()
+            for c in comms:
+                cid = int(c["comm_id"])
+                rows.rank.append(stream.rank)
+                rows.comm_id.append(cid)
+                rows.comm_rank.append(int(c["rank"]))
+                rows.nranks.append(int(c["nranks"]))
+                rows.entered.append(int(c["calls_entered"]))
+                rows.completed.append(int(c["calls_completed"]))
+                rows.last_seq_entered.append(int(c["last_seq_entered"]))
+                rows.last_seq_completed.append(int(c["last_seq_completed"]))
+                t0 = int(c["inflight_enter_ns"])
+                rows.inflight_s.append(max(0.0, (now_mono_ns - t0) / 1e9) if t0 else 0.0)
+                rows.last_op.append(int(c["last_op"]))
+                rows.last_count.append(stream.last_count.get(cid, 0))
+                rows.last_dtype.append(stream.last_dtype.get(cid, 0))
+        return rows
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.reader.close()
+        self.streams.clear()

@@ -1,0 +1,142 @@
+"""The node agent: drains every rank's ring on this host and publishes to the bus.
+
+It never touches the training processes beyond reading their rings (and, later, writing their
+control blocks), so a dead bus costs telemetry, never the job: publishing failures are logged and
+the batch is retried on the next tick, bounded so memory cannot grow without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from pathlib import Path
+
+from nats.js import JetStreamContext
+
+from greyhound.agent.collector import Collector, RankIteration
+from services.common.bus.client import connect, ensure_streams, publish
+from services.common.bus.contract import (
+    AgentHello,
+    CounterBatch,
+    IterationBatch,
+    Message,
+    RankInfo,
+    Subjects,
+    check_token,
+)
+from services.common.settings import Settings
+
+log = logging.getLogger(__name__)
+
+MAX_BACKLOG = 10_000  # unpublished messages kept while the bus is unreachable
+
+
+def default_agent_id() -> str:
+    host = socket.gethostname().split(".")[0]
+    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in host)[:100] or "agent"
+
+
+class NodeAgent:
+    def __init__(self, settings: Settings, js: JetStreamContext, *, agent_id: str,
+                 jobs: list[str] | None = None) -> None:
+        self.settings = settings
+        self.js = js
+        self.agent_id = check_token(agent_id, "agent id")
+        self.fixed_jobs = jobs
+        self.collectors: dict[str, Collector] = {}
+        self.backlog: deque[tuple[str, Message]] = deque(maxlen=MAX_BACKLOG)
+        self.published = 0
+
+    def _job_dirs(self) -> list[str]:
+        if self.fixed_jobs is not None:
+            return self.fixed_jobs
+        root = Path(self.settings.shm_dir)
+        if not root.is_dir():
+            return []
+        return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+    def scan(self) -> None:
+        for job in self._job_dirs():
+            try:
+                check_token(job, "job id")
+            except ValueError:
+                log.warning("ignoring ring directory %r: not a valid job id", job)
+                continue
+            col = self.collectors.setdefault(job, Collector(Path(self.settings.shm_dir), job))
+            new = col.scan()
+            if new:
+                ranks = [RankInfo(rank=s.rank, host=s.reader.header.host, pid=s.reader.header.pid,
+                                  device=s.reader.header.device) for s in new]
+                hello = AgentHello(job_id=job, agent_id=self.agent_id,
+                                   host=socket.gethostname(), ranks=ranks)
+                self.backlog.append((Subjects.hello(job, self.agent_id), hello))
+
+    def collect_iterations(self) -> None:
+        for job, col in self.collectors.items():
+            its: list[RankIteration] = col.drain()
+            if not its:
+                continue
+            batch = IterationBatch(
+                job_id=job, agent_id=self.agent_id, rank=[i.rank for i in its],
+                iteration=[i.iteration for i in its], end_ns=[i.end_wall_ns for i in its],
+                duration_s=[i.duration_s for i in its])
+            self.backlog.append((Subjects.iterations(job, self.agent_id), batch))
+
+    def collect_counters(self) -> None:
+        now_mono = time.monotonic_ns()
+        for job, col in self.collectors.items():
+            rows = col.counters(now_mono)
+            if not rows.rank:
+                continue
+            batch = CounterBatch(job_id=job, agent_id=self.agent_id, sampled_ns=time.time_ns(),
+                                 **vars(rows))
+            self.backlog.append((Subjects.counters(job, self.agent_id), batch))
+
+    async def flush(self) -> None:
+        while self.backlog:
+            subject, msg = self.backlog[0]
+            try:
+                await publish(self.js, subject, msg)
+            except Exception as exc:
+                log.warning("publish to %s failed (%s); %d messages waiting", subject, exc,
+                            len(self.backlog))
+                return
+            self.backlog.popleft()
+            self.published += 1
+
+    async def run(self, stop: asyncio.Event) -> None:
+        next_scan = next_counters = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_scan:
+                self.scan()
+                next_scan = now + 1.0
+            self.collect_iterations()
+            if now >= next_counters:
+                self.collect_counters()
+                next_counters = now + self.settings.agent_counters_s
+            await self.flush()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.settings.agent_poll_s)
+            except TimeoutError:
+                pass
+        self.collect_iterations()
+        await self.flush()
+        for col in self.collectors.values():
+            col.close()
+
+
+async def run_agent(settings: Settings, nats_url: str, *, agent_id: str | None = None,
+                    jobs: list[str] | None = None, stop: asyncio.Event) -> None:
+    nc = await connect(nats_url, name="greyhound-agent")
+    js = nc.jetstream()
+    await ensure_streams(js, settings)
+    agent = NodeAgent(settings, js, agent_id=agent_id or default_agent_id(), jobs=jobs)
+    log.info("agent %s watching %s", agent.agent_id, settings.shm_dir)
+    try:
+        await agent.run(stop)
+    finally:
+        await nc.drain()

@@ -1,0 +1,197 @@
+"""The ``greyhound`` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from services.common.runtime import ServiceContext, resolve_backends, start_service
+from services.common.settings import Settings, get_settings
+
+ServiceMain = Callable[[ServiceContext, asyncio.Event], Awaitable[None]]
+
+
+def _install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def _serve(name: str, main: ServiceMain, *, need_db: bool = True) -> None:
+    stop = asyncio.Event()
+    _install_stop(asyncio.get_running_loop(), stop)
+    ctx = await start_service(name, get_settings(), need_db=need_db)
+    try:
+        await main(ctx, stop)
+    finally:
+        await ctx.close()
+
+
+def cmd_tracker(_: argparse.Namespace) -> int:
+    from services.tracker.service import run_tracker
+
+    asyncio.run(_serve("tracker", run_tracker))
+    return 0
+
+
+def cmd_analyzer(_: argparse.Namespace) -> int:
+    from services.analyzer.service import run_analyzer
+
+    asyncio.run(_serve("analyzer", run_analyzer))
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    from services.api.service import run_api
+
+    async def main(ctx: ServiceContext, stop: asyncio.Event) -> None:
+        await run_api(ctx, stop, host=args.host, port=args.port)
+
+    asyncio.run(_serve("api", main))
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from greyhound.agent.service import run_agent
+
+    settings = get_settings()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        _install_stop(asyncio.get_running_loop(), stop)
+        backends = resolve_backends(settings, need_db=False)
+        try:
+            await run_agent(settings, backends.nats_url, agent_id=args.agent_id,
+                            jobs=args.job or None, stop=stop)
+        finally:
+            backends.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_db_upgrade(_: argparse.Namespace) -> int:
+    from services.common.db.migrate import upgrade
+
+    backends = resolve_backends(get_settings())
+    try:
+        upgrade(backends.database_url)
+    finally:
+        backends.stop()
+    print("database schema is at the newest revision")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from greyhound.stack import Stack
+
+    settings = get_settings()
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    with Stack(settings, host=args.host, port=args.port) as stack:
+        print(f"greyhound is up: REST API on http://{args.host}:{args.port} "
+              f"(data in {settings.data_dir}); Ctrl-C stops it", flush=True)
+        while not stop:
+            dead = stack.dead()
+            if dead:
+                print(f"service(s) {', '.join(dead)} exited; stopping (see "
+                      f"{settings.data_dir}/logs)", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    print("greyhound stopped")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from greyhound.demo import run_demo
+
+    return run_demo(get_settings(), ranks=args.ranks, slow_rank=args.slow_rank,
+                    factor=args.factor, slow_from=args.slow_from, port=args.port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="greyhound", description=__doc__)
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default from settings)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start every service (embedded NATS/Postgres when no URLs are set)")
+    up.add_argument("--host", default=None)
+    up.add_argument("--port", type=int, default=None)
+    up.set_defaults(func=cmd_up)
+
+    sub.add_parser("tracker", help="run the tracker service").set_defaults(func=cmd_tracker)
+    sub.add_parser("analyzer", help="run the analyzer service").set_defaults(func=cmd_analyzer)
+
+    api = sub.add_parser("api", help="run the REST API service")
+    api.add_argument("--host", default=None)
+    api.add_argument("--port", type=int, default=None)
+    api.set_defaults(func=cmd_api)
+
+    agent = sub.add_parser("agent", help="run the node agent (drains the hook's rings)")
+    agent.add_argument("--job", action="append", help="only these job ids (repeatable)")
+    agent.add_argument("--agent-id", default=None, help="default: the host name")
+    agent.set_defaults(func=cmd_agent)
+
+    db = sub.add_parser("db", help="database administration")
+    dbsub = db.add_subparsers(dest="db_command", required=True)
+    dbsub.add_parser("upgrade", help="migrate the schema to the newest revision").set_defaults(
+        func=cmd_db_upgrade)
+
+    demo = sub.add_parser("demo", help="the small fake-NCCL job with one slow rank, end to end")
+    demo.add_argument("--ranks", type=int, default=4)
+    demo.add_argument("--slow-rank", type=int, default=2)
+    demo.add_argument("--factor", type=float, default=1.5)
+    demo.add_argument("--slow-from", type=int, default=100)
+    demo.add_argument("--port", type=int, default=None)
+    demo.set_defaults(func=cmd_demo)
+
+    det = sub.add_parser("detect", help="offline change-point detection on trace files",
+                         add_help=False)
+    det.set_defaults(func=None, passthrough="detect")
+    sim = sub.add_parser("sim", help="the cluster simulator", add_help=False)
+    sim.set_defaults(func=None, passthrough="sim")
+    return p
+
+
+def _passthrough(argv: Sequence[str]) -> int | None:
+    """``detect`` and ``sim`` own their argument parsing; hand them the rest of the line."""
+    if argv and argv[0] == "detect":
+        from greyhound.detect_cli import main as detect_main
+
+        return detect_main(list(argv[1:]))
+    if argv and argv[0] == "sim":
+        from greyhound.sim.cli import main as sim_main
+
+        return sim_main(list(argv[1:]))
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rc = _passthrough(argv)
+    if rc is not None:
+        return rc
+    args = build_parser().parse_args(argv)
+    settings: Settings = get_settings()
+    logging.basicConfig(level=(args.log_level or settings.log_level).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "host", "unset") is None:
+        args.host = settings.api_host
+    if getattr(args, "port", "unset") is None:
+        args.port = settings.api_port
+    rc = args.func(args)
+    return int(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

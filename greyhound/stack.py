@@ -1,0 +1,91 @@
+"""Running the whole system on one machine: embedded servers plus one process per service.
+
+``greyhound up`` and the demo use this. Each service is its own OS process (as in production,
+where compose or the operator runs them), sharing the embedded servers through URLs in the
+environment. If any service dies, the stack stops rather than run half-blind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.db.migrate import upgrade
+from services.common.runtime import Backends, resolve_backends
+from services.common.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SERVICES = ("tracker", "analyzer", "api", "agent")
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    host: str = "127.0.0.1"
+    port: int = 8000
+    services: tuple[str, ...] = SERVICES
+    backends: Backends | None = None
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        assert self.backends is not None
+        env = dict(os.environ)
+        env["GREYHOUND_NATS_URL"] = self.backends.nats_url
+        env["GREYHOUND_DATABASE_URL"] = self.backends.database_url
+        env["GREYHOUND_DATA_DIR"] = str(Path(self.settings.data_dir).resolve())
+        env["GREYHOUND_SHM_DIR"] = str(self.settings.shm_dir)
+        return env
+
+    def start(self) -> None:
+        self.backends = resolve_backends(self.settings)
+        upgrade(self.backends.database_url)  # once here, so services start against a ready schema
+        logdir = Path(self.settings.data_dir) / "logs"
+        logdir.mkdir(parents=True, exist_ok=True)
+        for name in self.services:
+            argv = [sys.executable, "-m", "greyhound.cli", name]
+            if name == "api":
+                argv += ["--host", self.host, "--port", str(self.port)]
+            out = (logdir / f"{name}.log").open("ab")
+            self.procs[name] = subprocess.Popen(argv, env=self.env(), stdout=out,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
+            out.close()
+        log.info("started %s; logs in %s", ", ".join(self.services), logdir)
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()
+        if self.backends is not None:
+            self.backends.stop()
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
