@@ -1,0 +1,72 @@
+/*
+ * Point-to-point and group wrappers. Inside a group NCCL launches nothing until the outermost
+ * ncclGroupEnd, so records issued inside carry the group id and, in profile mode, their end
+ * events are recorded after that outermost End (profile.c).
+ */
+#include "gh_hook.h"
+
+#define NO_REDOP 255
+
+typedef ncclResult_t (*group_fn)(void);
+
+static gh_send_fn real_send;
+static gh_recv_fn real_recv;
+static group_fn real_group_start, real_group_end;
+static uint64_t next_group_id;
+
+GH_EXPORT ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
+                                ncclComm_t comm, cudaStream_t stream) {
+  gh_send_fn f = GH_RESOLVE(real_send, ncclSend);
+  if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
+  GH_DATA_CALL(GH_OP_SEND, comm, stream, f(sendbuff, count, datatype, peer, comm, stream), count,
+               datatype, NO_REDOP, peer);
+}
+
+GH_EXPORT ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
+                                ncclComm_t comm, cudaStream_t stream) {
+  gh_recv_fn f = GH_RESOLVE(real_recv, ncclRecv);
+  if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
+  GH_DATA_CALL(GH_OP_RECV, comm, stream, f(recvbuff, count, datatype, peer, comm, stream), count,
+               datatype, NO_REDOP, peer);
+}
+
+GH_EXPORT ncclResult_t ncclGroupStart(void) {
+  group_fn f = GH_RESOLVE(real_group_start, ncclGroupStart);
+  if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
+  if (gh_depth > 0 || gh_disabled) return f();
+  int saved = errno;
+  gh_depth++;
+  uint64_t t0 = gh_now_ns();
+  if (gh_group_depth == 0) {
+    gh_pause_point();
+    gh_group_id = __atomic_add_fetch(&next_group_id, 1, __ATOMIC_RELAXED);
+  }
+  errno = saved;
+  ncclResult_t res = f();
+  saved = errno;
+  if (res == ncclSuccess && gh_group_depth++ == 0)
+    gh_record_event(GH_OP_GROUP_START, NULL, (int)res, -1, t0);
+  gh_depth--;
+  errno = saved;
+  return res;
+}
+
+GH_EXPORT ncclResult_t ncclGroupEnd(void) {
+  group_fn f = GH_RESOLVE(real_group_end, ncclGroupEnd);
+  if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
+  if (gh_depth > 0 || gh_disabled) return f();
+  int saved = errno;
+  gh_depth++;
+  uint64_t t0 = gh_now_ns();
+  errno = saved;
+  ncclResult_t res = f();
+  saved = errno;
+  if (gh_group_depth > 0 && --gh_group_depth == 0) {
+    gh_profile_group_end();
+    gh_record_event(GH_OP_GROUP_END, NULL, (int)res, -1, t0);
+    gh_group_id = 0;
+  }
+  gh_depth--;
+  errno = saved;
+  return res;
+}

@@ -1,0 +1,180 @@
+/*
+ * Shared-memory layout between the hook (one writer process per rank) and the node agent (one
+ * reader). The layout is versioned: any change to a struct below bumps GH_LAYOUT_VERSION, and
+ * greyhound/hookabi.py mirrors it field for field (the tests compare offsets and sizes).
+ *
+ * One file per rank, $GREYHOUND_SHM_DIR/$GREYHOUND_JOB_ID/rank-<global rank>.ring:
+ *   [0, 4096)                      gh_ring_header
+ *   [control_offset, +sizeof)      gh_control      (agent writes requests, hook writes answers)
+ *   [comms_offset, +max_comms*)    gh_comm_entry[] (live per-communicator counters)
+ *   [records_offset, +capacity*)   gh_record[]     (slot = index & (capacity - 1))
+ * Offsets are stored in the header so that readers never hard-code them.
+ */
+#ifndef GREYHOUND_RING_H
+#define GREYHOUND_RING_H
+
+#include <stdint.h>
+
+#define GH_RING_MAGIC 0x31474e4952484721ULL /* "!GHRING1" little-endian */
+#define GH_LAYOUT_VERSION 1u
+#define GH_HEADER_BYTES 4096u
+#define GH_DEFAULT_RECORDS 65536u
+#define GH_MAX_COMMS 64
+#define GH_MAX_PEERS 64
+#define GH_BENCH_SLOTS 16
+#define GH_BENCH_MAX_REPEAT 64
+
+/* Operation codes; values are part of the layout. */
+enum gh_op {
+  GH_OP_NONE = 0,
+  GH_OP_ALLREDUCE = 1,
+  GH_OP_ALLGATHER = 2,
+  GH_OP_REDUCESCATTER = 3,
+  GH_OP_BROADCAST = 4,
+  GH_OP_REDUCE = 5,
+  GH_OP_ALLTOALL = 6,
+  GH_OP_SEND = 7,
+  GH_OP_RECV = 8,
+  GH_OP_GROUP_START = 16,
+  GH_OP_GROUP_END = 17,
+  GH_OP_COMM_INIT = 32,
+  GH_OP_COMM_INIT_ALL = 33,
+  GH_OP_COMM_SPLIT = 34,
+  GH_OP_COMM_DESTROY = 35,
+  GH_OP_COMM_ABORT = 36,
+  GH_OP_ASYNC_ERROR = 37
+};
+
+/* Record flags. */
+#define GH_F_CAPTURED 0x01u    /* stream was capturing a CUDA graph: no events recorded */
+#define GH_F_ABORTED 0x02u     /* communicator aborted/destroyed before GPU completion */
+#define GH_F_IN_PROGRESS 0x04u /* call returned ncclInProgress (non-blocking communicator) */
+#define GH_F_PROFILED 0x08u    /* CUDA events were recorded; GPU times follow */
+#define GH_F_GPU_DONE 0x10u    /* gpu_start_ns / gpu_end_ns are valid (written by the poller) */
+#define GH_F_IN_GROUP 0x20u    /* issued between ncclGroupStart and the outermost ncclGroupEnd */
+#define GH_F_GPU_LOST 0x40u    /* profiled, but GPU times could not be obtained */
+
+enum gh_mode { GH_MODE_MONITOR = 0, GH_MODE_PROFILE = 1 };
+
+enum gh_comm_state { GH_COMM_FREE = 0, GH_COMM_ACTIVE = 1, GH_COMM_DESTROYED = 2, GH_COMM_ABORTED = 3 };
+
+enum gh_bench_kind { GH_BENCH_SEND = 1, GH_BENCH_RECV = 2, GH_BENCH_GEMM = 3 };
+
+/* Slot states: the agent moves EMPTY->SUBMITTED and any final state->EMPTY; the hook the rest. */
+enum gh_bench_state {
+  GH_BENCH_EMPTY = 0,
+  GH_BENCH_SUBMITTED = 1,
+  GH_BENCH_RUNNING = 2,
+  GH_BENCH_DONE = 3,
+  GH_BENCH_UNSUPPORTED = 4,
+  GH_BENCH_FAILED = 5
+};
+
+struct gh_ring_header {
+  uint64_t magic;          /*   0 */
+  uint32_t version;        /*   8 */
+  uint32_t header_bytes;   /*  12 */
+  uint32_t capacity;       /*  16 records, power of two */
+  uint32_t record_bytes;   /*  20 */
+  uint32_t max_comms;      /*  24 */
+  uint32_t max_peers;      /*  28 */
+  uint64_t control_offset; /*  32 */
+  uint64_t comms_offset;   /*  40 */
+  uint64_t records_offset; /*  48 */
+  uint64_t file_bytes;     /*  56 */
+  char job[64];            /*  64 NUL-terminated */
+  char host[64];           /* 128 NUL-terminated */
+  int32_t rank;            /* 192 global rank */
+  int32_t pid;             /* 196 */
+  int32_t device;          /* 200 CUDA device, -1 unknown */
+  uint32_t ready;          /* 204 1 once every field above is written */
+  uint64_t mono_anchor_ns; /* 208 CLOCK_MONOTONIC ... */
+  uint64_t wall_anchor_ns; /* 216 ... and CLOCK_REALTIME read back to back */
+  uint8_t pad0[32];        /* 224 */
+  uint64_t head;           /* 256 records reserved by writers (own cache line) */
+  uint64_t dropped;        /* 264 records dropped because the ring was full */
+  uint64_t gpu_dropped;    /* 272 profiled calls whose GPU timing was skipped (pool full) */
+  uint8_t pad1[40];        /* 280 */
+  uint64_t consumed;       /* 320 reader's published cursor (own cache line) */
+  uint8_t pad2[56];        /* 328 */
+};                         /* 384 bytes used of GH_HEADER_BYTES */
+
+struct gh_record {
+  uint64_t stamp;        /*   0 index+1, stored last with release: the slot is complete */
+  uint64_t comm_id;      /*   8 */
+  uint64_t count;        /*  16 elements */
+  uint64_t seq;          /*  24 collectives: per-comm sequence; P2P: per-peer send/recv count */
+  uint64_t enter_ns;     /*  32 CLOCK_MONOTONIC */
+  uint64_t return_ns;    /*  40 CLOCK_MONOTONIC */
+  uint64_t stream;       /*  48 cudaStream_t value */
+  uint64_t group_id;     /*  56 0 outside groups */
+  uint64_t gpu_start_ns; /*  64 CLOCK_MONOTONIC domain, valid with GH_F_GPU_DONE */
+  uint64_t gpu_end_ns;   /*  72 */
+  int32_t comm_rank;     /*  80 */
+  int32_t nranks;        /*  84 */
+  int32_t peer;          /*  88 root for rooted collectives, peer for P2P, -1 otherwise */
+  int32_t result;        /*  92 ncclResult_t (ASYNC_ERROR: the async error) */
+  uint16_t op;           /*  96 enum gh_op */
+  uint8_t datatype;      /*  98 ncclDataType_t */
+  uint8_t redop;         /*  99 ncclRedOp_t (255 when not a reduction) */
+  uint32_t flags;        /* 100 GH_F_* (GPU flags or-ed in later by the poller) */
+  uint32_t tid;          /* 104 Linux thread id of the caller */
+  uint32_t pad;          /* 108 */
+  uint64_t reserved[2];  /* 112 */
+};                       /* 128 bytes */
+
+struct gh_comm_entry {
+  uint64_t comm_id;            /*    0 */
+  uint64_t parent_id;          /*    8 0 unless split */
+  uint32_t state;              /*   16 enum gh_comm_state */
+  int32_t rank;                /*   20 */
+  int32_t nranks;              /*   24 */
+  int32_t color;               /*   28 split color, -1 otherwise */
+  uint64_t calls_entered;      /*   32 every recorded op on this comm */
+  uint64_t calls_completed;    /*   40 */
+  uint64_t last_seq_entered;   /*   48 collective sequence, 0 none yet */
+  uint64_t last_seq_completed; /*   56 */
+  uint64_t inflight_enter_ns;  /*   64 enter time of the call now inside NCCL, 0 when none */
+  uint32_t last_op;            /*   72 */
+  uint32_t npeers;             /*   76 used entries of peer_ids */
+  uint64_t handle;             /*   80 ncclComm_t value in the writer process */
+  uint64_t splits;             /*   88 splits made from this comm so far */
+  int32_t peer_ids[GH_MAX_PEERS];     /*   96 */
+  uint64_t send_count[GH_MAX_PEERS];  /*  352 */
+  uint64_t recv_count[GH_MAX_PEERS];  /*  864 */
+};                                    /* 1376 bytes */
+
+struct gh_bench_slot {
+  uint64_t req_id;   /*  0 agent-chosen, nonzero */
+  uint32_t state;    /*  8 enum gh_bench_state */
+  uint32_t kind;     /* 12 enum gh_bench_kind */
+  uint64_t comm_id;  /* 16 P2P: the job communicator to use */
+  uint64_t size;     /* 24 P2P: bytes; GEMM: matrix dimension N */
+  int32_t peer;      /* 32 P2P peer rank within the comm */
+  int32_t repeat;    /* 36 <= GH_BENCH_MAX_REPEAT */
+  int32_t result;    /* 40 ncclResult_t or cublasStatus_t of the first failure */
+  uint32_t n_done;   /* 44 durations written */
+  uint64_t total_ns; /* 48 */
+  uint64_t pad;      /* 56 */
+  uint64_t durations_ns[GH_BENCH_MAX_REPEAT]; /* 64 */
+};                                            /* 576 bytes */
+
+struct gh_control {
+  uint32_t mode;          /*  0 enum gh_mode, agent writes */
+  uint32_t pause_request; /*  4 agent: 1 = pause at next NCCL call, 0 = resume */
+  uint32_t paused;        /*  8 hook: 1 while a training thread is parked */
+  int32_t paused_tid;     /* 12 */
+  uint64_t pause_count;   /* 16 pauses honoured so far */
+  uint8_t pad[40];        /* 24 */
+  struct gh_bench_slot slots[GH_BENCH_SLOTS]; /* 64 */
+};                                            /* 9280 bytes */
+
+#ifndef __cplusplus
+_Static_assert(sizeof(struct gh_ring_header) == 384, "header layout");
+_Static_assert(sizeof(struct gh_record) == 128, "record layout");
+_Static_assert(sizeof(struct gh_comm_entry) == 1376, "comm layout");
+_Static_assert(sizeof(struct gh_bench_slot) == 576, "bench slot layout");
+_Static_assert(sizeof(struct gh_control) == 9280, "control layout");
+#endif
+
+#endif
