@@ -1,0 +1,175 @@
+"""Comparable clusters of communication groups, and the groups slower than their cluster.
+
+GREYHOUND's profiling step: groups that run the same operation on the same data volume (e.g. the
+DP AllReduce groups of equally sized PP stages) should take the same time, so a group more than
+10% above its cluster's median is degraded. Ring and tree runs are kept in separate clusters, as
+CCL-D does, because NCCL picks the algorithm per call and the two have different costs.
+
+Also home of the sort-based group-by helpers the other localisation cores share: every reduction
+here is one argsort plus index arithmetic, never a Python loop over ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+Evidence = dict[str, float | int | str | list[object]]
+IntArray = NDArray[np.int64]
+FloatArray = NDArray[np.float64]
+
+
+def codes(values: ArrayLike) -> tuple[NDArray[Any], IntArray]:
+    """Distinct values and, per element, the index of its value (a dense int code)."""
+    uniq, inverse = np.unique(np.asarray(values), return_inverse=True)
+    return uniq, inverse.astype(np.int64).reshape(-1)
+
+
+def combine_codes(*columns: IntArray) -> tuple[IntArray, IntArray]:
+    """One dense code per distinct row of several int columns, and the first row of each code.
+
+    Rows are packed into one int64 key by mixed radix when that cannot overflow, which keeps this
+    a single sort; otherwise the columns are sorted lexicographically.
+    """
+    n = len(columns[0])
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    dense = [codes(c)[1] for c in columns]
+    spans = [int(d.max()) + 1 for d in dense]
+    if float(np.prod(np.asarray(spans, dtype=np.float64))) < 2.0**62:
+        key = np.zeros(n, np.int64)
+        for d, span in zip(dense, spans, strict=True):
+            key = key * span + d
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        return inverse.astype(np.int64).reshape(-1), first.astype(np.int64)
+    order = np.lexsort(tuple(reversed(dense)))
+    stacked = np.stack([d[order] for d in dense])
+    new = np.ones(n, dtype=bool)
+    new[1:] = np.any(stacked[:, 1:] != stacked[:, :-1], axis=0)
+    sorted_code = np.cumsum(new) - 1
+    out = np.empty(n, np.int64)
+    out[order] = sorted_code
+    return out, order[new]
+
+
+def group_median(group: IntArray, values: FloatArray, n_groups: int) -> FloatArray:
+    """Median of `values` per dense group code (NaN for an empty group)."""
+    out = np.full(n_groups, np.nan)
+    if len(group) == 0:
+        return out
+    order = np.lexsort((values, group))
+    g = group[order]
+    v = values[order]
+    counts = np.bincount(g, minlength=n_groups)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    has = counts > 0
+    lo = starts[has] + (counts[has] - 1) // 2
+    hi = starts[has] + counts[has] // 2
+    out[has] = (v[lo] + v[hi]) / 2.0
+    return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GroupTimings:
+    """Profiled collective calls, one element per call (per group, not per rank).
+
+    `group_id` is the communicator, `op` the operation (name or code), `nbytes` the data volume,
+    `algo` the algorithm NCCL used ("ring"/"tree" or a code) and `duration_ns` the execution time
+    measured with CUDA events around the call.
+    """
+
+    group_id: IntArray
+    op: NDArray[Any]
+    nbytes: IntArray
+    algo: NDArray[Any]
+    duration_ns: FloatArray
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group_id", np.asarray(self.group_id, dtype=np.int64))
+        object.__setattr__(self, "op", np.asarray(self.op))
+        object.__setattr__(self, "nbytes", np.asarray(self.nbytes, dtype=np.int64))
+        object.__setattr__(self, "algo", np.asarray(self.algo))
+        object.__setattr__(self, "duration_ns", np.asarray(self.duration_ns, dtype=np.float64))
+        n = len(self.group_id)
+        if any(len(a) != n for a in (self.op, self.nbytes, self.algo, self.duration_ns)):
+            raise ValueError("GroupTimings arrays must have equal lengths")
+
+
+@dataclass(frozen=True, slots=True)
+class SlowGroup:
+    group_id: int
+    op: str
+    nbytes: int
+    algo: str
+    time_ns: float
+    cluster_median_ns: float
+    ratio: float
+    evidence: Evidence = field(default_factory=dict)
+
+
+def find_slow_groups(groups: GroupTimings, *, threshold: float = 0.10) -> list[SlowGroup]:
+    """Groups whose median call time is more than `threshold` above their cluster's median.
+
+    A cluster is one (op, nbytes, algo); a group appears in as many clusters as it has distinct
+    calls, and is reported once, for the cluster where it stands out most. A cluster of one group
+    has nothing to compare with and flags nothing.
+    """
+    if len(groups.group_id) == 0:
+        return []
+    op_values, op_code = codes(groups.op)
+    algo_values, algo_code = codes(groups.algo)
+    gid_values, gid_code = codes(groups.group_id)
+    cluster, cluster_first = combine_codes(op_code, groups.nbytes, algo_code)
+    cell, cell_first = combine_codes(cluster, gid_code)
+    cell_time = group_median(cell, groups.duration_ns, len(cell_first))
+    cell_cluster = cluster[cell_first]
+    n_clusters = len(cluster_first)
+    cluster_median = group_median(cell_cluster, cell_time, n_clusters)
+    cluster_groups = np.bincount(cell_cluster, minlength=n_clusters)
+    ratio = cell_time / cluster_median[cell_cluster]
+    slow = (ratio > 1.0 + threshold) & (cluster_groups[cell_cluster] > 1)
+    if not np.any(slow):
+        return []
+    slow_cells = np.flatnonzero(slow)
+    cell_gid = gid_code[cell_first]
+    flagged_per_group = np.bincount(cell_gid[slow_cells], minlength=len(gid_values))
+    clusters_per_group = np.bincount(cell_gid, minlength=len(gid_values))
+    # the worst cluster per group: sort slow cells by (group, -ratio) and keep the first of each
+    order = np.lexsort((-ratio[slow_cells], cell_gid[slow_cells]))
+    slow_cells = slow_cells[order]
+    first = np.ones(len(slow_cells), dtype=bool)
+    first[1:] = cell_gid[slow_cells][1:] != cell_gid[slow_cells][:-1]
+    result: list[SlowGroup] = []
+    for c in slow_cells[first]:
+        row = cell_first[c]
+        k = cell_cluster[c]
+        g = cell_gid[c]
+        evidence: Evidence = {
+            "op": str(op_values[op_code[row]]),
+            "nbytes": int(groups.nbytes[row]),
+            "algo": str(algo_values[algo_code[row]]),
+            "group_time_ns": float(cell_time[c]),
+            "cluster_median_ns": float(cluster_median[k]),
+            "ratio": float(ratio[c]),
+            "threshold": threshold,
+            "cluster_groups": int(cluster_groups[k]),
+            "clusters_flagged": int(flagged_per_group[g]),
+            "clusters_total": int(clusters_per_group[g]),
+        }
+        result.append(
+            SlowGroup(
+                group_id=int(gid_values[g]),
+                op=str(evidence["op"]),
+                nbytes=int(groups.nbytes[row]),
+                algo=str(evidence["algo"]),
+                time_ns=float(cell_time[c]),
+                cluster_median_ns=float(cluster_median[k]),
+                ratio=float(ratio[c]),
+                evidence=evidence,
+            )
+        )
+    result.sort(key=lambda s: -s.ratio)
+    return result
