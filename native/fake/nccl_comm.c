@@ -176,7 +176,7 @@ GH_WEAK_ALIAS(ncclCommAbort);
 GH_EXPORT ncclResult_t pncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
   if (!fk_comm_ok(comm) || asyncError == NULL) return ncclInvalidArgument;
   struct ncclComm *c = comm;
-  if (atomic_load(&c->async) == ncclInProgress && atomic_fetch_sub(&c->async_polls, 1) <= 1)
+  if (atomic_load(&c->async) == ncclInProgress && atomic_fetch_sub(&c->async_polls, 1) <= 0)
     atomic_store(&c->async, ncclSuccess);
   ncclResult_t r = (ncclResult_t)atomic_load(&c->async);
   if (r == ncclSuccess && atomic_load(&c->shm->aborted)) r = ncclRemoteError;

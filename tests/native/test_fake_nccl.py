@@ -1,0 +1,324 @@
+"""The fake NCCL, CUDA and cuBLAS behave like the real ones where the hook and detectors look:
+ranks rendezvous across processes, a slow rank or link costs what the model says, and the
+H1/H2/H3 faults stop a job the way real hangs do."""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from greyhound.fakejob import FakeJob, FakeJobSpec, IterTimes
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
+def _job(tmp_path: Path, spec: FakeJobSpec, **env: str) -> FakeJob:
+    return FakeJob(spec, workdir=tmp_path, hook=None, shm_dir=None, env=env)
+
+
+def _all_iters(job: FakeJob) -> list[list[IterTimes]]:
+    return [job.iterations(r) for r in range(job.spec.world_size)]
+
+
+def _stalled_at(job: FakeJob, settle: float = 1.0) -> list[int]:
+    """Last finished iteration per rank once the job stops progressing."""
+    before: list[int] = []
+    for _ in range(20):
+        time.sleep(settle / 4)
+        now = [(its[-1].it if its else -1) for its in _all_iters(job)]
+        if now == before:
+            return now
+        before = now
+    raise AssertionError("job kept progressing")
+
+
+def test_ranks_rendezvous_and_complete(tmp_path: Path) -> None:
+    spec = FakeJobSpec(world_size=4, iters=30, compute_ms=2.0, compute_busy=0.5)
+    with _job(tmp_path, spec) as job:
+        assert job.wait(timeout=60) == [0, 0, 0, 0]
+    iters = _all_iters(job)
+    assert [len(x) for x in iters] == [30] * 4
+    for i in range(30):
+        last_entry = max(iters[r][i].compute_end_ns for r in range(4))
+        # No rank leaves the all-reduce before the last rank has entered it.
+        assert all(iters[r][i].end_ns >= last_entry for r in range(4))
+
+
+def test_slow_rank_delays_everyone_and_recovers_mid_run(tmp_path: Path) -> None:
+    # Sleep-only compute: on a shared 2-core CI machine busy ranks would add scheduling noise.
+    spec = FakeJobSpec(world_size=4, iters=60, compute_ms=10.0, compute_busy=0.0)
+    with _job(tmp_path, spec) as job:
+        job.wait_iteration(0, 14, timeout=30)
+        job.faults.set("slow_rank 2 3.0")
+        job.wait_iteration(0, 34, timeout=30)
+        job.faults.clear("slow_rank 2 3.0")
+        assert job.wait(timeout=60) == [0, 0, 0, 0]
+    its = _all_iters(job)
+    r0 = [t.total_ms for t in its[0]]
+    before, during, after = (statistics.median(r0[a:b]) for a, b in ((2, 12), (20, 32), (45, 60)))
+    # Rank 2 computes 30 ms instead of 10: every rank's iteration grows by about 20 ms.
+    assert during > before + 14.0 and during > after + 14.0
+    # Rank 0 computes at normal speed and waits inside NCCL for the straggler, which enters last.
+    assert statistics.median(t.comm_ms for t in its[0][20:32]) > 12.0
+    assert statistics.median(t.comm_ms for t in its[2][20:32]) < 8.0
+
+
+def _median_coll_ms(job: FakeJob) -> float:
+    its = _all_iters(job)
+    n = len(its[0])
+    return statistics.median(
+        (min(its[r][i].end_ns for r in range(4)) - max(its[r][i].compute_end_ns for r in range(4)))
+        / 1e6 for i in range(2, n)
+    )
+
+
+@pytest.mark.parametrize(("fault", "factor"), [(None, 1.0), ("slow_link 1 2 4", 4.0),
+                                               ("slow_link 0 2 8", 1.0)])
+def test_slow_link_follows_ring_closed_form(tmp_path: Path, fault: str | None, factor: float) -> None:
+    nbytes = 32 << 20
+    spec = FakeJobSpec(world_size=4, iters=12, compute_ms=0.0, bytes=nbytes)
+    job = _job(tmp_path, spec, FAKE_NCCL_BW_GBPS="10", FAKE_NCCL_LAT_US="5")
+    if fault:
+        job.faults.set(fault)  # 0-2 is no ring link for 4 ranks: no effect
+    with job:
+        assert job.wait(timeout=60) == [0, 0, 0, 0]
+    n = 4
+    expect_ms = (2 * (n - 1) / n * nbytes / (10e9 / factor) + 2 * (n - 1) * 5e-6) * 1e3
+    assert _median_coll_ms(job) == pytest.approx(expect_ms, rel=0.15, abs=1.5)
+
+
+def test_h1_skipped_call_stalls_until_fault_removed(tmp_path: Path) -> None:
+    spec = FakeJobSpec(world_size=4, iters=12, compute_ms=1.0, compute_busy=0.0)
+    job = _job(tmp_path, spec)
+    job.faults.set("skip_call 1 5")
+    with job:
+        assert _stalled_at(job) == [4, 4, 4, 4]
+        job.faults.clear()
+        assert job.wait(timeout=30) == [0, 0, 0, 0]
+
+
+def test_h2_mismatched_count_hangs_and_is_logged(tmp_path: Path) -> None:
+    spec = FakeJobSpec(world_size=4, iters=12, compute_ms=1.0, compute_busy=0.0)
+    job = _job(tmp_path, spec, FAKE_NCCL_LOG=str(tmp_path / "fake.log"))
+    job.faults.set("mismatch 3 5")
+    with job:
+        assert _stalled_at(job) == [4, 4, 4, 4]
+        assert job.running()
+    log = (tmp_path / "fake.log").read_text()
+    assert "mismatch seq=5" in log and "count=262145" in log
+
+
+def test_h3_call_that_never_completes(tmp_path: Path) -> None:
+    spec = FakeJobSpec(world_size=4, iters=12, compute_ms=1.0, compute_busy=0.0)
+    job = _job(tmp_path, spec)
+    job.faults.set("never_complete 2 5")
+    with job:
+        # Rank 2 entered seq 5, so the others finish it and then wait for rank 2 at seq 6.
+        assert _stalled_at(job) == [5, 5, 4, 5]
+
+
+def test_split_membership_and_pipeline_p2p(tmp_path: Path) -> None:
+    spec = FakeJobSpec(world_size=8, iters=3, compute_ms=1.0, compute_busy=0.0, tp=2, pp=2)
+    with _job(tmp_path, spec) as job:
+        assert job.wait(timeout=60) == [0] * 8
+    for r in range(8):
+        comms = {}
+        for line in (tmp_path / f"rank{r}.out").read_text().splitlines():
+            if line.startswith("comm "):
+                _, name, rank, n = line.split()
+                comms[name] = (int(rank.split("=")[1]), int(n.split("=")[1]))
+        assert comms == {"world": (r, 8), "tp": (r % 2, 2), "pp": ((r // 2) % 2, 2), "dp": (r // 4, 2)}
+        assert len(job.iterations(r)) == 3
+
+
+@pytest.fixture
+def nccl(native_build: Path) -> ctypes.CDLL:
+    return ctypes.CDLL(str(native_build / "fake" / "libnccl.so.2"))
+
+
+def _init_all(nccl: ctypes.CDLL, n: int) -> list[ctypes.c_void_p]:
+    comms = (ctypes.c_void_p * n)()
+    assert nccl.ncclCommInitAll(comms, n, None) == 0
+    return [ctypes.c_void_p(c) for c in comms]
+
+
+def test_init_all_group_and_queries(nccl: ctypes.CDLL) -> None:
+    comms = _init_all(nccl, 4)
+    count, rank = ctypes.c_int(), ctypes.c_int()
+    for i, c in enumerate(comms):
+        assert nccl.ncclCommCount(c, ctypes.byref(count)) == 0 and count.value == 4
+        assert nccl.ncclCommUserRank(c, ctypes.byref(rank)) == 0 and rank.value == i
+    # One thread drives all ranks, so the calls must be grouped, as with real NCCL.
+    assert nccl.ncclGroupStart() == 0
+    for c in comms:
+        assert nccl.ncclAllReduce(None, None, ctypes.c_size_t(1024), 7, 0, c, None) == 0
+        assert nccl.ncclBroadcast(None, None, ctypes.c_size_t(64), 7, 1, c, None) == 0
+    assert nccl.ncclGroupEnd() == 0
+    for c in comms:
+        assert nccl.ncclCommDestroy(c) == 0
+
+
+def test_abort_releases_a_blocked_call(nccl: ctypes.CDLL) -> None:
+    comms = _init_all(nccl, 2)
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(
+        nccl.ncclAllReduce(None, None, ctypes.c_size_t(8), 7, 0, comms[0], None)))
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive()  # rank 1 never entered
+    assert nccl.ncclCommAbort(comms[0]) == 0
+    t.join(timeout=5)
+    assert not t.is_alive() and result and result[0] != 0
+    async_err = ctypes.c_int()
+    assert nccl.ncclCommGetAsyncError(comms[1], ctypes.byref(async_err)) == 0
+    assert async_err.value == 6  # ncclRemoteError for the peer
+    nccl.ncclCommDestroy(comms[1])
+
+
+def test_inprogress_config_reports_then_completes(nccl: ctypes.CDLL, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    faults = tmp_path / "faults.txt"
+    faults.write_text("inprogress 0\n")
+    monkeypatch.setenv("FAKE_NCCL_FAULTS", str(faults))
+    monkeypatch.setenv("RANK", "0")
+    uid, comm = UniqueId(), ctypes.c_void_p()
+    assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
+    assert nccl.ncclCommInitRankConfig(ctypes.byref(comm), 1, uid, 0, None) == 7
+    states, err = [], ctypes.c_int()
+    for _ in range(4):
+        assert nccl.ncclCommGetAsyncError(comm, ctypes.byref(err)) == 0
+        states.append(err.value)
+    assert states == [7, 7, 0, 0]
+    assert nccl.ncclAllReduce(None, None, ctypes.c_size_t(4), 7, 0, comm, None) == 7
+    faults.write_text("")
+    time.sleep(0.01)
+    assert nccl.ncclAllReduce(None, None, ctypes.c_size_t(4), 7, 0, comm, None) == 0
+    nccl.ncclCommDestroy(comm)
+
+
+def test_bcast_calls_broadcast_through_the_plt(native_build: Path, tmp_path: Path) -> None:
+    lib = native_build / "fake" / "libnccl.so.2"
+    relocs = subprocess.run(["readelf", "-r", "--wide", str(lib)], capture_output=True, text=True,
+                            check=True).stdout
+    assert any("JUMP_SLOT" in line and line.split()[-3] == "ncclBroadcast"
+               for line in relocs.splitlines())
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True,
+                          text=True, check=True).stdout.split("\n")
+    table = {line.split()[2]: (line.split()[0], line.split()[1]) for line in syms if line}
+    for name in ("AllReduce", "Bcast", "Broadcast", "CommInitRank", "GroupEnd", "Send"):
+        assert table[f"nccl{name}"][1] == "W" and table[f"pnccl{name}"][1] == "T"
+        assert table[f"nccl{name}"][0] == table[f"pnccl{name}"][0]
+    # A preloaded shim sees the nested call, as an LD_PRELOAD hook would.
+    shim = tmp_path / "shim.so"
+    (tmp_path / "shim.c").write_text(
+        "#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <stddef.h>\nint shim_calls;\n"
+        "typedef int (*bc_t)(const void*, void*, size_t, int, int, void*, void*);\n"
+        "int ncclBroadcast(const void *s, void *r, size_t n, int t, int root, void *c, void *st) {\n"
+        "  shim_calls++;\n  void *h = dlopen(\"libnccl.so.2\", RTLD_LAZY | RTLD_NOLOAD);\n"
+        "  return ((bc_t)dlsym(h, \"pncclBroadcast\"))(s, r, n, t, root, c, st);\n}\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"],
+                   check=True)
+    code = (
+        "import ctypes\n"
+        f"nccl = ctypes.CDLL({str(lib)!r})\n"
+        "comms = (ctypes.c_void_p * 1)()\n"
+        "assert nccl.ncclCommInitAll(comms, 1, None) == 0\n"
+        "assert nccl.ncclBcast(None, ctypes.c_size_t(8), 7, 0, ctypes.c_void_p(comms[0]), None) == 0\n"
+        f"print(ctypes.c_int.in_dll(ctypes.CDLL({str(shim)!r}), 'shim_calls').value)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={"LD_PRELOAD": str(shim)},
+                         capture_output=True, text=True, check=True, timeout=30)
+    assert out.stdout.strip() == "1"
+
+
+def test_noop_mode_returns_without_rendezvous(native_build: Path) -> None:
+    code = (
+        "import ctypes\n"
+        f"nccl = ctypes.CDLL({str(native_build / 'fake' / 'libnccl.so.2')!r})\n"
+        "comms = (ctypes.c_void_p * 2)()\n"
+        "assert nccl.ncclCommInitAll(comms, 2, None) == 0\n"
+        "for _ in range(1000):\n"  # rank 1 never calls: only no-op mode can return
+        "    assert nccl.ncclAllReduce(None, None, ctypes.c_size_t(8), 7, 0,"
+        " ctypes.c_void_p(comms[0]), None) == 0\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={"FAKE_NCCL_NOOP": "1"},
+                         capture_output=True, text=True, timeout=30, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_fake_cuda_events_lag_and_capture(native_build: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = ctypes.CDLL(str(native_build / "fake" / "libcudart.so.12"))
+    faults = tmp_path / "faults.txt"
+    faults.write_text("")
+    monkeypatch.setenv("FAKE_NCCL_FAULTS", str(faults))
+    monkeypatch.setenv("RANK", "1")
+    a, b = ctypes.c_void_p(), ctypes.c_void_p()
+    assert cuda.cudaEventCreateWithFlags(ctypes.byref(a), 0) == 0
+    assert cuda.cudaEventCreate(ctypes.byref(b)) == 0
+    assert cuda.cudaEventRecord(a, None) == 0 and cuda.cudaEventQuery(a) == 0
+    time.sleep(0.05)
+    assert cuda.cudaEventRecord(b, None) == 0
+    ms = ctypes.c_float()
+    assert cuda.cudaEventElapsedTime(ctypes.byref(ms), a, b) == 0
+    assert 45.0 <= ms.value < 500.0
+    faults.write_text("gpu_lag_ms 1 200\ncapture 1\n")
+    time.sleep(0.01)
+    assert cuda.cudaEventRecord(b, None) == 0
+    assert cuda.cudaEventQuery(b) == 600  # cudaErrorNotReady: the poller must come back
+    assert cuda.cudaEventElapsedTime(ctypes.byref(ms), a, b) == 600
+    assert cuda.cudaEventSynchronize(b) == 0 and cuda.cudaEventQuery(b) == 0
+    status = ctypes.c_int()
+    assert cuda.cudaStreamIsCapturing(None, ctypes.byref(status)) == 0 and status.value == 1
+    mode = ctypes.c_int(1)
+    assert cuda.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0 and mode.value == 0
+    assert cuda.cudaEventDestroy(a) == 0 and cuda.cudaEventDestroy(b) == 0
+    assert cuda.cudaGetErrorString(600) is not None
+
+
+def test_fake_cublas_sgemm_is_right_and_slowed(native_build: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    blas = ctypes.CDLL(str(native_build / "fake" / "libcublas.so.12"))
+    faults = tmp_path / "faults.txt"
+    faults.write_text("")
+    monkeypatch.setenv("FAKE_NCCL_FAULTS", str(faults))
+    monkeypatch.setenv("RANK", "3")
+    rng = np.random.default_rng(7)
+    m, n, k = 96, 80, 64
+    a = np.asfortranarray(rng.standard_normal((k, m), dtype=np.float32))  # used transposed
+    b = np.asfortranarray(rng.standard_normal((k, n), dtype=np.float32))
+    c = np.zeros((m, n), dtype=np.float32, order="F")
+    h = ctypes.c_void_p()
+    assert blas.cublasCreate_v2(ctypes.byref(h)) == 0
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    fp = ctypes.POINTER(ctypes.c_float)
+
+    def gemm() -> int:
+        return int(blas.cublasSgemm_v2(h, 1, 0, m, n, k, ctypes.byref(one), a.ctypes.data_as(fp), k,
+                                       b.ctypes.data_as(fp), k, ctypes.byref(zero),
+                                       c.ctypes.data_as(fp), m))
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            assert gemm() == 0
+        return time.perf_counter() - t0
+
+    assert gemm() == 0
+    np.testing.assert_allclose(c, a.T @ b, rtol=1e-4, atol=1e-4)
+    plain = min(timed() for _ in range(3))
+    faults.write_text("slow_rank 3 4.0\n")
+    time.sleep(0.01)
+    assert timed() > 2.0 * plain
+    assert blas.cublasDestroy_v2(h) == 0
