@@ -486,3 +486,13 @@ class RingReader:
 
     def close(self) -> None:
         self._map.close()
+
+
+# The writer lives in its own module (it is only the simulator's); it imports the names above.
+from greyhound.hookabi_writer import HookControl, RingWriter  # noqa: E402
+
+__all__ = [
+    "COMM_DTYPE", "CONTROL_DTYPE", "HEADER_DTYPE", "LAYOUT_VERSION", "RECORD_DTYPE", "BenchKind",
+    "BenchRequest", "BenchResult", "BenchState", "CommState", "Control", "Flag", "HookControl",
+    "Op", "RingHeader", "RingReader", "RingWriter", "list_rings", "ring_path",
+]

@@ -64,7 +64,7 @@ ncclResult_t pncclCommDestroy(ncclComm_t comm) { free(comm); return ncclSuccess;
 ncclResult_t pncclCommAbort(ncclComm_t comm) { free(comm); return ncclSuccess; }
 ncclResult_t pncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *e) {
   *e = comm->async;
-  if (comm->async == ncclInProgress && ++comm->polls >= 2) comm->async = ncclSuccess;
+  if (comm->async == ncclInProgress && ++comm->polls >= 1) comm->async = ncclSuccess;
   return ncclSuccess;
 }
 ncclResult_t pncclCommCount(const ncclComm_t comm, int *count) { *count = comm->nranks; return ncclSuccess; }
