@@ -168,6 +168,26 @@ def test_init_all_group_and_queries(nccl: ctypes.CDLL) -> None:
         assert nccl.ncclCommDestroy(c) == 0
 
 
+@pytest.mark.parametrize("factor", [1.0, 5.0])
+def test_send_recv_pair_takes_the_link_time(nccl: ctypes.CDLL, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
+    faults = tmp_path / "faults.txt"
+    faults.write_text(f"slow_link 0 1 {factor}\n")
+    monkeypatch.setenv("FAKE_NCCL_FAULTS", str(faults))
+    comms = _init_all(nccl, 2)  # InitAll ranks are global ranks 0 and 1
+    count = 25_000_000  # 100 MB of float32: 10 ms at the default 10 GB/s
+    t0 = time.perf_counter()
+    assert nccl.ncclGroupStart() == 0
+    assert nccl.ncclSend(None, ctypes.c_size_t(count), 7, 1, comms[0], None) == 0
+    assert nccl.ncclRecv(None, ctypes.c_size_t(count), 7, 0, comms[1], None) == 0
+    assert nccl.ncclGroupEnd() == 0
+    elapsed_ms = (time.perf_counter() - t0) * 1e3
+    expect_ms = 4 * count / (10e9 / factor) * 1e3 + 0.005
+    assert expect_ms <= elapsed_ms < expect_ms + 15.0
+    for c in comms:
+        nccl.ncclCommDestroy(c)
+
+
 def test_abort_releases_a_blocked_call(nccl: ctypes.CDLL) -> None:
     comms = _init_all(nccl, 2)
     result: list[int] = []
