@@ -1,0 +1,272 @@
+"""The simulated cluster: topology, faults and mitigation state in, per-iteration timings out.
+
+Ranks follow Megatron's default order ``rank = tp + TP * (dp + DP * pp)``, so a per-rank array
+reshaped to (PP, DP, TP) is indexed ``[pp, dp, tp]``. Rank ``r`` runs on GPU ``gpu_of_rank[r]``
+(the identity until a plan moves ranks) on node ``gpu // gpus_per_node``. Links: NVLink inside a
+node, one network link per node pair (per-GPU rail bandwidth, divided by its congestion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from greyhound.sim import faults as flt
+from greyhound.sim import timeline as tl
+from greyhound.sim.events import CommTable, EventBlock, IterationTiming, Op
+from greyhound.sim.mitigation import Layout, Plan, apply
+from greyhound.sim.scenario import JobSpec, Scenario
+from greyhound.sim.schedule import (
+    FloatArray,
+    IntArray,
+    pipeline_order,
+    ring_allreduce_s,
+    run_pipeline,
+    tree_allreduce_s,
+)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Derived:
+    """Everything that changes only when a fault starts or ends or a plan is applied."""
+
+    rel: FloatArray  # (PP, DP, TP) compute multiplier of each rank
+    comp: FloatArray  # (PP, DP, TP) seconds of forward+backward per micro-batch
+    tp_ar: FloatArray  # (PP, DP) one TP all-reduce
+    xfer: FloatArray  # (PP-1, DP, TP) one activation between stage s and s+1
+    dp_ar: FloatArray  # (PP, TP) the gradient all-reduce of each DP group
+    dp_algorithm: tuple[str, ...]  # per stage, as NCCL's tuner would pick from nominal speeds
+
+
+def derive(job: JobSpec, gpu_of_rank: IntArray, slow: flt.Slowness) -> Derived:
+    pp, dp, tp = job.pp, job.dp, job.tp
+    gpus = gpu_of_rank.reshape(pp, dp, tp)
+    nodes = gpus // job.gpus_per_node
+    rel = (1.0 - job.host_fraction) * slow.gpu[gpus] + job.host_fraction * slow.cpu[nodes]
+    link = _Links(job, slow)
+    bw, lat = link.between(gpus, np.roll(gpus, -1, axis=2))
+    tp_ar = ring_allreduce_s(tp, job.tp_bytes, bw.min(axis=2), float(lat.max(initial=0.0)))
+    bw, lat = link.between(gpus[:-1], gpus[1:])
+    xfer = lat + job.pp_activation_bytes / bw
+    dp_ar, algos = _dp_allreduce(job, gpus, link)
+    return Derived(rel, job.microbatch_compute_s * rel, tp_ar, xfer, dp_ar, algos)
+
+
+class _Links:
+    def __init__(self, job: JobSpec, slow: flt.Slowness) -> None:
+        self.job, self.slow = job, slow
+
+    def between(
+        self, a: IntArray, b: IntArray, *, nominal: bool = False
+    ) -> tuple[FloatArray, FloatArray]:
+        """Bandwidth (bytes/s) and latency (s) of the path between GPUs ``a`` and ``b``."""
+        j = self.job
+        na, nb = a // j.gpus_per_node, b // j.gpus_per_node
+        same = na == nb
+        bw = np.where(same, j.nvlink_gbps, j.link_gbps) * (1e9 / 8)
+        if not nominal:
+            lo, hi = np.minimum(na, nb), np.maximum(na, nb)
+            for x, y, factor in self.slow.links:
+                bw = np.where((lo == x) & (hi == y), bw / factor, bw)
+        lat = np.where(same, j.nvlink_latency_us, j.link_latency_us) * 1e-6
+        return bw, lat
+
+
+def _dp_allreduce(job: JobSpec, gpus: IntArray, link: _Links) -> tuple[FloatArray, tuple[str, ...]]:
+    """Ring or tree per stage; NCCL chooses from nominal speeds, congestion only slows it."""
+    n, size = job.dp, job.dp_allreduce_bytes
+    if n == 1:
+        return np.zeros((job.pp, job.tp)), ("ring",) * job.pp
+    ring_next = np.roll(gpus, -1, axis=1)
+    parent = gpus[:, (np.arange(1, n) - 1) // 2, :]
+    times: dict[str, FloatArray] = {}
+    nominal: dict[str, FloatArray] = {}
+    for name, (a, b) in {"ring": (gpus, ring_next), "tree": (gpus[:, 1:, :], parent)}.items():
+        for real in (True, False):
+            bw, lat = link.between(a, b, nominal=not real)
+            bw_min, lat_max = bw.min(axis=1), float(lat.max())
+            if name == "ring":
+                t = ring_allreduce_s(n, size, bw_min, lat_max)
+            else:
+                t = tree_allreduce_s(n, size, bw_min, lat_max, job.tree_efficiency)
+            (times if real else nominal)[name] = t
+    if job.dp_algorithm != "auto":
+        return times[job.dp_algorithm], (job.dp_algorithm,) * job.pp
+    tree = nominal["tree"].max(axis=1) < nominal["ring"].max(axis=1)
+    algos = tuple("tree" if x else "ring" for x in tree)
+    return np.where(tree[:, None], times["tree"], times["ring"]), algos
+
+
+class ClusterModel:
+    """Pure simulation state: no I/O, no clocks; the caller advances virtual time."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.job = job = scenario.job
+        self.layout = Layout.initial(job)
+        self.comms = CommTable(job.tp, job.dp, job.pp)
+        self._ranks: IntArray = np.arange(job.world, dtype=np.int64).reshape(job.pp, job.dp, job.tp)
+        self._rng = np.random.default_rng(scenario.seed)
+        self._index = 0
+        self._now = 0.0
+        self._hung = False
+        self._struck: set[int] = set()
+        self._key: tuple[object, ...] | None = None
+        self._derived: Derived | None = None
+        self._tp_seq = np.zeros(self.comms.size, dtype=np.int64)
+        self._dp_seq = np.zeros(self.comms.size, dtype=np.int64)
+        self._pp_seq = np.zeros(job.world, dtype=np.int64)
+
+    @property
+    def hung(self) -> bool:
+        return self._hung
+
+    def derived(self, t: float) -> Derived:
+        faults, layout = self.scenario.faults, self.layout
+        active = flt.active_set(faults, t, layout.cleared)
+        key = (active, layout.version)
+        if self._derived is None or key != self._key:
+            slow = flt.slowness(self.job, faults, active)
+            self._derived, self._key = derive(self.job, layout.gpu_of_rank, slow), key
+        return self._derived
+
+    def apply_plan(self, plan: Plan) -> float:
+        s = self.scenario
+        cost = apply(plan, self.layout, self.job, s.faults, s.costs, self._now)
+        if self._hung and any(i in self.layout.cleared for i in self._struck):
+            self._hung = False
+        return cost
+
+    def iteration(self, t_virtual_s: float, *, events: bool = True) -> IterationTiming:
+        """Simulate the iteration starting at ``t_virtual_s``; ``events=False`` skips the records."""
+        job, noise, t0 = self.job, self.scenario.noise, t_virtual_s
+        self._now = t0
+        index, self._index = self._index, self._index + 1
+        if self._hung:
+            empty = np.zeros(job.world)
+            return IterationTiming(index, t0, np.inf, empty, empty.copy(), (), True, ())
+        d = self.derived(t0)
+        runs = self._pipelines(d)
+        last = np.empty((job.pp, job.dp))
+        compute = np.zeros((job.pp, job.dp, job.tp))
+        for run in runs:
+            m = run.order.m
+            last[:, run.ds] = run.end[np.arange(job.pp) * 2 * m + 2 * m - 1]
+            compute[:, run.ds, :] = run.offset.reshape(job.pp, 2 * m, len(run.ds), job.tp).sum(1)
+        dp_exit = last.max(axis=1)[:, None] + d.dp_ar
+        finish = dp_exit[:, None, :] + job.optimizer_s * d.rel
+        duration = float(finish.max())
+        if noise.checkpoint_every and (index + 1) % noise.checkpoint_every == 0:
+            duration += noise.checkpoint_s
+        compute += job.optimizer_s * d.rel
+        hang = flt.pending_hang(self.scenario.faults, t0, t0 + duration, self.layout.cleared)
+        if hang is not None and hang in self._struck:
+            hang = None
+        blocks: tuple[EventBlock, ...] = ()
+        if events or hang is not None:
+            blocks = self._blocks(d, runs, last, dp_exit, t0)
+        hung = False
+        if hang is not None:
+            delay = self._strike(hang, blocks, t0)
+            if delay is not None:
+                duration += delay
+                hung = self._hung = not np.isfinite(delay)
+        self._advance(runs)
+        comm = tl.busy_time(blocks, job.world) if events else np.zeros(0)
+        return IterationTiming(
+            index, t0, duration, compute.ravel(), comm, blocks if events else (), hung,
+            d.dp_algorithm,
+        )
+
+    def _pipelines(self, d: Derived) -> list[tl.BucketRun]:
+        job, noise, rng = self.job, self.scenario.noise, self._rng
+        counts = np.asarray(self.layout.counts)
+        gc = None
+        if noise.gc_prob > 0 and rng.random() < noise.gc_prob:
+            gc = int(rng.integers(job.world)), float(rng.random())
+        xtab = np.concatenate([d.xfer.max(axis=2)] * 2 + [np.zeros((1, job.dp))])
+        runs = []
+        for m in np.unique(counts):
+            order = pipeline_order(job.pp, int(m))
+            ds = np.flatnonzero(counts == m)
+            frac = np.where(order.forward, job.forward_fraction, 1.0 - job.forward_fraction)
+            scale = np.broadcast_to(frac[:, None], (order.n_ops, len(ds)))
+            if noise.jitter_cv > 0:
+                scale = scale * np.exp(rng.normal(0.0, noise.jitter_cv, scale.shape))
+            offset = d.comp[order.stage][:, ds, :] * scale[:, :, None]
+            if gc is not None:
+                s, dd, t = np.unravel_index(gc[0], (job.pp, job.dp, job.tp))
+                col = np.flatnonzero(ds == dd)
+                if len(col):
+                    op = int(s) * 2 * int(m) + int(gc[1] * 2 * m)
+                    offset[op, col[0], t] += noise.gc_pause_s
+            dur = offset.max(axis=2) + d.tp_ar[order.stage][:, ds]
+            start, end = run_pipeline(order, dur, xtab[:, ds])
+            runs.append(tl.BucketRun(order, ds, start, end, offset))
+        return runs
+
+    def _blocks(
+        self, d: Derived, runs: list[tl.BucketRun], last: FloatArray, dp_exit: FloatArray,
+        t0: float,
+    ) -> tuple[EventBlock, ...]:
+        job, ranks, comms = self.job, self._ranks, self.comms
+        gpus = self.layout.gpu_of_rank
+        out: list[EventBlock] = []
+        for run in runs:
+            if job.tp > 1:
+                out.append(tl.tp_block(run, ranks, gpus, comms, self._tp_seq, int(job.tp_bytes)))
+            if job.pp > 1:
+                out += tl.p2p_blocks(
+                    run, ranks, gpus, comms, self._pp_seq, d.xfer, int(job.pp_activation_bytes)
+                )
+        if job.dp > 1:
+            size = int(job.dp_allreduce_bytes)
+            out.append(tl.dp_block(last, dp_exit, ranks, gpus, comms, self._dp_seq, size))
+        return tuple(tl.shifted(b, t0) for b in out)
+
+    def _strike(self, hang: int, blocks: tuple[EventBlock, ...], t0: float) -> float | None:
+        """Freeze the records at the victim's first call after the hang starts; return the delay."""
+        f = self.scenario.faults[hang]
+        assert f.rank is not None
+        victim = int(self.layout.rank_of_gpu()[f.rank])
+        best: tuple[float, int, int] | None = None
+        for i, b in enumerate(blocks):
+            idx = np.flatnonzero((b.rank == victim) & (b.enter >= f.start_s))
+            if len(idx):
+                j = int(idx[np.argmin(b.enter[idx])])
+                if best is None or b.enter[j] < best[0]:
+                    best = (float(b.enter[j]), i, j)
+        if best is None:
+            return None
+        self._struck.add(hang)
+        t_hang, bi, j = best
+        vb = blocks[bi]
+        delay = f.end_s - t_hang
+        for i, b in enumerate(blocks):
+            same = b.comm == vb.comm[j]
+            if vb.op[j] == Op.ALLREDUCE:
+                stuck = same & (b.seq == vb.seq[j]) if i == bi else np.zeros(len(b), bool)
+            else:
+                own = (b.rank == victim) & (b.seq == vb.seq[j])
+                partner = (b.rank == vb.peer[j]) & (b.peer == victim) & (b.exit == vb.exit[j])
+                stuck = same & (own | partner)
+            flt.freeze(b.enter, b.exit, t_hang, delay, stuck)
+        if f.kind == "hang_not_entered":
+            vb.enter[j] += delay
+        elif f.kind == "hang_inconsistent":
+            if vb.op[j] == Op.ALLREDUCE:
+                vb.op[j] = Op.ALLGATHER
+            else:
+                vb.nbytes[j] //= 2
+        return delay
+
+    def _advance(self, runs: list[tl.BucketRun]) -> None:
+        job, comms = self.job, self.comms
+        for run in runs:
+            m = run.order.m
+            tp_comm = np.arange(job.pp)[:, None] * job.dp + run.ds[None, :]
+            self._tp_seq[tp_comm] += 2 * m
+            per_stage = tl.p2p_plan(job.pp, m).per_stage
+            self._pp_seq[self._ranks[:, run.ds, :]] += per_stage[:, None, None]
+        self._dp_seq[comms.dp_base : comms.pp_base] += 1
