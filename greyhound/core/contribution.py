@@ -32,6 +32,7 @@ from greyhound.core.localize import (
     codes,
     combine_codes,
     group_median,
+    group_quantile,
 )
 
 SlowKind = Literal["compute_slow", "comm_slow", "mixed_slow", "none"]
@@ -86,17 +87,18 @@ def classify_slow(
     comm_threshold: float = 0.10,
     min_excess_ns: float = 100_000.0,
     min_late_ns: float = 2_000_000.0,
-    jitter_k: float = 6.0,
+    jitter_k: float = 4.0,
+    on_time_quantile: float = 0.25,
     min_late_share: float = 0.3,
     baseline_rounds: int = 0,
 ) -> SlowSuspicion:
     """Classify a slowdown as compute, communication or mixed, naming ranks and communicators.
 
-    A rank is late at an instance when its gap exceeds its peers' median gap by more than
-    max(min_late_ns, jitter_k x the gaps' robust jitter, measured on the early side, which late
-    ranks cannot inflate); it is a compute culprit in a communicator when late at
-    `min_late_share` of that communicator's instances (so one GC pause is not a straggler, and
-    back-to-back collectives where it cannot be late do not hide one). A communicator is slow when
+    A rank is late at an instance when its gap exceeds the on-time gap (the `on_time_quantile` of
+    its peers' gaps) by more than max(min_late_ns, jitter_k x the robust spread of each rank's
+    delay over time, which a steady straggler does not inflate). It is a compute culprit when
+    late at `min_late_share` of one communicator's instances (so one GC pause is not a straggler,
+    and back-to-back collectives where it cannot be late do not hide one). A communicator is slow when
     its median C exceeds the baseline by `comm_threshold` and by `min_excess_ns`.
     """
     n_rows = len(obs.comm_id)
@@ -128,22 +130,21 @@ def classify_slow(
     comm_slow = (comm_c > baseline * (1.0 + comm_threshold)) & (excess > min_excess_ns)
     inst_excess = np.maximum(comm_time - baseline[inst_comm], 0.0)
 
-    # --- compute: each rank's gap since its previous collective, against its peers' gaps
+    # --- compute: each rank's gap since its previous collective, against its peers' gaps. The
+    # reference is the instance's lower quartile (the shorter gap in a pair): stragglers cannot
+    # drag it up unless they are most of the group. Jitter is each rank's own spread over time.
     gap = _gap_since_previous(rank_code, obs.enter_ns, obs.exit_ns)
     valid = ~np.isnan(gap)
-    gap_med = group_median(inst[valid], gap[valid], n_inst)
-    early_side = gap_med[inst[valid]] - gap[valid]
-    below = early_side[early_side > 0]
-    jitter = 1.4826 * float(np.median(below)) if len(below) else 0.0
-    late_thr = max(min_late_ns, jitter_k * jitter)
-    # reference without the clearly late ranks, so two stragglers in a group of four do not drag it
-    kept = early_side >= -late_thr
-    ref = np.fmin(group_median(inst[valid][kept], gap[valid][kept], n_inst), gap_med)
+    ref = group_quantile(inst[valid], gap[valid], n_inst, on_time_quantile)
     delay = np.where(valid, gap - ref[inst], 0.0)
     delay = np.nan_to_num(delay, nan=0.0)
-    is_late = delay > late_thr
     pair, pair_first = combine_codes(comm_code, rank_code)
     n_pairs = len(pair_first)
+    typical = group_median(pair[valid], delay[valid], n_pairs)
+    spread = np.abs(delay[valid] - typical[pair[valid]])
+    jitter = 1.4826 * float(np.median(spread)) if len(spread) else 0.0
+    late_thr = max(min_late_ns, jitter_k * jitter)
+    is_late = valid & (delay > late_thr)
     pair_rounds = np.bincount(pair, weights=valid, minlength=n_pairs)
     pair_late = np.bincount(pair, weights=is_late, minlength=n_pairs)
     pair_late_ns = np.bincount(pair, weights=np.where(is_late, delay, 0.0), minlength=n_pairs)

@@ -57,18 +57,24 @@ def combine_codes(*columns: IntArray) -> tuple[IntArray, IntArray]:
 
 def group_median(group: IntArray, values: FloatArray, n_groups: int) -> FloatArray:
     """Median of `values` per dense group code (NaN for an empty group)."""
+    return group_quantile(group, values, n_groups, 0.5)
+
+
+def group_quantile(group: IntArray, values: FloatArray, n_groups: int, q: float) -> FloatArray:
+    """Quantile q of `values` per dense group code, interpolated between order statistics."""
     out = np.full(n_groups, np.nan)
     if len(group) == 0:
         return out
     order = np.lexsort((values, group))
-    g = group[order]
     v = values[order]
-    counts = np.bincount(g, minlength=n_groups)
+    counts = np.bincount(group, minlength=n_groups)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     has = counts > 0
-    lo = starts[has] + (counts[has] - 1) // 2
-    hi = starts[has] + counts[has] // 2
-    out[has] = (v[lo] + v[hi]) / 2.0
+    pos = (counts[has] - 1) * q
+    lo = np.floor(pos).astype(np.int64)
+    frac = pos - lo
+    hi = np.minimum(lo + 1, counts[has] - 1)
+    out[has] = v[starts[has] + lo] * (1.0 - frac) + v[starts[has] + hi] * frac
     return out
 
 

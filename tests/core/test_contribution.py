@@ -82,7 +82,7 @@ def test_congested_dp_group_is_communication():
     assert s.kind == "comm_slow"
     assert s.comm_ids == [DP_BASE + 2] and s.compute_ranks == []
     assert s.ranks == [r for r in range(32) if r % 4 == 2]
-    assert s.evidence["comm_ratio"][0 ] > 1.4
+    assert s.evidence["comm_ratio"][0] > 1.4
     p = dict(zip(s.rank_ids.tolist(), s.p.tolist(), strict=True))
     assert p[2] < 0.2
 
@@ -138,8 +138,9 @@ def test_one_gc_pause_is_not_a_straggler():
     enter = obs.enter_ns.copy()
     hit = (obs.rank == 11) & (obs.comm_id == DP_BASE + 3) & (obs.seq == 4)
     enter[hit] += 150 * MS
-    obs = CollectiveObservation(obs.comm_id, obs.seq, obs.rank, enter, obs.exit_ns, obs.op,
-                                obs.nbytes, obs.algo)
+    obs = CollectiveObservation(
+        obs.comm_id, obs.seq, obs.rank, enter, obs.exit_ns, obs.op, obs.nbytes, obs.algo
+    )
     assert classify_slow(obs).kind == "none"
 
 
@@ -156,3 +157,32 @@ def test_empty_observation():
     z = np.zeros(0)
     s = classify_slow(CollectiveObservation(z, z, z, z, z, z, z))
     assert s.kind == "none" and s.ranks == []
+
+
+def test_random_faults_name_exactly_their_culprits():
+    rng = np.random.default_rng(2024)
+    for _ in range(30):
+        tp, dp = int(rng.choice([2, 4, 8])), int(rng.choice([3, 4, 8]))
+        kind = str(rng.choice(["compute", "two_compute", "dp_comm", "tp_comm", "mixed", "healthy"]))
+        slow_rank, dp_slow, tp_slow = {}, {}, {}
+        if kind in ("compute", "two_compute", "mixed"):
+            for r in rng.choice(tp * dp, 2 if kind == "two_compute" else 1, replace=False):
+                slow_rank[int(r)] = float(rng.uniform(1.15, 1.6))
+        if kind in ("dp_comm", "mixed"):
+            dp_slow[int(rng.integers(tp))] = float(rng.uniform(1.3, 2.0))
+        if kind == "tp_comm":
+            tp_slow[int(rng.integers(dp))] = float(rng.uniform(2.0, 5.0))
+        obs = _job(
+            int(rng.integers(1 << 30)),
+            tp=tp,
+            dp=dp,
+            slow_rank=slow_rank,
+            dp_comm_slow=dp_slow,
+            tp_comm_slow=tp_slow,
+            jitter_ms=float(rng.uniform(0.5, 2.0)),
+            skew_ms=10.0,
+        )
+        s = classify_slow(obs)
+        case = (kind, tp, dp, slow_rank, dp_slow, tp_slow)
+        assert s.compute_ranks == sorted(slow_rank), case
+        assert s.comm_ids == sorted([DP_BASE + c for c in dp_slow] + list(tp_slow)), case
