@@ -24,7 +24,7 @@
 #define MAT 48
 
 struct cfg {
-  int rank, world, iters, tp, pp, ckpt_every, verbose;
+  int rank, world, iters, tp, pp, ckpt_every, verbose, nonblocking;
   double compute_ms, busy, ckpt_ms;
   size_t bytes;
   const char *rdzv;
@@ -116,6 +116,15 @@ static ncclResult_t make_comms(const struct cfg *c, struct comms *m) {
   return ncclSuccess;
 }
 
+/* A non-blocking communicator may answer ncclInProgress; poll it to completion as PyTorch does. */
+static ncclResult_t settle(ncclComm_t comm, ncclResult_t r) {
+  while (r == ncclInProgress) {
+    fk_sleep_ns(100000);
+    if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) return ncclInternalError;
+  }
+  return r;
+}
+
 /* Forward activations one stage on, as a pipeline's steady state does. */
 static ncclResult_t pipeline_step(const struct comms *m, float *buf, size_t count) {
   ncclResult_t r = ncclGroupStart();
@@ -129,7 +138,9 @@ static int run(const struct cfg *c) {
   ncclUniqueId id;
   struct comms m = {0};
   if (rendezvous(c, &id) != 0) return fail("rendezvous failed", errno);
-  ncclResult_t r = ncclCommInitRank(&m.world, c->world, id, c->rank);
+  ncclResult_t r = c->nonblocking ? ncclCommInitRankConfig(&m.world, c->world, id, c->rank, NULL)
+                                  : ncclCommInitRank(&m.world, c->world, id, c->rank);
+  r = settle(m.world, r);
   if (r != ncclSuccess) return fail("ncclCommInitRank", r);
   if ((r = make_comms(c, &m)) != ncclSuccess) return fail("ncclCommSplit", r);
   cublasHandle_t blas;
@@ -147,7 +158,8 @@ static int run(const struct cfg *c) {
     if (c->tp > 1 && (r = ncclAllReduce(buf, buf, count, ncclFloat32, ncclSum, m.tp, NULL)) != ncclSuccess)
       return fail("tp all-reduce", r);
     size_t n = count + (fk_fault_find(FK_MISMATCH, c->rank, it, NULL) ? 1 : 0); /* H2 */
-    if ((r = ncclAllReduce(buf, buf, n, ncclFloat32, ncclSum, m.dp, NULL)) != ncclSuccess)
+    r = settle(m.dp, ncclAllReduce(buf, buf, n, ncclFloat32, ncclSum, m.dp, NULL));
+    if (r != ncclSuccess)
       return fail("dp all-reduce", r);
     int64_t t2 = fk_now_ns();
     if (c->verbose) {
@@ -176,6 +188,7 @@ GH_EXPORT int gh_workload_main(int argc, char **argv) {
       .pp = (int)env_long("GH_PP", 1),
       .ckpt_every = (int)env_long("GH_CKPT_EVERY", 0),
       .verbose = (int)env_long("GH_VERBOSE", 0),
+      .nonblocking = (int)env_long("GH_NONBLOCKING", 0),
       .compute_ms = env_double("GH_COMPUTE_MS", 10.0),
       .busy = env_double("GH_COMPUTE_BUSY", 1.0),
       .ckpt_ms = env_double("GH_CKPT_MS", 0.0),
@@ -187,7 +200,7 @@ GH_EXPORT int gh_workload_main(int argc, char **argv) {
     fprintf(stderr,
             "gh_workload: set RANK, WORLD_SIZE, GH_RDZV (dir); optional GH_ITERS, GH_COMPUTE_MS, "
             "GH_COMPUTE_BUSY (0..1), GH_BYTES, GH_TP, GH_PP (WORLD_SIZE %% (TP*PP) == 0), GH_CKPT_EVERY, "
-            "GH_CKPT_MS, GH_VERBOSE\n");
+            "GH_CKPT_MS, GH_NONBLOCKING (InitRankConfig, poll ncclInProgress), GH_VERBOSE\n");
     return 2;
   }
   if (c.busy < 0) c.busy = 0;

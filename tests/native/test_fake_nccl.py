@@ -127,6 +127,29 @@ def test_h3_call_that_never_completes(tmp_path: Path) -> None:
         assert _stalled_at(job) == [5, 5, 4, 5]
 
 
+def test_nonblocking_workload_polls_through_inprogress(tmp_path: Path) -> None:
+    spec = FakeJobSpec(world_size=2, iters=5, compute_ms=1.0, compute_busy=0.0)
+    job = _job(tmp_path, spec, GH_NONBLOCKING="1")
+    job.faults.set("inprogress 1")
+    with job:
+        assert job.wait(timeout=30) == [0, 0]
+    assert [len(x) for x in _all_iters(job)] == [5, 5]
+
+
+def test_workload_library_entry_point(native_build: Path, tmp_path: Path) -> None:
+    code = (
+        "import ctypes\n"
+        f"lib = ctypes.CDLL({str(native_build / 'libghworkload.so')!r})\n"
+        "raise SystemExit(lib.gh_workload_main(0, None))\n"
+    )
+    env = {"RANK": "0", "WORLD_SIZE": "1", "GH_ITERS": "3", "GH_COMPUTE_MS": "1",
+           "GH_RDZV": str(tmp_path / "rdzv"), "GH_VERBOSE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=30, check=True)
+    assert [line.split()[0] for line in out.stdout.splitlines() if line.startswith("it=")] == [
+        "it=0", "it=1", "it=2"]
+
+
 def test_split_membership_and_pipeline_p2p(tmp_path: Path) -> None:
     spec = FakeJobSpec(world_size=8, iters=3, compute_ms=1.0, compute_busy=0.0, tp=2, pp=2)
     with _job(tmp_path, spec) as job:
