@@ -31,12 +31,13 @@ def _all_iters(job: FakeJob) -> list[list[IterTimes]]:
 
 
 def _stalled_at(job: FakeJob, settle: float = 1.0) -> list[int]:
-    """Last finished iteration per rank once the job stops progressing."""
+    """Last finished iteration per rank once the job stops progressing (after every rank has
+    finished one, so a slow start is not mistaken for a stall)."""
     before: list[int] = []
-    for _ in range(20):
+    for _ in range(40):
         time.sleep(settle / 4)
         now = [(its[-1].it if its else -1) for its in _all_iters(job)]
-        if now == before:
+        if now == before and min(now) >= 0:
             return now
         before = now
     raise AssertionError("job kept progressing")
