@@ -90,6 +90,7 @@ def classify_slow(
     jitter_k: float = 4.0,
     on_time_quantile: float = 0.25,
     min_late_share: float = 0.3,
+    min_late_rounds: int = 2,
     baseline_rounds: int = 0,
 ) -> SlowSuspicion:
     """Classify a slowdown as compute, communication or mixed, naming ranks and communicators.
@@ -97,8 +98,9 @@ def classify_slow(
     A rank is late at an instance when its gap exceeds the on-time gap (the `on_time_quantile` of
     its peers' gaps) by more than max(min_late_ns, jitter_k x the robust spread of each rank's
     delay over time, which a steady straggler does not inflate). It is a compute culprit when
-    late at `min_late_share` of one communicator's instances (so one GC pause is not a straggler,
-    and back-to-back collectives where it cannot be late do not hide one). A communicator is slow when
+    late at `min_late_share` (and at least `min_late_rounds`) of one communicator's instances (so
+    one GC pause is not a straggler, and back-to-back collectives where it cannot be late do not
+    hide one). A communicator is slow when
     its median C exceeds the baseline by `comm_threshold` and by `min_excess_ns`.
     """
     n_rows = len(obs.comm_id)
@@ -140,15 +142,18 @@ def classify_slow(
     delay = np.nan_to_num(delay, nan=0.0)
     pair, pair_first = combine_codes(comm_code, rank_code)
     n_pairs = len(pair_first)
-    typical = group_median(pair[valid], delay[valid], n_pairs)
-    spread = np.abs(delay[valid] - typical[pair[valid]])
+    pair_rounds = np.bincount(pair, weights=valid, minlength=n_pairs)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        typical = np.bincount(pair, weights=delay, minlength=n_pairs) / pair_rounds
+        # residuals around the mean of k values shrink by sqrt((k-1)/k): undo that
+        k = pair_rounds[pair[valid]]
+        spread = (np.abs(delay[valid] - typical[pair[valid]]) * np.sqrt(k / (k - 1)))[k > 1]
     jitter = 1.4826 * float(np.median(spread)) if len(spread) else 0.0
     late_thr = max(min_late_ns, jitter_k * jitter)
     is_late = valid & (delay > late_thr)
-    pair_rounds = np.bincount(pair, weights=valid, minlength=n_pairs)
     pair_late = np.bincount(pair, weights=is_late, minlength=n_pairs)
     pair_late_ns = np.bincount(pair, weights=np.where(is_late, delay, 0.0), minlength=n_pairs)
-    flagged = (pair_late > 0) & (pair_late >= min_late_share * pair_rounds)
+    flagged = (pair_late >= min_late_rounds) & (pair_late >= min_late_share * pair_rounds)
     pair_rank = rank_code[pair_first]
     culprit = np.bincount(pair_rank[flagged], minlength=n_ranks) > 0
 
