@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,9 +138,20 @@ class Scenario:
     costs: CostSpec = field(default_factory=CostSpec)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 floats: PyYAML (YAML 1.1) would read the issue's ``2.0e9`` as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
 def load_scenario(path: Path) -> Scenario:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.load(Path(path).read_text(), Loader=_Loader)
     except yaml.YAMLError as exc:
         raise ScenarioError("<file>", f"not valid YAML: {exc}") from exc
     if not isinstance(data, Mapping):

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-import numpy.typing as npt
 
 from greyhound.sim.events import CommTable, EventBlock, Op
 from greyhound.sim.schedule import FloatArray, IntArray, PipelineOrder, pipeline_order
@@ -148,12 +147,11 @@ def shifted(block: EventBlock, t0: float) -> EventBlock:
 
 
 def busy_time(blocks: tuple[EventBlock, ...], world: int) -> FloatArray:
-    """Seconds each rank spent inside NCCL."""
+    """Seconds each rank spent inside NCCL (``inf`` for a rank stuck in a hung call)."""
     total = np.zeros(world)
     for b in blocks:
-        total += np.bincount(b.rank, weights=b.exit - b.enter, minlength=world)
+        inside = np.zeros(len(b))
+        np.subtract(b.exit, b.enter, out=inside, where=np.isfinite(b.enter))
+        total += np.bincount(b.rank, weights=inside, minlength=world)
     return total
 
-
-def rank_mask(blocks: tuple[EventBlock, ...], rank: int) -> list[npt.NDArray[np.bool_]]:
-    return [b.rank == rank for b in blocks]

@@ -1,0 +1,31 @@
+"""``greyhound sim run --offline`` prints one iteration time per line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from greyhound.sim.cli import main
+
+
+def test_offline_prints_iteration_times(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        "job: {tp: 2, dp: 2, pp: 2, gpus_per_node: 2, microbatches: 4, microbatch_compute_s: 0.1,\n"
+        "      dp_allreduce_bytes: 1.0e8, pp_activation_bytes: 1.0e6, link_gbps: 400,\n"
+        "      nvlink_gbps: 3600}\nduration_s: 5\nseed: 2\n"
+    )
+    assert main(["run", str(path), "--offline"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    values = [float(x) for x in lines]
+    assert len(values) > 5 and all(0.4 < v < 1.0 for v in values)
+
+
+def test_bad_scenario_is_reported_with_its_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("job: {tp: 2}\nduration_s: 5\n")
+    assert main(["run", str(path), "--offline"]) == 2
+    assert "job.dp" in capsys.readouterr().err
