@@ -33,6 +33,7 @@ from greyhound.core.localize import (
     combine_codes,
     group_median,
     group_quantile,
+    order_within_groups,
 )
 
 SlowKind = Literal["compute_slow", "comm_slow", "mixed_slow", "none"]
@@ -213,7 +214,7 @@ def _gap_since_previous(rank: IntArray, enter: FloatArray, exit_: FloatArray) ->
     Collectives that overlap (an asynchronous all-reduce still running) give a gap of zero, the
     same for every peer, so they neither accuse nor excuse anyone.
     """
-    order = np.lexsort((enter, rank))
+    order = order_within_groups(rank, enter, int(rank.max()) + 1)
     r, e, x = rank[order], enter[order], exit_[order]
     gap_sorted = np.full(len(order), np.nan)
     same = r[1:] == r[:-1]
@@ -246,7 +247,7 @@ def _comm_baseline(
 
 def _position_in_group(group: IntArray, order_key: IntArray) -> IntArray:
     """0-based position of each element within its group when ordered by `order_key`."""
-    order = np.lexsort((order_key, group))
+    order = order_within_groups(group, order_key.astype(np.float64), int(group.max()) + 1)
     g = group[order]
     starts = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
     run = np.repeat(starts, np.diff(np.concatenate((starts, [len(g)]))))
