@@ -200,6 +200,8 @@ CONTROL_DTYPE = _struct(
         ("paused", "<u4", 8),
         ("paused_tid", "<i4", 12),
         ("pause_count", "<u8", 16),
+        ("pause_comm_id", "<u8", 24),
+        ("pause_seq", "<u8", 32),
         ("slots", (BENCH_SLOT_DTYPE, (BENCH_SLOTS,)), 64),
     ],
     9280,
@@ -344,7 +346,14 @@ class Control:
     def set_mode(self, mode: Literal["monitor", "profile"]) -> None:
         self._ctl["mode"] = MODES[mode]
 
-    def pause(self) -> None:
+    def pause(self, comm_id: int = 0, seq: int = 0) -> None:
+        """Park the training thread at its next NCCL call, or, with comm_id, at the entry of the
+        call on that communicator whose collective seq would be >= seq. Pausing several ranks
+        needs the targeted form with one (comm_id, seq) for all of them, seq beyond every rank's
+        last_seq_entered (see comms()): a rank parked early would leave its peers blocked inside
+        the collective it never entered."""
+        self._ctl["pause_comm_id"] = comm_id
+        self._ctl["pause_seq"] = seq
         self._ctl["pause_request"] = 1
 
     def paused(self) -> bool:

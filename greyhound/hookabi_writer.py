@@ -51,6 +51,10 @@ class HookControl:
     def pause_requested(self) -> bool:
         return bool(self._ctl["pause_request"])
 
+    def pause_target(self) -> tuple[int, int]:
+        """(comm_id, seq) of a targeted pause; (0, 0) means the next call."""
+        return int(self._ctl["pause_comm_id"]), int(self._ctl["pause_seq"])
+
     def set_paused(self, paused: bool, tid: int = 0) -> None:
         if paused:
             self._ctl["paused_tid"] = tid
@@ -141,7 +145,9 @@ class RingWriter:
     def append(self, records: np.ndarray) -> None:
         """Append RECORD_DTYPE rows (stamps are set here); drop what does not fit, like the hook."""
         if records.dtype != RECORD_DTYPE:
-            raise TypeError("records must have RECORD_DTYPE")
+            if records.dtype.names != RECORD_DTYPE.names:
+                raise TypeError("records must have RECORD_DTYPE fields")
+            records = records.astype(RECORD_DTYPE)  # e.g. np.concatenate drops the padding
         hdr = self._map.hdr
         head = int(hdr["head"])
         free = self._map.capacity - (head - int(hdr["consumed"]))

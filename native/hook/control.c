@@ -158,7 +158,19 @@ static void run_requests(void) {
   }
 }
 
-void gh_pause_point_slow(void) {
+/* A targeted pause (comm, seq) lets every rank stop at the same collective: a rank paused at the
+ * plain "next call" would leave its peers blocked inside the collective it never entered. */
+static int at_target(ncclComm_t comm) {
+  uint64_t want = __atomic_load_n(&gh_ctl->pause_comm_id, __ATOMIC_ACQUIRE);
+  if (want == 0) return 1;
+  struct gh_comm_entry *e = gh_comm_lookup(comm);
+  return e != NULL && e->comm_id == want &&
+         __atomic_load_n(&e->last_seq_entered, __ATOMIC_RELAXED) + 1 >=
+             __atomic_load_n(&gh_ctl->pause_seq, __ATOMIC_ACQUIRE);
+}
+
+void gh_pause_point_slow(ncclComm_t comm) {
+  if (!at_target(comm)) return;
   int saved = errno;
   int me = (int)syscall(SYS_gettid);
   int expect = 0;

@@ -76,7 +76,7 @@ struct gh_comm_entry *gh_comm_adopt(ncclComm_t comm);
     if (GH_UNLIKELY(gh_depth > 0 || gh_disabled)) return CALL;                       \
     int saved_ = errno;                                                               \
     gh_depth++;                                                                       \
-    if (gh_group_depth == 0) gh_pause_point();                                        \
+    if (gh_group_depth == 0) gh_pause_point(COMM);                                    \
     struct gh_call c_;                                                                \
     gh_enter(&c_, (OP), (COMM), (STREAM));                                            \
     errno = saved_;                                                                   \
@@ -104,10 +104,10 @@ void gh_exit(struct gh_call *c, ncclResult_t res, ncclComm_t comm, uint64_t coun
 void gh_record_event(uint16_t op, struct gh_comm_entry *e, int result, int peer, uint64_t enter_ns);
 
 /* control.c: pause point, run at depth 0 outside groups before a data-path call. */
-void gh_pause_point_slow(void);
-static inline void gh_pause_point(void) {
+void gh_pause_point_slow(ncclComm_t comm);
+static inline void gh_pause_point(ncclComm_t comm) {
   if (GH_UNLIKELY(gh_ctl != 0 && __atomic_load_n(&gh_ctl->pause_request, __ATOMIC_RELAXED)))
-    gh_pause_point_slow();
+    gh_pause_point_slow(comm);
 }
 
 /* profile.c: CUDA events around calls when the agent selected profile mode. */

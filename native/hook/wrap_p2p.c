@@ -38,7 +38,7 @@ GH_EXPORT ncclResult_t ncclGroupStart(void) {
   gh_depth++;
   uint64_t t0 = gh_now_ns();
   if (gh_group_depth == 0) {
-    gh_pause_point();
+    gh_pause_point(NULL);
     gh_group_id = __atomic_add_fetch(&next_group_id, 1, __ATOMIC_RELAXED);
   }
   errno = saved;

@@ -165,7 +165,9 @@ struct gh_control {
   uint32_t paused;        /*  8 hook: 1 while a training thread is parked */
   int32_t paused_tid;     /* 12 */
   uint64_t pause_count;   /* 16 pauses honoured so far */
-  uint8_t pad[40];        /* 24 */
+  uint64_t pause_comm_id; /* 24 0: pause at the next data-path call; else only on this comm ... */
+  uint64_t pause_seq;     /* 32 ... at the call whose collective seq would be >= pause_seq */
+  uint8_t pad[24];        /* 40 */
   struct gh_bench_slot slots[GH_BENCH_SLOTS]; /* 64 */
 };                                            /* 9280 bytes */
 

@@ -34,7 +34,7 @@ static uint64_t drain(uint64_t *cursor, uint64_t *bad) {
     if (__atomic_load_n(&r->stamp, __ATOMIC_ACQUIRE) != *cursor + 1) break; /* being written */
     if (r->op == GH_OP_ALLREDUCE) {
       uint64_t t = r->count;
-      if (t >= THREADS || r->seq <= next_seq[t] || (v.h->dropped == 0 && r->seq != next_seq[t] + 1)) (*bad)++;
+      if (t >= THREADS || r->seq <= next_seq[t] || (__atomic_load_n(&v.h->dropped, __ATOMIC_RELAXED) == 0 && r->seq != next_seq[t] + 1)) (*bad)++;
       else next_seq[t] = r->seq;
     }
     (*cursor)++;
