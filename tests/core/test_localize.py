@@ -70,3 +70,20 @@ def test_lone_group_has_nothing_to_compare_with():
     assert find_slow_groups(_timings(4, n_groups=1, slow={0: 3.0})) == []
     empty = GroupTimings(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0))
     assert find_slow_groups(empty) == []
+
+
+def test_localisation_cores_import_without_service_packages():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for name in ('nats', 'sqlalchemy', 'fastapi'):\n"
+        "    sys.modules[name] = None\n"
+        "import greyhound.core.localize, greyhound.core.contribution, greyhound.core.hang_diagnosis\n"
+        "import greyhound.core.p2p_rounds, greyhound.core.verdict\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
