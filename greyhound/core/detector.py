@@ -103,7 +103,7 @@ def make_batch_detector(method: Method = "bocd-v", streams: int = 1,
     if method in ("bocd-v", "bocd"):
         fields = {k: v for k, v in params.items() if k in BocdVConfig.__slots__}
         _reject_unknown(params, fields)
-        for k in ("confirm", "recent", "before", "min_seen"):
+        for k in ("confirm", "recent", "before", "min_seen", "level_points"):
             if k in fields:
                 fields[k] = int(fields[k])
         config = BocdVConfig(validate=(method == "bocd-v"), **fields)  # type: ignore[arg-type]
