@@ -7,7 +7,6 @@ Only ``--offline`` runs here (one iteration time in seconds per line: the input 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +29,10 @@ def main(argv: Sequence[str]) -> int:
     except (OSError, ScenarioError) as exc:
         print(f"greyhound sim: {args.scenario}: {exc}", file=sys.stderr)
         return 2
+    if args.json and args.offline:
+        print("greyhound sim: --json reports incidents, which only a live run produces",
+              file=sys.stderr)
+        return 2
     if not args.offline:
         print("greyhound sim: live runs go through `greyhound sim run` with the services; "
               "use --offline here", file=sys.stderr)
@@ -37,9 +40,6 @@ def main(argv: Sequence[str]) -> int:
     out = sys.stdout
     for seconds in run_offline(scenario):
         out.write(f"{seconds:.6f}\n")
-    if args.json:
-        out.flush()
-        print(json.dumps({"scenario": scenario.name, "mode": "offline"}), file=sys.stderr)
     return 0
 
 

@@ -29,3 +29,15 @@ def test_bad_scenario_is_reported_with_its_field(
     path.write_text("job: {tp: 2}\nduration_s: 5\n")
     assert main(["run", str(path), "--offline"]) == 2
     assert "job.dp" in capsys.readouterr().err
+
+
+def test_simulator_core_imports_no_service_packages() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, greyhound.sim.model, greyhound.sim.offline, greyhound.sim.cli; "
+        "bad = [m for m in ('nats', 'sqlalchemy', 'fastapi') if m in sys.modules]; "
+        "sys.exit(1 if bad else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
