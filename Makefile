@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 native:
-	$(MAKE) -s -C native
+	$(MAKE) -s -C native all all-fake
 
 demo: venv native
 	$(BIN)/greyhound demo

@@ -50,7 +50,7 @@ def run_demo(settings: Settings, *, ranks: int = 4, slow_rank: int = 2, factor: 
     port = port or settings.api_port
     base = f"http://127.0.0.1:{port}"
     job = f"demo-{uuid.uuid4().hex[:8]}"
-    print(f"building native/ (hook, fake NCCL, workload) ...", flush=True)
+    print("building native/ (hook, fake NCCL, workload) ...", flush=True)
     build = native_build_dir()
     print(f"starting embedded NATS + Postgres and the services (data in {settings.data_dir}) ...",
           flush=True)
@@ -61,7 +61,7 @@ def run_demo(settings: Settings, *, ranks: int = 4, slow_rank: int = 2, factor: 
             print(f"API up at {base}; launching job {job}: {ranks} ranks, rank {slow_rank} "
                   f"{factor}x slower from iteration {slow_from}", flush=True)
             spec = FakeJobSpec(world_size=ranks, iters=slow_from + 400, compute_ms=compute_ms,
-                               job_id=job, compute_busy=0.3)
+                               job_id=job, compute_busy=0.1)
             with FakeJob(spec, workdir=work, hook=build / "libgreyhound_hook.so",
                          shm_dir=Path(settings.shm_dir)) as fj:
                 fj.wait_iteration(slow_rank, slow_from, timeout=timeout_s)

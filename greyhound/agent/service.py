@@ -8,6 +8,7 @@ the batch is retried on the next tick, bounded so memory cannot grow without lim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -119,10 +120,8 @@ class NodeAgent:
                 self.collect_counters()
                 next_counters = now + self.settings.agent_counters_s
             await self.flush()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.settings.agent_poll_s)
-            except TimeoutError:
-                pass
         self.collect_iterations()
         await self.flush()
         for col in self.collectors.values():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from sqlalchemy import text
@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from services.api.schemas import ErrorOut, Health, IncidentOut, JobDetailOut, JobOut
 from services.common.db import repository as repo
 
-NOT_FOUND = {404: {"model": ErrorOut, "description": "no such object"}}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorOut, "description": "no such object"}}
 
 
 def create_app(sessions: async_sessionmaker[AsyncSession]) -> FastAPI:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Generator
 
 import uvicorn
 
@@ -10,11 +12,18 @@ from services.api.app import create_app
 from services.common.runtime import ServiceContext
 
 
+class _Server(uvicorn.Server):
+    """The service runtime owns SIGINT/SIGTERM; uvicorn must not take them over."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
 async def run_api(ctx: ServiceContext, stop: asyncio.Event, *, host: str, port: int) -> None:
     app = create_app(ctx.db())
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server = _Server(config)
     task = asyncio.create_task(server.serve())
     await stop.wait()
     server.should_exit = True

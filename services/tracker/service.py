@@ -60,11 +60,9 @@ class Tracker:
         tracker = self.jobs.get(msg.job_id)
         if tracker is None:
             tracker = self.jobs[msg.job_id] = JobTracker(method=self.method)
-        # Feed each rank's iterations in order; the batch is already per-rank ordered by the agent.
-        for rank, duration in zip(msg.rank, msg.duration_s, strict=True):
-            decision = tracker.observe(rank, duration)
-            if decision is not None:
-                await self._emit(msg.job_id, decision)
+        # The agent keeps each rank's iterations in order within and across batches.
+        for decision in tracker.observe_many(msg.rank, msg.duration_s):
+            await self._emit(msg.job_id, decision)
 
     async def _emit(self, job: str, d: JobDetection) -> None:
         event = DetectionEvent(
