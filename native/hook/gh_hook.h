@@ -37,6 +37,34 @@ static inline uint64_t gh_now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* clock.c: CLOCK_MONOTONIC nanoseconds from the TSC where that is safe (x86-64, invariant TSC). */
+struct gh_tsc_anchor {
+  uint64_t tsc, ns, mult; /* ns = anchor.ns + (tsc - anchor.tsc) * mult / 2^32 */
+};
+extern struct gh_tsc_anchor gh_anchor[2];
+extern uint32_t gh_anchor_idx;
+extern int gh_tsc_ok;
+extern uint64_t gh_reanchor_ticks;
+void gh_clock_init(void);
+uint64_t gh_tsc_reanchor(uint64_t tsc);
+#if defined(__x86_64__)
+#include <x86intrin.h>
+static inline uint64_t gh_fast_ns(void) {
+  if (GH_LIKELY(__atomic_load_n(&gh_tsc_ok, __ATOMIC_ACQUIRE))) {
+    uint64_t t = __rdtsc();
+    const struct gh_tsc_anchor *a = &gh_anchor[__atomic_load_n(&gh_anchor_idx, __ATOMIC_ACQUIRE)];
+    uint64_t base = __atomic_load_n(&a->tsc, __ATOMIC_RELAXED);
+    uint64_t dt = t - base;
+    if (GH_UNLIKELY(dt > __atomic_load_n(&gh_reanchor_ticks, __ATOMIC_RELAXED))) return gh_tsc_reanchor(t);
+    return __atomic_load_n(&a->ns, __ATOMIC_RELAXED) +
+           (uint64_t)(((unsigned __int128)dt * __atomic_load_n(&a->mult, __ATOMIC_RELAXED)) >> 32);
+  }
+  return gh_now_ns();
+}
+#else
+static inline uint64_t gh_fast_ns(void) { return gh_now_ns(); }
+#endif
+
 /* resolve.c: the real pncclX (or, failing that, ncclX that is not our own wrapper). */
 void *gh_real(const char *name, void *self);
 void *gh_find_library_symbol(const char *lib_prefix, const char *const *sonames, const char *name);

@@ -20,19 +20,40 @@ static inline uint32_t my_tid(void) {
   return tls_tid;
 }
 
+/* NCCL forbids using one communicator from several threads at once, so its counters have a single
+ * writer at a time: plain load+store (no locked instruction) keeps them exact and cheap. */
+static inline void bump(uint64_t *p) { __atomic_store_n(p, __atomic_load_n(p, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED); }
+static inline uint64_t bump_get(uint64_t *p) {
+  uint64_t v = __atomic_load_n(p, __ATOMIC_RELAXED) + 1;
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+  return v;
+}
+
+/* The last communicator this thread used: training loops hit the same one again and again. */
+static GH_TLS ncclComm_t last_comm;
+static GH_TLS struct gh_comm_entry *last_entry;
+
 static inline int is_p2p(uint16_t op) { return op == GH_OP_SEND || op == GH_OP_RECV; }
 
 void gh_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream) {
   c->op = op;
   c->seq = 0;
   c->profiled = 0;
-  c->entry = gh_comm_lookup(comm);
-  if (GH_UNLIKELY(c->entry == NULL && comm != NULL)) c->entry = gh_comm_adopt(comm);
-  c->enter_ns = gh_now_ns();
+  if (GH_LIKELY(comm == last_comm && last_entry != NULL &&
+                __atomic_load_n(&last_entry->state, __ATOMIC_RELAXED) == GH_COMM_ACTIVE &&
+                last_entry->handle == (uint64_t)(uintptr_t)comm)) {
+    c->entry = last_entry;
+  } else {
+    c->entry = gh_comm_lookup(comm);
+    if (GH_UNLIKELY(c->entry == NULL && comm != NULL)) c->entry = gh_comm_adopt(comm);
+    last_comm = comm;
+    last_entry = c->entry;
+  }
+  c->enter_ns = gh_fast_ns();
   struct gh_comm_entry *e = c->entry;
   if (e != NULL) {
-    __atomic_fetch_add(&e->calls_entered, 1, __ATOMIC_RELAXED);
-    if (!is_p2p(op)) c->seq = __atomic_add_fetch(&e->last_seq_entered, 1, __ATOMIC_RELAXED);
+    bump(&e->calls_entered);
+    if (!is_p2p(op)) c->seq = bump_get(&e->last_seq_entered);
     __atomic_store_n(&e->inflight_enter_ns, c->enter_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&e->last_op, (uint32_t)op, __ATOMIC_RELAXED);
   }
@@ -59,7 +80,8 @@ static int peer_index(struct gh_comm_entry *e, int peer) {
 void gh_exit(struct gh_call *c, ncclResult_t res, ncclComm_t comm, uint64_t count, int dtype,
              int redop, int peer, cudaStream_t stream) {
   (void)comm;
-  uint64_t ret_ns = gh_now_ns();
+  uint64_t ret_ns = gh_fast_ns();
+  if (GH_UNLIKELY(ret_ns < c->enter_ns)) ret_ns = c->enter_ns; /* across a re-anchor */
   uint32_t flags = 0;
   if (res == ncclInProgress) flags |= GH_F_IN_PROGRESS;
   if (gh_group_depth > 0) flags |= GH_F_IN_GROUP;
@@ -76,12 +98,13 @@ void gh_exit(struct gh_call *c, ncclResult_t res, ncclComm_t comm, uint64_t coun
       int pi = peer_index(e, peer);
       if (pi >= 0) {
         uint64_t *ctr = c->op == GH_OP_SEND ? &e->send_count[pi] : &e->recv_count[pi];
-        seq = __atomic_add_fetch(ctr, 1, __ATOMIC_RELAXED);
+        seq = bump_get(ctr);
       }
     }
     if (!is_p2p(c->op)) __atomic_store_n(&e->last_seq_completed, seq, __ATOMIC_RELAXED);
     __atomic_store_n(&e->inflight_enter_ns, 0, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&e->calls_completed, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&e->calls_completed, __atomic_load_n(&e->calls_completed, __ATOMIC_RELAXED) + 1,
+                     __ATOMIC_RELEASE);
   }
   uint64_t idx;
   struct gh_record *r = gh_reserve(&idx);

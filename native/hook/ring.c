@@ -139,7 +139,10 @@ int gh_ring_ensure(int comm_rank) {
   if (rank < 0) return 0; /* wait for a communicator to tell us */
   int saved = errno;
   pthread_mutex_lock(&ring_lock);
-  if (ring_state == 0) __atomic_store_n(&ring_state, create_ring(rank) ? 1 : 2, __ATOMIC_RELEASE);
+  if (ring_state == 0) {
+    gh_clock_init();
+    __atomic_store_n(&ring_state, create_ring(rank) ? 1 : 2, __ATOMIC_RELEASE);
+  }
   pthread_mutex_unlock(&ring_lock);
   errno = saved;
   return ring_state == 1;

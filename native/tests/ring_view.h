@@ -11,7 +11,7 @@
 
 #include "greyhound_ring.h"
 
-static int gh_failures;
+__attribute__((unused)) static int gh_failures;
 #define CHECK(cond)                                                              \
   do {                                                                           \
     if (!(cond)) {                                                               \
