@@ -52,7 +52,8 @@ static void publish(uint64_t tsc, uint64_t ns) {
   __atomic_store_n(&gh_anchor[next].ns, ns, __ATOMIC_RELAXED);
   __atomic_store_n(&gh_anchor[next].mult, mult, __ATOMIC_RELAXED);
   __atomic_store_n(&gh_anchor_idx, next, __ATOMIC_RELEASE);
-  gh_reanchor_ticks = (uint64_t)(((unsigned __int128)REANCHOR_NS << 32) / (mult ? mult : 1));
+  __atomic_store_n(&gh_reanchor_ticks, (uint64_t)(((unsigned __int128)REANCHOR_NS << 32) / (mult ? mult : 1)),
+                   __ATOMIC_RELAXED);
 }
 
 void gh_clock_init(void) {
