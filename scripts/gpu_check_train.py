@@ -8,6 +8,7 @@ separate agent process, as the node agent would. Prints one JSON line with its m
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -16,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+# Imported by name: torch exists only on the GPU machine, and mypy runs where it does not.
+torch = importlib.import_module("torch")
+dist = importlib.import_module("torch.distributed")
 
 _AGENT = r"""
 import sys, time

@@ -53,7 +53,7 @@ def test_numpy_layout_matches_the_c_header(tmp_path: Path) -> None:
                   "gh_bench_slot": H.BENCH_SLOT_DTYPE}.items():
         assert c[(s, "sizeof")] == dt.itemsize, s
         for name in dt.names or ():
-            assert c[(s, name)] == dt.fields[name][1], (s, name)  # type: ignore[index]
+            assert c[(s, name)] == dt.fields[name][1], (s, name)
 
 
 def _records(n: int, comm_id: int = 7, op: H.Op = H.Op.ALLREDUCE) -> np.ndarray:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +33,10 @@ def _wait_rings(shm: Path, job: str, n: int, timeout: float = 20.0) -> list[Path
     raise TimeoutError(f"{n} rings for {job} did not appear")
 
 
-def _wait(cond: object, timeout: float, what: str) -> None:
+def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
+        if cond():
             return
         time.sleep(0.005)
     raise TimeoutError(what)
