@@ -234,6 +234,7 @@ class BocdVBatch:
         self.states = [LevelState() for _ in range(streams)]
         self._all = np.arange(streams)
         self._lag = np.arange(self.config.level_points)
+        self._tail = np.arange(self.config.confirm - 1, -1, -1)
 
     def update_many(self, values: npt.ArrayLike) -> list[Detection | None]:
         """One iteration time (seconds) per stream; NaN (or <= 0) skips that stream this time."""
@@ -274,16 +275,37 @@ class BocdVBatch:
         cols = (t[:, None] - self._lag) % self.hist
         self.level[sel] = np.log(np.median(self.ring[rr[:, None], cols], axis=1))
         kmap = logp.argmax(axis=1)
-        cand = (kmap >= c.confirm - 1) & (kmap < c.recent) & (t >= c.min_seen)
+        start = t - kmap
+        cand = ((kmap >= c.confirm - 1) & (kmap < c.recent) & (t >= c.min_seen)
+                & (start > self.last_index[sel]))
         if not cand.any():
             return out
         idx = np.flatnonzero(cand)
-        mass = np.exp(logp[idx, : c.recent]).sum(axis=1)
-        for j in idx[mass > c.threshold]:
-            row = int(j) if rows is None else int(rows[j])
-            det = self._validate(row, int(t[j]), int(t[j] - kmap[j]))
-            out[row] = det
+        idx = idx[np.exp(logp[idx, : c.recent]).sum(axis=1) > c.threshold]
+        if c.validate and idx.size:
+            idx = idx[self._plausible(rr[idx], t[idx])]
+        for j in idx.tolist():
+            row = int(rr[j])
+            out[row] = self._validate(row, int(t[j]), int(start[j]))
         return out
+
+    def _plausible(self, rows: npt.NDArray[np.intp], t: npt.NDArray[np.int64]) -> Any:
+        """Vectorised pre-check of the validation, against the long run's mean as the old level.
+
+        Most candidates follow a spike that knocked the long run out and are plainly at the old
+        level; dropping them here keeps the per-candidate Python work for the few real ones.
+        """
+        c = self.config
+        cols = (t[:, None] - self._tail) % self.hist
+        tail = np.log(self.ring[rows[:, None], cols])
+        n = self.core.n[rows, -1]
+        old = np.where(n > 0.0, self.core.s1[rows, -1] / np.maximum(n, 1e-12), tail[:, 0])
+        med = np.median(tail, axis=1)
+        diff = med - old
+        mid = old + 0.5 * diff
+        up = (diff >= 0.5 * math.log1p(c.rel)) & (tail.min(axis=1) > mid)
+        down = (diff <= -0.5 * math.log1p(c.rel)) & (tail.max(axis=1) < mid)
+        return up | down
 
     def _validate(self, row: int, now: int, index: int) -> Detection | None:
         if index <= self.last_index[row]:
