@@ -15,17 +15,20 @@ from services.common.db import repository as repo
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorOut, "description": "no such object"}}
 
 
+async def session_dep(request: Request) -> AsyncIterator[AsyncSession]:
+    """One session per request; read-only endpoints never commit."""
+    maker: async_sessionmaker[AsyncSession] = request.app.state.sessions
+    async with maker() as session:
+        yield session
+
+
+Session = Annotated[AsyncSession, Depends(session_dep)]
+
+
 def create_app(sessions: async_sessionmaker[AsyncSession]) -> FastAPI:
     app = FastAPI(title="Greyhound", version="0.1.0",
                   description="Fail-slow and hang detection for distributed training jobs")
     app.state.sessions = sessions
-
-    async def session_dep(request: Request) -> AsyncIterator[AsyncSession]:
-        maker: async_sessionmaker[AsyncSession] = request.app.state.sessions
-        async with maker() as session:
-            yield session
-
-    Session = Annotated[AsyncSession, Depends(session_dep)]
 
     @app.get("/healthz", response_model=Health)
     async def healthz(session: Session) -> Health:

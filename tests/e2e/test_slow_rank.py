@@ -64,7 +64,7 @@ def test_slow_rank_incident_within_10s(stack: Stack, tmp_path: Path) -> None:
     assert incident["job_id"] == job
     assert incident["kind"] == "slowdown"
     assert incident["status"] in ("detected", "localized", "validated")
-    assert 1.2 <= float(incident["severity"]) <= 1.8  # type: ignore[arg-type]
+    assert 1.2 <= float(incident["severity"]) <= 1.8
     detail = httpx.get(f"{base}/v1/incidents/{incident['id']}", timeout=5).json()
     assert detail["timeline"][0]["stage"] == "detected"
     job_info = httpx.get(f"{base}/v1/jobs/{job}", timeout=5).json()

@@ -132,7 +132,7 @@ class Consumer(Generic[M]):
         while not self._stopping.is_set():
             try:
                 msgs = await sub.fetch(self.spec.batch, timeout=0.25)
-            except NatsTimeoutError:
+            except (NatsTimeoutError, TimeoutError):
                 msgs = []
             except Exception:
                 if self._stopping.is_set():
