@@ -131,6 +131,20 @@ class ClusterModel:
             self._derived, self._key = derive(self.job, layout.gpu_of_rank, slow), key
         return self._derived
 
+    def slowness(self, t: float) -> flt.Slowness:
+        faults = self.scenario.faults
+        return flt.slowness(self.job, faults, flt.active_set(faults, t, self.layout.cleared))
+
+    def gemm_s(self, gpu: int, n: int, t: float) -> float:
+        """One N x N x N FP32 GEMM on ``gpu`` at virtual time ``t`` (its slow factor applies)."""
+        return 2.0 * n**3 / (self.job.gemm_tflops * 1e12) * float(self.slowness(t).gpu[gpu])
+
+    def p2p_s(self, gpu_a: int, gpu_b: int, nbytes: int, t: float) -> float:
+        """One transfer of ``nbytes`` from ``gpu_a`` to ``gpu_b`` (NVLink or the congested link)."""
+        a, b = np.array([gpu_a]), np.array([gpu_b])
+        bw, lat = _Links(self.job, self.slowness(t)).between(a, b)
+        return float(lat[0] + nbytes / bw[0])
+
     def apply_plan(self, plan: Plan) -> float:
         s = self.scenario
         cost = apply(plan, self.layout, self.job, s.faults, s.costs, self._now)

@@ -74,6 +74,7 @@ class JobSpec:
     optimizer_s: float = 0.01
     dp_algorithm: DpAlgorithm = "auto"
     tree_efficiency: float = 0.85
+    gemm_tflops: float = 50.0  # FP32 GEMM rate of a healthy GPU (the validator's benchmark)
 
     @property
     def world(self) -> int:
@@ -209,6 +210,7 @@ def _job(d: Mapping[str, Any]) -> JobSpec:
         optimizer_s=_num(d, "optimizer_s", p, default=0.01),
         dp_algorithm=algo,
         tree_efficiency=_num(d, "tree_efficiency", p, default=0.85, positive=True),
+        gemm_tflops=_num(d, "gemm_tflops", p, default=50.0, positive=True),
     )
     if job.microbatches < job.dp:
         raise ScenarioError(p + "microbatches", f"{job.microbatches} < dp ({job.dp}): a group idles")

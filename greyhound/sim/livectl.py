@@ -1,0 +1,117 @@
+"""What a simulated rank does with its control block: park at an NCCL call, answer benchmarks.
+
+Semantics follow native/hook/control.c. A pause request parks the rank at the entry of its next
+data-path call (or, targeted, at the call on ``pause_comm_id`` whose collective sequence would
+be >= ``pause_seq``): it never enters that call, so every peer that needs the call blocks inside
+its own matching call, and then everything after that, transitively (:func:`blocked_from`).
+While parked, the rank runs the submitted benchmark requests, lowest id first, timed from the
+simulated hardware at that moment. Nothing here touches files or clocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from greyhound import hookabi
+from greyhound.hookabi import BenchKind, BenchState
+from greyhound.hookabi_writer import HookControl
+from greyhound.sim.model import ClusterModel
+from greyhound.sim.records import comm_ids
+
+IntArray = npt.NDArray[np.int64]
+NCCL_INVALID_ARGUMENT = 4
+_K1 = np.uint64(0x9E3779B97F4A7C15)
+_K2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_K3 = np.uint64(0x165667B19E3779F9)
+_P2P = (int(hookabi.Op.SEND), int(hookabi.Op.RECV))
+
+
+def match_keys(rec: np.ndarray) -> IntArray:
+    """One key per call, equal on every rank taking part in the same operation: (comm, seq)
+    for collectives, (comm, sender, receiver, per-pair count) for a send and its receive."""
+    op = rec["op"]
+    send = op == hookabi.Op.SEND
+    recv = op == hookabi.Op.RECV
+    me = rec["comm_rank"].astype(np.int64)
+    peer = rec["peer"].astype(np.int64)
+    src = np.where(send, me, np.where(recv, peer, -1)) + 1
+    dst = np.where(send, peer, np.where(recv, me, -1)) + 1
+    with np.errstate(over="ignore"):
+        k = rec["comm_id"].astype(np.uint64) ^ (rec["seq"].astype(np.uint64) * _K1)
+        k ^= src.astype(np.uint64) * _K2
+        k ^= (dst.astype(np.uint64) + np.uint64(1 << 20)) * _K3
+    return k.view(np.int64)
+
+
+def park_index(rec: np.ndarray, comm_id: int, seq: int, entered_ns: int) -> int | None:
+    """Where a rank parks among its pending calls (sorted by enter): the first call it has not
+    entered yet (enter > ``entered_ns``) that matches the pause target; None if none pending."""
+    ok = rec["enter_ns"] > np.uint64(entered_ns)
+    if comm_id:
+        p2p = np.isin(rec["op"], _P2P)
+        # The hook compares last_seq_entered + 1; the simulated PP comms carry no collectives.
+        would_be = np.where(p2p, 1, rec["seq"].astype(np.int64))
+        ok &= (rec["comm_id"] == np.uint64(comm_id)) & (would_be >= seq)
+    hit = np.flatnonzero(ok)
+    return int(hit[0]) if hit.size else None
+
+
+def blocked_from(rank: IntArray, rec: np.ndarray, starts: IntArray, ends: IntArray,
+                 parked: dict[int, int]) -> IntArray:
+    """Absolute index of each rank's first pending call that cannot complete (``ends[r]``:
+    none), given parked ranks and the index of the call each is parked at."""
+    first = ends.copy()
+    for r, i in parked.items():
+        first[r] = min(first[r], i)
+    keys = match_keys(rec)
+    pos = np.arange(len(rec))
+    while True:
+        stuck = pos >= first[rank]
+        hit = np.isin(keys, keys[stuck]) & ~stuck
+        if not hit.any():
+            return first
+        np.minimum.at(first, rank[hit], pos[hit])
+
+
+def answer_requests(ctl: HookControl, model: ClusterModel, rank: int, t: float,
+                    rng: np.random.Generator) -> int:
+    """Run every submitted benchmark of a parked rank at virtual time ``t``; returns how many."""
+    done = 0
+    for req_id, req in ctl.pending():
+        ctl.answer(req_id, BenchState.RUNNING, [])
+        if not 1 <= req.repeat <= hookabi.BENCH_MAX_REPEAT:
+            ctl.answer(req_id, BenchState.FAILED, [], NCCL_INVALID_ARGUMENT)
+        elif req.kind == BenchKind.GEMM:
+            gpu = int(model.layout.gpu_of_rank[rank])
+            _finish(ctl, req_id, model.gemm_s(gpu, req.size, t), req.repeat, model, rng)
+        elif req.kind in (BenchKind.SEND, BenchKind.RECV):
+            peer_gpu = _peer_gpu(model, rank, req.comm_id, req.peer)
+            if peer_gpu is None:
+                ctl.answer(req_id, BenchState.FAILED, [], NCCL_INVALID_ARGUMENT)
+            else:
+                me = int(model.layout.gpu_of_rank[rank])
+                a, b = (me, peer_gpu) if req.kind == BenchKind.SEND else (peer_gpu, me)
+                _finish(ctl, req_id, model.p2p_s(a, b, req.size, t), req.repeat, model, rng)
+        else:
+            ctl.answer(req_id, BenchState.UNSUPPORTED, [])
+        done += 1
+    return done
+
+
+def _finish(ctl: HookControl, req_id: int, seconds: float, repeat: int, model: ClusterModel,
+            rng: np.random.Generator) -> None:
+    cv = model.scenario.noise.jitter_cv
+    times = seconds * np.exp(rng.normal(0.0, cv, repeat)) if cv > 0 else np.full(repeat, seconds)
+    ctl.answer(req_id, BenchState.DONE, [max(1, round(x * 1e9)) for x in times.tolist()])
+
+
+def _peer_gpu(model: ClusterModel, rank: int, comm_id: int, peer: int) -> int | None:
+    """The GPU of comm rank ``peer`` in one of this rank's communicators, or None if invalid."""
+    index = (comm_id & 0xFFFFFFFF) - 1
+    if not 0 <= index < model.comms.size or int(comm_ids(model.comms)[index]) != comm_id:
+        return None
+    members = model.comms.members(index)
+    if rank not in members.tolist() or not 0 <= peer < len(members) or members[peer] == rank:
+        return None
+    return int(model.layout.gpu_of_rank[int(members[peer])])
