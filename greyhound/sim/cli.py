@@ -1,7 +1,8 @@
-"""``greyhound sim run SCENARIO.yaml [--offline] [--speed X] [--json]``.
+"""``greyhound sim run SCENARIO.yaml [--offline] [--speed X] [--json] [--port P]``.
 
-Only ``--offline`` runs here (one iteration time in seconds per line: the input of
-``greyhound detect``); the live run needs the services and is wired by ``greyhound.cli``.
+``--offline`` prints one iteration time in seconds per line (the input of ``greyhound detect``);
+without it the scenario runs live through the whole stack (greyhound.sim.live_run, imported
+only then, so that offline sweeps never load the services).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def main(argv: Sequence[str]) -> int:
     run.add_argument("--offline", action="store_true", help="print iteration times only")
     run.add_argument("--speed", type=float, default=None, help="cap virtual/wall time ratio")
     run.add_argument("--json", action="store_true", help="print incidents as JSON lines")
+    run.add_argument("--port", type=int, default=None, help="REST API port (default: settings)")
+    run.add_argument("--settle", type=float, default=5.0,
+                     help="seconds to let the services finish after the run")
     args = parser.parse_args(list(argv))
     try:
         scenario = load_scenario(args.scenario)
@@ -33,10 +37,17 @@ def main(argv: Sequence[str]) -> int:
         print("greyhound sim: --json reports incidents, which only a live run produces",
               file=sys.stderr)
         return 2
-    if not args.offline:
-        print("greyhound sim: live runs go through `greyhound sim run` with the services; "
-              "use --offline here", file=sys.stderr)
+    if args.speed is not None and args.speed <= 0:
+        print("greyhound sim: --speed must be positive", file=sys.stderr)
         return 2
+    if not args.offline:
+        from greyhound.sim.live_run import run_live
+        from services.common.settings import get_settings
+
+        settings = get_settings()
+        return run_live(scenario, settings, port=args.port or settings.api_port,
+                        speed=args.speed, as_json=args.json, out=sys.stdout, err=sys.stderr,
+                        settle_s=args.settle)
     out = sys.stdout
     for seconds in run_offline(scenario):
         out.write(f"{seconds:.6f}\n")
