@@ -216,7 +216,8 @@ class LiveSimulation:
             if k < ends[r] and k != parked_at.get(r) and int(rec["enter_ns"][k]) <= v_ns:
                 row = self.rings[r].rows[int(rec["comm_id"][k])]
                 enter = int(rec["enter_ns"][k])
-                call = Inflight(row, int(rec["op"][k]), int(rec["seq"][k]), enter)
+                call = Inflight(row, int(rec["op"][k]), int(rec["seq"][k]), enter,
+                                int(rec["count"][k]), int(rec["datatype"][k]))
                 shown = mono_now - (v_ns - enter)
             self.rings[r].advance(out, call, shown)
         taken = first - starts

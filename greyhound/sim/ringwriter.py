@@ -23,6 +23,8 @@ from greyhound.hookabi_writer import HookControl
 from greyhound.sim.records import comm_kind
 
 _P2P = (int(hookabi.Op.SEND), int(hookabi.Op.RECV))
+# Layout v2 keeps the size and type of the newest call entered on each comm.
+_LAST_CALL = "last_count" in (hookabi.COMM_DTYPE.names or ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,8 @@ class Inflight:
     op: int
     seq: int
     enter_ns: int
+    count: int = 0
+    dtype: int = 0
 
 
 class SimRing:
@@ -121,6 +125,9 @@ class SimRing:
         r = table[call.row]
         r["calls_entered"] = int(r["calls_completed"]) + 1
         r["last_op"] = call.op
+        if _LAST_CALL:
+            r["last_count"] = call.count
+            r["last_dtype"] = call.dtype
         if call.op not in _P2P:
             r["last_seq_entered"] = max(int(r["last_seq_entered"]), call.seq)
         r["inflight_enter_ns"] = max(1, shown_enter_ns or call.enter_ns)
@@ -150,6 +157,9 @@ class SimRing:
             row = table[i]
             row["calls_completed"] += len(mine)
             row["last_op"] = int(mine["op"][-1])
+            if _LAST_CALL:
+                row["last_count"] = int(mine["count"][-1])
+                row["last_dtype"] = int(mine["datatype"][-1])
             coll = ~np.isin(mine["op"], _P2P)
             if coll.any():
                 last = int(mine["seq"][coll].max())

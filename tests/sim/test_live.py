@@ -137,6 +137,8 @@ def test_hangs_show_in_the_comm_table_only(tmp_path: Path, kind: str) -> None:
         if kind == "hang_hardware":  # entered, never returns
             assert len(busy) == 1
             assert busy["calls_entered"][0] == busy["calls_completed"][0] + 1
+            if "last_count" in (busy.dtype.names or ()):  # layout v2: what it entered
+                assert busy["last_count"][0] > 0 and busy["last_dtype"][0] == 9
         else:  # never entered: no counter moved, while its peers wait inside
             assert len(busy) == 0
             assert np.all(victim["calls_entered"] == victim["calls_completed"])
