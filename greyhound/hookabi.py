@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAGIC = 0x31474E4952484721
 HEADER_BYTES = 4096
 DEFAULT_RECORDS = 65536
@@ -172,8 +172,10 @@ COMM_DTYPE = _struct(
         ("peer_ids", ("<i4", (MAX_PEERS,)), 96),
         ("send_count", ("<u8", (MAX_PEERS,)), 352),
         ("recv_count", ("<u8", (MAX_PEERS,)), 864),
+        ("last_count", "<u8", 1376),
+        ("last_dtype", "<u4", 1384),
     ],
-    1376,
+    1392,
 )
 
 BENCH_SLOT_DTYPE = _struct(

@@ -48,8 +48,6 @@ class RankStream:
     path: Path
     reader: RingReader
     segmenter: IterationSegmenter = field(default_factory=IterationSegmenter)
-    last_count: dict[int, int] = field(default_factory=dict)
-    last_dtype: dict[int, int] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -66,12 +64,6 @@ class RankStream:
         recs = recs[np.isin(recs["op"], _COLLECTIVES)]
         if len(recs) == 0:
             return []
-        # Remember what each communicator last ran (for comparing ranks at one sequence number).
-        comm_ids = recs["comm_id"]
-        uniq, last_idx = np.unique(comm_ids[::-1], return_index=True)
-        for cid, i in zip(uniq.tolist(), (len(recs) - 1 - last_idx).tolist(), strict=True):
-            self.last_count[cid] = int(recs["count"][i])
-            self.last_dtype[cid] = int(recs["datatype"][i])
         iters = self.segmenter.feed(call_keys(recs), recs["enter_ns"].astype(np.int64),
                                     recs["return_ns"].astype(np.int64))
         off = self.wall_offset_ns()
@@ -141,8 +133,8 @@ class Collector:
                 t0 = int(c["inflight_enter_ns"])
                 rows.inflight_s.append(max(0.0, (now_mono_ns - t0) / 1e9) if t0 else 0.0)
                 rows.last_op.append(int(c["last_op"]))
-                rows.last_count.append(stream.last_count.get(cid, 0))
-                rows.last_dtype.append(stream.last_dtype.get(cid, 0))
+                rows.last_count.append(int(c["last_count"]))
+                rows.last_dtype.append(int(c["last_dtype"]))
         return rows
 
     def close(self) -> None:

@@ -106,7 +106,7 @@ struct gh_comm_entry *gh_comm_adopt(ncclComm_t comm);
     gh_depth++;                                                                       \
     if (gh_group_depth == 0) gh_pause_point(COMM);                                    \
     struct gh_call c_;                                                                \
-    gh_enter(&c_, (OP), (COMM), (STREAM));                                            \
+    gh_enter(&c_, (OP), (COMM), (STREAM), (COUNT), (int)(DTYPE));                      \
     errno = saved_;                                                                   \
     ncclResult_t res_ = CALL;                                                         \
     saved_ = errno;                                                                   \
@@ -126,7 +126,8 @@ struct gh_call {
   int profiled;      /* profile.c started events for this call */
   uint32_t prof_slot;
 };
-void gh_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream);
+void gh_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream, uint64_t count,
+              int dtype);
 void gh_exit(struct gh_call *c, ncclResult_t res, ncclComm_t comm, uint64_t count, int dtype,
              int redop, int peer, cudaStream_t stream);
 void gh_record_event(uint16_t op, struct gh_comm_entry *e, int result, int peer, uint64_t enter_ns);

@@ -35,7 +35,8 @@ static GH_TLS struct gh_comm_entry *last_entry;
 
 static inline int is_p2p(uint16_t op) { return op == GH_OP_SEND || op == GH_OP_RECV; }
 
-void gh_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream) {
+void gh_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream, uint64_t count,
+              int dtype) {
   c->op = op;
   c->seq = 0;
   c->profiled = 0;
@@ -56,6 +57,8 @@ void gh_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stre
     if (!is_p2p(op)) c->seq = bump_get(&e->last_seq_entered);
     __atomic_store_n(&e->inflight_enter_ns, c->enter_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&e->last_op, (uint32_t)op, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->last_count, count, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->last_dtype, (uint32_t)dtype, __ATOMIC_RELAXED);
   }
   if (GH_UNLIKELY(gh_ctl != NULL && __atomic_load_n(&gh_ctl->mode, __ATOMIC_RELAXED) == GH_MODE_PROFILE))
     c->profiled = gh_profile_begin(stream, &c->prof_slot, NULL);

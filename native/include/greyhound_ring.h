@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #define GH_RING_MAGIC 0x31474e4952484721ULL /* "!GHRING1" little-endian */
-#define GH_LAYOUT_VERSION 1u
+#define GH_LAYOUT_VERSION 2u
 #define GH_HEADER_BYTES 4096u
 #define GH_DEFAULT_RECORDS 65536u
 #define GH_MAX_COMMS 64
@@ -142,7 +142,10 @@ struct gh_comm_entry {
   int32_t peer_ids[GH_MAX_PEERS];     /*   96 */
   uint64_t send_count[GH_MAX_PEERS];  /*  352 */
   uint64_t recv_count[GH_MAX_PEERS];  /*  864 */
-};                                    /* 1376 bytes */
+  uint64_t last_count;                /* 1376 count of the newest call entered (v2) */
+  uint32_t last_dtype;                /* 1384 its ncclDataType_t (v2): ranks compare at one seq */
+  uint32_t pad_e;                     /* 1388 */
+};                                    /* 1392 bytes */
 
 struct gh_bench_slot {
   uint64_t req_id;   /*  0 agent-chosen, nonzero */
@@ -174,7 +177,7 @@ struct gh_control {
 #ifndef __cplusplus
 _Static_assert(sizeof(struct gh_ring_header) == 384, "header layout");
 _Static_assert(sizeof(struct gh_record) == 128, "record layout");
-_Static_assert(sizeof(struct gh_comm_entry) == 1376, "comm layout");
+_Static_assert(sizeof(struct gh_comm_entry) == 1392, "comm layout");
 _Static_assert(sizeof(struct gh_bench_slot) == 576, "bench slot layout");
 _Static_assert(sizeof(struct gh_control) == 9280, "control layout");
 #endif
