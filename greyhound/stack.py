@@ -36,12 +36,15 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
+        """The children get this process's settings (however they were made) plus the URLs."""
         assert self.backends is not None
         env = dict(os.environ)
+        for name, value in self.settings.model_dump().items():
+            if value is not None:
+                env[f"GREYHOUND_{name.upper()}"] = str(value)
         env["GREYHOUND_NATS_URL"] = self.backends.nats_url
         env["GREYHOUND_DATABASE_URL"] = self.backends.database_url
         env["GREYHOUND_DATA_DIR"] = str(Path(self.settings.data_dir).resolve())
-        env["GREYHOUND_SHM_DIR"] = str(self.settings.shm_dir)
         return env
 
     def start(self) -> None:

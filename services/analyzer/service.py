@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
+from services.analyzer.hangs import diagnose_from_rows, unsigned64
 from services.common.bus.client import Consumer, TransientError, publish
 from services.common.bus.contract import DetectionEvent, IncidentEvent, Subjects
 from services.common.bus.streams import ANALYZER
@@ -30,12 +32,37 @@ class Analyzer:
         if announce is not None:
             await publish(self.ctx.js, Subjects.incident(det.job_id), announce)
 
+    @staticmethod
+    def _classify(det: DetectionEvent) -> tuple[str, float, dict[str, Any], str]:
+        """Kind, severity, culprit and summary of a new incident for this detection."""
+        if det.kind != "hang":
+            summary = (f"job {det.job_id} {det.kind}: iteration {det.before_s:.3f}s -> "
+                       f"{det.after_s:.3f}s ({det.slowdown:.2f}x)")
+            return det.kind, det.slowdown, {"ranks": det.ranks[:64]}, summary
+        stalled = det.stalled_s or 0.0
+        severity = stalled / det.threshold_s if det.threshold_s else 1.0
+        culprit: dict[str, Any] = {"comm_id": det.comm_id, "ranks": det.ranks[:64]}
+        rows = det.evidence.get("counters", {})
+        found = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled) if rows else []
+        mine = [d for d in found if det.comm_id is None or unsigned64(d.comm_id) == det.comm_id]
+        if not mine:
+            return "hang", severity, culprit, (
+                f"job {det.job_id}: communicator {det.comm_id} made no progress for "
+                f"{stalled:.1f}s (cause not determined)")
+        d = mine[0]
+        culprit = {"comm_id": det.comm_id, "ranks": d.ranks[:64], "seq": d.seq, "op": d.op,
+                   "diagnosis": d.evidence}
+        return d.kind, severity, culprit, (
+            f"job {det.job_id}: {d.kind} on communicator {det.comm_id} at {d.op} #{d.seq}; "
+            f"ranks {d.ranks[:16]}; stalled {stalled:.1f}s")
+
     async def _record(self, det: DetectionEvent) -> IncidentEvent | None:
         detail = {"event_id": det.event_id, "ranks": det.ranks[:64], "method": det.method,
                   "first_iteration": det.first_iteration,
                   "detected_iteration": det.detected_iteration,
                   "before_s": det.before_s, "after_s": det.after_s}
         dedup = "slowdown" if det.kind in ("slowdown", "recovery") else f"hang:{det.comm_id}"
+        kind, severity, culprit, summary = self._classify(det)
         async with self.ctx.db()() as session:
             if not await repo.claim_event(session, ANALYZER.durable, det.event_id):
                 return None
@@ -48,16 +75,15 @@ class Analyzer:
                 await repo.add_timeline(session, incident, "resolved", detail)
                 stage = "resolved"
             elif incident is None:
-                summary = (f"job {det.job_id} {det.kind}: iteration {det.before_s:.3f}s -> "
-                           f"{det.after_s:.3f}s ({det.slowdown:.2f}x)")
                 incident = await repo.open_incident(
-                    session, job_id=det.job_id, kind=det.kind, dedup_key=dedup,
-                    severity=det.slowdown, summary=summary,
-                    culprit={"ranks": det.ranks[:64], "comm_id": det.comm_id},
-                    evidence={"detection": detail}, stage_detail=detail)
-                stage = "detected"
+                    session, job_id=det.job_id, kind=kind, dedup_key=dedup, severity=severity,
+                    summary=summary, culprit=culprit,
+                    evidence={"detection": detail, **det.evidence}, stage_detail=detail)
+                stage = "localized" if det.kind == "hang" and kind != "hang" else "detected"
+                if stage == "localized":
+                    await repo.add_timeline(session, incident, "localized", culprit)
             else:
-                incident.severity = max(incident.severity, det.slowdown)
+                incident.severity = max(incident.severity, severity)
                 await repo.add_timeline(session, incident, "detected", detail)
                 stage = "detected"
             await session.commit()

@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     agent_poll_s: float = Field(default=0.05, gt=0)
     agent_counters_s: float = Field(default=0.5, gt=0)
     detector: str = "bocd-v"
+    hang_floor_s: float = Field(default=60.0, gt=0, description="never call a hang sooner than this")
+    hang_multiple: float = Field(default=20.0, gt=0, description="x the job's typical iteration")
     log_level: str = "INFO"
 
     @field_validator("nats_url")

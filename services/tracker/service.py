@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from statistics import median
 from typing import Annotated
 
 from pydantic import Field
 
 from greyhound.core.detector import Method
+from greyhound.core.job_hangs import COUNTER_FIELDS, HangFinding, JobHangMonitor
 from greyhound.core.job_tracker import JobDetection, JobTracker
 from services.common.bus.client import Consumer, TransientError, publish
 from services.common.bus.contract import (
@@ -38,13 +40,43 @@ class Tracker:
         self.ctx = ctx
         self.method: Method = method
         self.jobs: dict[str, JobTracker] = {}
+        self.hangs: dict[str, JobHangMonitor] = {}
         self.detections = 0
+
+    def _hang_monitor(self, job: str) -> JobHangMonitor:
+        mon = self.hangs.get(job)
+        if mon is None:
+            s = self.ctx.settings
+            mon = self.hangs[job] = JobHangMonitor(floor_s=s.hang_floor_s,
+                                                   multiple=s.hang_multiple)
+        return mon
 
     async def handle(self, subject: str, msg: AgentHello | IterationBatch | CounterBatch) -> None:
         if isinstance(msg, AgentHello):
             await self._hello(msg)
         elif isinstance(msg, IterationBatch):
             await self._iterations(msg)
+        else:
+            self._hang_monitor(msg.job_id).observe_counters(
+                msg.sampled_ns / 1e9, {f: getattr(msg, f) for f in COUNTER_FIELDS})
+            await self.check_hangs()
+
+    async def check_hangs(self) -> None:
+        now = time.time()
+        for job, mon in self.hangs.items():
+            for finding in mon.check(now):
+                await self._emit_hang(job, finding)
+
+    async def _emit_hang(self, job: str, f: HangFinding) -> None:
+        event = DetectionEvent(
+            job_id=job, kind="hang", ranks=list(f.inflight_ranks), first_iteration=-1,
+            detected_iteration=-1, before_s=0.0, after_s=f.stalled_s, detected_ns=time.time_ns(),
+            comm_id=f.comm_id, stalled_s=f.stalled_s, threshold_s=f.threshold_s,
+            method="hang-watch", evidence={"counters": f.rows})
+        await publish(self.ctx.js, Subjects.detection(job), event)
+        self.detections += 1
+        log.warning("job %s: communicator %x stalled %.1fs (threshold %.1fs); inside NCCL: %s",
+                    job, f.comm_id, f.stalled_s, f.threshold_s, list(f.inflight_ranks)[:8])
 
     async def _hello(self, msg: AgentHello) -> None:
         try:
@@ -60,6 +92,8 @@ class Tracker:
         tracker = self.jobs.get(msg.job_id)
         if tracker is None:
             tracker = self.jobs[msg.job_id] = JobTracker(method=self.method)
+        if msg.duration_s:
+            self._hang_monitor(msg.job_id).observe_iteration(median(msg.duration_s))
         # The agent keeps each rank's iterations in order within and across batches.
         for decision in tracker.observe_many(msg.rank, msg.duration_s):
             await self._emit(msg.job_id, decision)
@@ -80,7 +114,7 @@ async def run_tracker(ctx: ServiceContext, stop: asyncio.Event) -> None:
     tracker = Tracker(ctx, method=ctx.settings.detector)  # type: ignore[arg-type]
     consumer: Consumer[AgentHello | IterationBatch | CounterBatch] = Consumer(
         ctx.js, TRACKER, Telemetry, tracker.handle)
-    task = asyncio.create_task(consumer.run())
+    task = asyncio.create_task(consumer.run(idle=tracker.check_hangs))
     await stop.wait()
     consumer.stop()
     await task

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -196,7 +196,11 @@ class DetectionEvent(Message):
     detected_ns: int = Field(description="wall-clock ns of detection")
     comm_id: int | None = None
     stalled_s: float | None = Field(default=None, ge=0)
+    threshold_s: float | None = Field(default=None, ge=0)
     method: str = "bocd-v"
+    evidence: dict[str, Any] = Field(
+        default_factory=dict,
+        description="what the tracker saw: for hangs, the communicator's latest counter rows")
 
     @property
     def slowdown(self) -> float:

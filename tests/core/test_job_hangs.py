@@ -1,0 +1,63 @@
+"""Hang watching over counter samples: stalls inside NCCL alarm, phases outside NCCL do not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from greyhound.core.job_hangs import COUNTER_FIELDS, JobHangMonitor
+
+
+def _sample(completed: list[int], inflight: list[float], comm: int = 7) -> dict[str, list[Any]]:
+    n = len(completed)
+    cols: dict[str, list[Any]] = {f: [0] * n for f in COUNTER_FIELDS}
+    cols["rank"] = list(range(n))
+    cols["comm_id"] = [comm] * n
+    cols["comm_rank"] = list(range(n))
+    cols["nranks"] = [n] * n
+    cols["completed"] = completed
+    cols["entered"] = [c + (1 if f > 0 else 0) for c, f in zip(completed, inflight, strict=True)]
+    cols["inflight_s"] = inflight
+    return cols
+
+
+def _warm(mon: JobHangMonitor, seconds: int) -> int:
+    done = 0
+    for t in range(seconds * 10):
+        mon.observe_iteration(0.1)
+        done += 1
+        mon.observe_counters(t / 10, _sample([done] * 4, [0.01, 0.0, 0.02, 0.0]))
+        assert mon.check(t / 10) == []
+    return done
+
+
+def test_stall_inside_nccl_alarms_once_after_threshold() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    start = 10.0
+    alarms = []
+    for k in range(1, 80):
+        t = start + k / 10
+        # Rank 2 never enters; the others wait inside the collective.
+        mon.observe_counters(t, _sample([done] * 4, [k / 10, k / 10, 0.0, k / 10]))
+        alarms += [(t, a) for a in mon.check(t)]
+    assert len(alarms) == 1
+    t, a = alarms[0]
+    assert a.comm_id == 7 and a.inflight_ranks == (0, 1, 3)
+    assert 3.0 <= a.stalled_s <= 3.3 and a.threshold_s == 3.0
+    assert a.rows["rank"] == [0, 1, 2, 3]
+
+
+def test_long_phase_outside_nccl_never_alarms() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    for k in range(1, 100):  # a 10 s checkpoint with every rank outside NCCL
+        t = 10.0 + k / 10
+        mon.observe_counters(t, _sample([done] * 4, [0.0] * 4))
+        assert mon.check(t) == []
+
+
+def test_stale_samples_stop_the_watch() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0, stale_s=2.0)
+    done = _warm(mon, 10)
+    mon.observe_counters(10.0, _sample([done] * 4, [0.5] * 4))
+    assert mon.check(30.0) == []  # the job (or its agent) is gone: not a hang

@@ -1,0 +1,66 @@
+"""One running stack (tracker, analyzer, api, agent as processes) shared by the e2e tests."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from greyhound.demo import wait_api
+from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from greyhound.stack import Stack
+from services.common.settings import Settings
+
+HANG_FLOOR_S = 2.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="package")
+def stack(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("e2e")
+    settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=root / "data",
+                        shm_dir=root / "shm", hang_floor_s=HANG_FLOOR_S)
+    port = _free_port()
+    with Stack(settings, port=port) as st:
+        wait_api(f"http://127.0.0.1:{port}")
+        yield st
+
+
+def fake_job(stack: Stack, workdir: Path, job: str, **spec: Any) -> FakeJob:
+    params: dict[str, Any] = {"world_size": 4, "iters": 260, "compute_ms": 40.0,
+                              "compute_busy": 0.1}
+    params.update(spec)
+    return FakeJob(FakeJobSpec(job_id=job, **params), workdir=workdir,
+                   hook=native_build_dir() / "libgreyhound_hook.so",
+                   shm_dir=Path(stack.settings.shm_dir))
+
+
+def incidents(stack: Stack, job: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"http://127.0.0.1:{stack.port}/v1/incidents", params={"job_id": job},
+                  timeout=5)
+    r.raise_for_status()
+    rows: list[dict[str, Any]] = r.json()
+    return rows
+
+
+def wait_incident(stack: Stack, job: str, timeout_s: float,
+                  kind_prefix: str = "") -> tuple[dict[str, Any] | None, float]:
+    """The job's first incident whose kind starts with kind_prefix, and the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        assert not stack.dead(), f"services died: {stack.dead()}"
+        rows = [r for r in incidents(stack, job) if r["kind"].startswith(kind_prefix)]
+        if rows:
+            return rows[-1], time.monotonic() - t0
+        time.sleep(0.1)
+    return None, time.monotonic() - t0
