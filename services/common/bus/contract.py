@@ -59,6 +59,10 @@ class Subjects:
         return f"{PREFIX}.{check_token(job, 'job id')}.incident"
 
     @staticmethod
+    def suspicion(job: str) -> str:
+        return f"{PREFIX}.{check_token(job, 'job id')}.suspect"
+
+    @staticmethod
     def control(job: str, agent: str) -> str:
         return f"{PREFIX}.{check_token(job, 'job id')}.control.{check_token(agent, 'agent id')}"
 
@@ -73,6 +77,7 @@ class Subjects:
     ALL_COLLECTIVES = f"{PREFIX}.*.colls.*"
     ALL_DETECTIONS = f"{PREFIX}.*.detect"
     ALL_INCIDENTS = f"{PREFIX}.*.incident"
+    ALL_SUSPICIONS = f"{PREFIX}.*.suspect"
     ALL_CONTROL = f"{PREFIX}.*.control.*"
     ALL_DEAD_LETTERS = f"{DLQ_PREFIX}.>"
 
@@ -231,3 +236,123 @@ class DeadLetter(BaseModel):
     reason: str
     payload: str = Field(description="the raw payload, decoded as UTF-8 with replacement")
     ts: float = Field(default_factory=time.time)
+
+
+class CollectiveBatch(Message):
+    """Every collective a rank completed, with wall-clock enter/exit (and GPU times when profiled).
+
+    Agents publish these only while a job is in profile mode (the analyzer asks for it when a
+    job slows down): they carry one row per call, far too many to send all the time.
+    """
+
+    kind: Literal["collectives"] = "collectives"
+    agent_id: str
+    rank: list[int]
+    comm_id: list[int]
+    comm_rank: list[int]
+    nranks: list[int]
+    seq: list[int]
+    op: list[int]
+    count: list[int]
+    dtype: list[int]
+    peer: list[int]
+    enter_ns: list[int]
+    exit_ns: list[int]
+    gpu_start_ns: list[int] = Field(description="0 when the call was not profiled")
+    gpu_end_ns: list[int]
+
+    @model_validator(mode="after")
+    def _columns(self) -> CollectiveBatch:
+        _same_lengths(self, ("rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count",
+                             "dtype", "peer", "enter_ns", "exit_ns", "gpu_start_ns", "gpu_end_ns"))
+        return self
+
+
+SuspicionKind = Literal["compute_slow", "comm_slow", "mixed_slow"]
+
+
+class Suspicion(Message):
+    """The analyzer's classified slow suspicion, for the validator to confirm on the hardware."""
+
+    incident_id: str
+    kind: SuspicionKind
+    ranks: list[int] = Field(description="ranks named as compute culprits")
+    comm_ids: list[int] = Field(description="communicators whose collectives are slow")
+    slow_groups: list[int] = Field(default_factory=list, description="comm ids > 10% above peers")
+    evidence: dict[str, Any] = Field(default_factory=dict)
+
+
+class BenchItem(BaseModel):
+    """One benchmark for one rank: a GEMM on its GPU, or one side of a P2P transfer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0)
+    kind: Literal["gemm", "send", "recv"]
+    size: int = Field(gt=0, description="GEMM: matrix dimension N; P2P: bytes")
+    repeat: int = Field(default=3, ge=1, le=64)
+    comm_id: int = 0
+    peer: int = Field(default=-1, description="P2P peer's rank within comm_id")
+
+
+class ControlRequest(BaseModel):
+    """Validator/analyzer -> agent, by request/reply on ``Subjects.control(job, agent)``.
+
+    ``status`` reports each rank's mode, pause state and communicators; ``set_mode`` switches the
+    hook between monitor and profile; ``pause`` parks each rank at the entry of its call on
+    ``pause_comm_id`` (per rank, as the rank's own comm id) whose sequence is >= ``pause_seq``;
+    ``bench`` runs ``bench`` items on paused ranks and replies with their durations; ``resume``
+    releases them.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = 1
+    job_id: str
+    action: Literal["status", "set_mode", "pause", "resume", "bench"]
+    ranks: list[int] | None = Field(default=None, description="None: every rank of the job here")
+    mode: Literal["monitor", "profile"] | None = None
+    pause_comm_id: dict[int, int] = Field(default_factory=dict, description="rank -> comm id")
+    pause_seq: int = 0
+    bench: list[BenchItem] = Field(default_factory=list)
+    timeout_s: float = Field(default=10.0, gt=0, le=300)
+
+
+class CommStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    comm_id: int
+    comm_rank: int
+    nranks: int
+    last_seq_entered: int
+    last_seq_completed: int
+
+
+class RankStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int
+    host: str
+    device: int
+    mode: Literal["monitor", "profile"]
+    paused: bool
+    comms: list[CommStatus]
+
+
+class BenchOutcome(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    item: BenchItem
+    state: Literal["done", "unsupported", "failed", "timeout"]
+    durations_ns: list[int] = Field(default_factory=list)
+
+
+class ControlReply(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = 1
+    ok: bool
+    error: str | None = None
+    agent_id: str
+    ranks: list[RankStatus] = Field(default_factory=list)
+    results: list[BenchOutcome] = Field(default_factory=list)

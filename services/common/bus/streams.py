@@ -39,7 +39,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
         ),
         StreamConfig(
             name=EVENTS,
-            subjects=[Subjects.ALL_DETECTIONS, Subjects.ALL_INCIDENTS],
+            subjects=[Subjects.ALL_DETECTIONS, Subjects.ALL_INCIDENTS, Subjects.ALL_SUSPICIONS],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,
@@ -98,6 +98,19 @@ ANALYZER = ConsumerSpec(
     durable="analyzer",
     filter_subjects=(Subjects.ALL_DETECTIONS,),
     batch=64,
+)
+VALIDATOR = ConsumerSpec(
+    stream=EVENTS,
+    durable="validator",
+    filter_subjects=(Subjects.ALL_SUSPICIONS,),
+    ack_wait_s=120.0,  # a validation pauses the job and runs benchmarks: allow for it
+    batch=8,
+)
+ANALYZER_COLLECTIVES = ConsumerSpec(
+    stream=TELEMETRY,
+    durable="analyzer-collectives",
+    filter_subjects=(Subjects.ALL_COLLECTIVES,),
+    batch=256,
 )
 ALERTS = ConsumerSpec(
     stream=EVENTS,

@@ -103,3 +103,14 @@ async def list_incidents(session: AsyncSession, *, job_id: str | None = None,
 async def get_incident(session: AsyncSession, incident_id: str) -> Incident | None:
     return await session.scalar(select(Incident).where(Incident.id == incident_id)
                                 .options(selectinload(Incident.timeline)))
+
+
+async def job_ranks(session: AsyncSession, job_id: str) -> Sequence[Rank]:
+    """Every known rank of a job (which agent serves it, on which host and device)."""
+    return (await session.scalars(select(Rank).where(Rank.job_id == job_id)
+                                  .order_by(Rank.rank))).all()
+
+
+async def get_incident_for_update(session: AsyncSession, incident_id: str) -> Incident | None:
+    return await session.scalar(select(Incident).where(Incident.id == incident_id)
+                                .with_for_update())

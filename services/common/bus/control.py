@@ -1,0 +1,34 @@
+"""Request/reply to node agents over core NATS: control is a conversation, not a stream.
+
+A request that no agent answers in time raises ``ControlTimeout``; callers decide whether the
+validation can go on without that agent's ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from services.common.bus.contract import ControlReply, ControlRequest, Subjects
+
+
+class ControlTimeout(RuntimeError):
+    """An agent did not answer a control request."""
+
+
+async def request(nc: NATS, agent: str, req: ControlRequest) -> ControlReply:
+    subject = Subjects.control(req.job_id, agent)
+    try:
+        msg = await nc.request(subject, req.model_dump_json().encode(), timeout=req.timeout_s + 2.0)
+    except (NatsTimeoutError, TimeoutError, NoRespondersError) as exc:
+        raise ControlTimeout(f"agent {agent} did not answer {req.action} for job "
+                             f"{req.job_id}: {type(exc).__name__}") from exc
+    return ControlReply.model_validate_json(msg.data)
+
+
+async def request_all(nc: NATS, agents: list[str], req: ControlRequest) -> list[ControlReply]:
+    """The same request to several agents at once (each gets only its ranks' part of it)."""
+    return list(await asyncio.gather(*(request(nc, a, req) for a in agents)))
