@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -185,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings: Settings = get_settings()
     logging.basicConfig(level=(args.log_level or settings.log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("pgserver", "alembic", "httpx"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     if getattr(args, "host", "unset") is None:
         args.host = settings.api_host
     if getattr(args, "port", "unset") is None:
@@ -193,5 +196,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(rc)
 
 
+def run() -> int:
+    """Console entry point: a closed stdout (``| head``) ends the command quietly."""
+    try:
+        return main()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
