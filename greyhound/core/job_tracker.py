@@ -14,12 +14,12 @@ goes ahead without it.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from greyhound.core.detector import (
     BatchDetector,
@@ -41,6 +41,86 @@ class JobDetection:
     after_s: float
 
 
+class _Pending:
+    """Per-stream FIFO queues of not-yet-detected values, as one (streams, capacity) ring array.
+
+    A message carries many values per rank (several iterations of all the agent's ranks), so
+    queueing and popping a round must cost a few numpy calls, not a Python step per value.
+    """
+
+    def __init__(self, streams: int, capacity: int = 16) -> None:
+        self.buf: npt.NDArray[np.float64] = np.full((streams, capacity), np.nan)
+        self.head = np.zeros(streams, dtype=np.int64)
+        self.counts = np.zeros(streams, dtype=np.int64)
+        self._rows = np.arange(streams)
+
+    def resize(self, streams: int) -> None:
+        have = self.buf.shape[0]
+        if streams <= have:
+            return
+        extra = streams - have
+        self.buf = np.vstack([self.buf, np.full((extra, self.buf.shape[1]), np.nan)])
+        self.head = np.concatenate([self.head, np.zeros(extra, dtype=np.int64)])
+        self.counts = np.concatenate([self.counts, np.zeros(extra, dtype=np.int64)])
+        self._rows = np.arange(streams)
+
+    def _grow(self, need: int) -> None:
+        cap = self.buf.shape[1]
+        new_cap = max(2 * cap, need)
+        idx = (self.head[:, None] + np.arange(cap)) % cap
+        grown = np.full((self.buf.shape[0], new_cap), np.nan)
+        grown[:, :cap] = self.buf[self._rows[:, None], idx]
+        self.buf = grown
+        self.head[:] = 0
+
+    def push(self, streams: npt.NDArray[np.intp], values: npt.NDArray[np.float64]) -> None:
+        """Append values in order; equal stream ids keep their relative order (stable sort)."""
+        order = np.argsort(streams, kind="stable")
+        s = streams[order]
+        n = s.size
+        at = np.arange(n)
+        first = np.empty(n, dtype=bool)
+        first[0] = True
+        np.not_equal(s[1:], s[:-1], out=first[1:])
+        occurrence = at - np.maximum.accumulate(np.where(first, at, 0))
+        added = np.bincount(s, minlength=self.buf.shape[0])
+        need = int((self.counts + added).max())
+        if need > self.buf.shape[1]:
+            self._grow(need)
+        cap = self.buf.shape[1]
+        pos = (self.head[s] + self.counts[s] + occurrence) % cap
+        self.buf[s, pos] = values[order]
+        self.counts += added
+
+    def pop_round(self) -> npt.NDArray[np.float64]:
+        """The oldest value of every stream that has one; NaN for the others."""
+        cap = self.buf.shape[1]
+        if self.counts.min() > 0:
+            vec = self.buf[self._rows, self.head]
+            self.head = (self.head + 1) % cap
+            self.counts -= 1
+            return vec
+        rows = np.flatnonzero(self.counts > 0)
+        vec = np.full(self.buf.shape[0], np.nan)
+        vec[rows] = self.buf[rows, self.head[rows]]
+        self.head[rows] = (self.head[rows] + 1) % cap
+        self.counts[rows] -= 1
+        return vec
+
+    def lists(self, streams: int) -> list[list[float]]:
+        cap = self.buf.shape[1]
+        return [[float(self.buf[s, (self.head[s] + i) % cap]) for i in range(int(self.counts[s]))]
+                for s in range(streams)]
+
+    @classmethod
+    def from_lists(cls, queues: list[list[float]], streams: int) -> _Pending:
+        out = cls(streams, max(16, max((len(q) for q in queues), default=0)))
+        for s, q in enumerate(queues):
+            out.buf[s, : len(q)] = q
+            out.counts[s] = len(q)
+        return out
+
+
 @dataclass
 class JobTracker:
     """Per-job detector bank fed with (rank, iteration time) pairs in each rank's order."""
@@ -50,7 +130,8 @@ class JobTracker:
     max_lag: int = 8
     slow: bool = False
     index: dict[int, int] = field(default_factory=dict)  # rank -> stream
-    _pending: list[deque[float]] = field(default_factory=list)
+    _queue: _Pending = field(default_factory=lambda: _Pending(0))
+    _lut: npt.NDArray[np.intp] = field(default_factory=lambda: np.full(0, -1, dtype=np.intp))
     _batch: BatchDetector | None = None
     _slow: list[bool] = field(default_factory=list)
     _last: list[Detection | None] = field(default_factory=list)
@@ -59,52 +140,76 @@ class JobTracker:
     def _stream(self, rank: int) -> int:
         s = self.index.get(rank)
         if s is None:
-            s = self.index[rank] = len(self._pending)
-            self._pending.append(deque())
+            if rank < 0:
+                raise ValueError(f"rank must be >= 0, got {rank}")
+            s = self.index[rank] = len(self._slow)
             self._slow.append(False)
             self._last.append(None)
+            if rank >= self._lut.size:
+                grown = np.full(max(2 * self._lut.size, rank + 1, 8), -1, dtype=np.intp)
+                grown[: self._lut.size] = self._lut
+                self._lut = grown
+            self._lut[rank] = s
             # Ranks join at start-up only; a new batch sized for them restarts the warm-up.
             cap = self._batch.streams if self._batch is not None else 0
             if s >= cap:
                 self._batch = make_batch_detector(self.method, max(8, 2 * cap, s + 1))
+            self._queue.resize(self._batch.streams if self._batch is not None else s + 1)
         return s
+
+    def _streams_of(self, ranks: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
+        known = (ranks >= 0) & (ranks < self._lut.size)
+        streams = np.full(ranks.size, -1, dtype=np.intp)
+        streams[known] = self._lut[ranks[known]]
+        for j in np.flatnonzero(streams < 0).tolist():
+            streams[j] = self._stream(int(ranks[j]))
+        return streams
 
     def _needed(self) -> int:
         return max(1, int(self.quorum * len(self.index) + 0.999999))
 
-    def observe_many(self, ranks: list[int], durations: list[float]) -> list[JobDetection]:
-        for rank, d in zip(ranks, durations, strict=True):
-            self._pending[self._stream(rank)].append(d)
+    def observe_many(self, ranks: npt.ArrayLike, durations: npt.ArrayLike) -> list[JobDetection]:
+        """Queue each rank's values (in its order) and advance every complete (or overdue) round."""
+        r = np.asarray(ranks, dtype=np.int64).reshape(-1)
+        d = np.asarray(durations, dtype=np.float64).reshape(-1)
+        if r.size != d.size:
+            raise ValueError(f"{r.size} ranks but {d.size} durations")
         out: list[JobDetection] = []
+        if r.size == 0:
+            return out
+        self._queue.push(self._streams_of(r), d)
+        active = len(self.index)
+        q = self._queue
         while True:
-            lens = [len(q) for q in self._pending]
-            if not lens or (min(lens) == 0 and max(lens) < self.max_lag):
+            counts = q.counts[:active]
+            if counts.min() == 0 and counts.max() < self.max_lag:
                 break
             assert self._batch is not None
-            vec = np.full(self._batch.streams, np.nan)
-            for s, q in enumerate(self._pending):
-                if q:
-                    vec[s] = q.popleft()
-            self.updates += int(np.isfinite(vec).sum())
-            for s, det in enumerate(self._batch.update_many(vec)):
-                if det is not None:
-                    decision = self._record(s, det)
-                    if decision is not None:
-                        out.append(decision)
+            vec = q.pop_round()
+            self.updates += int(np.count_nonzero(np.isfinite(vec)))
+            found = [(s, det) for s, det in enumerate(self._batch.update_many(vec))
+                     if det is not None]
+            if found:
+                decision = self._record(found)
+                if decision is not None:
+                    out.append(decision)
         return out
 
     def observe(self, rank: int, duration_s: float) -> JobDetection | None:
         found = self.observe_many([rank], [duration_s])
         return found[-1] if found else None
 
-    def _record(self, stream: int, det: Detection) -> JobDetection | None:
-        self._last[stream] = det
-        self._slow[stream] = det.kind == "slowdown"
+    def _record(self, found: list[tuple[int, Detection]]) -> JobDetection | None:
+        """Judge the quorum after a whole round, so the decision does not depend on rank order."""
+        for stream, det in found:
+            self._last[stream] = det
+            self._slow[stream] = det.kind == "slowdown"
         fired = [r for r, s in self.index.items() if self._slow[s]]
         if not self.slow and len(fired) >= self._needed():
             self.slow = True
             return self._decision("slowdown", fired)
-        if self.slow and det.kind == "recovery" and len(fired) < self._needed():
+        recovering = any(det.kind == "recovery" for _, det in found)
+        if self.slow and recovering and len(fired) < self._needed():
             self.slow = False
             recovered = [r for r, s in self.index.items()
                          if (d := self._last[s]) is not None and d.kind == "recovery"]
@@ -126,7 +231,7 @@ class JobTracker:
         return {
             "method": self.method, "quorum": self.quorum, "max_lag": self.max_lag,
             "slow": self.slow, "index": {str(r): s for r, s in self.index.items()},
-            "pending": [list(q) for q in self._pending], "stream_slow": list(self._slow),
+            "pending": self._queue.lists(len(self._slow)), "stream_slow": list(self._slow),
             "last": [d.to_json() if d is not None else None for d in self._last],
             "batch": batch_state(self.method, self._batch) if self._batch is not None else None,
         }
@@ -136,8 +241,13 @@ class JobTracker:
         t = cls(method=state["method"], quorum=float(state["quorum"]),
                 max_lag=int(state["max_lag"]), slow=bool(state["slow"]))
         t.index = {int(r): int(s) for r, s in state["index"].items()}
-        t._pending = [deque(q) for q in state["pending"]]
         t._slow = [bool(x) for x in state["stream_slow"]]
         t._last = [Detection(**d) if d is not None else None for d in state["last"]]
         t._batch = batch_from_state(state["batch"]) if state["batch"] is not None else None
+        rows = t._batch.streams if t._batch is not None else len(t._slow)
+        t._queue = _Pending.from_lists([list(q) for q in state["pending"]], rows)
+        top = max(t.index, default=-1)
+        t._lut = np.full(max(8, top + 1), -1, dtype=np.intp)
+        for r, s in t.index.items():
+            t._lut[r] = s
         return t
