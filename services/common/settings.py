@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -33,6 +33,17 @@ class Settings(BaseSettings):
     hang_floor_s: float = Field(default=60.0, gt=0, description="never call a hang sooner than this")
     hang_multiple: float = Field(default=20.0, gt=0, description="x the job's typical iteration")
     log_level: str = "INFO"
+    tracker_partitions: int = Field(
+        default=1, ge=1, le=1024,
+        description="jobs are hashed over this many tracker processes (1: one tracker, no hashing)")
+    tracker_partition: int = Field(default=0, ge=0, description="this tracker's partition")
+
+    @model_validator(mode="after")
+    def _partition_in_range(self) -> Settings:
+        if self.tracker_partition >= self.tracker_partitions:
+            raise ValueError(f"GREYHOUND_TRACKER_PARTITION must be < GREYHOUND_TRACKER_PARTITIONS "
+                             f"({self.tracker_partitions}), got {self.tracker_partition}")
+        return self
 
     @field_validator("nats_url")
     @classmethod

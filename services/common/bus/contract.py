@@ -82,6 +82,25 @@ class Subjects:
     ALL_DEAD_LETTERS = f"{DLQ_PREFIX}.>"
 
     @staticmethod
+    def telemetry_partitioning(partitions: int) -> tuple[str, str]:
+        """Stream transform (source, destination) that shards telemetry by job for trackers.
+
+        The stored subject's last token (the agent id, which every message also carries in its
+        body) becomes the job's partition, 0..partitions-1, a stable hash of the job token; the
+        other tokens, hence every existing filter, stay as they are.
+        """
+        return (f"{PREFIX}.*.*.*",
+                f"{PREFIX}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}.{{{{partition({partitions},1)}}}}")
+
+    @staticmethod
+    def in_partition(filter_subject: str, partition: int) -> str:
+        """A telemetry wildcard filter (ALL_ITERATIONS, ...) narrowed to one tracker partition."""
+        head, _, last = filter_subject.rpartition(".")
+        if last != "*":
+            raise ValueError(f"{filter_subject!r} has no agent token to partition")
+        return f"{head}.{partition}"
+
+    @staticmethod
     def job_of(subject: str) -> str:
         """The job token of any gh.v1 subject."""
         parts = subject.split(".")

@@ -12,6 +12,7 @@ from nats.js.api import (
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    SubjectTransform,
 )
 
 from services.common.bus.contract import Subjects
@@ -23,7 +24,15 @@ DEAD_LETTERS = "GH_DLQ"
 
 
 def stream_configs(settings: Settings) -> list[StreamConfig]:
-    """Telemetry is bulky and short-lived; events and dead letters are small and kept for weeks."""
+    """Telemetry is bulky and short-lived; events and dead letters are small and kept for weeks.
+
+    With several tracker partitions, telemetry is stored under partitioned subjects (see
+    Subjects.telemetry_partitioning) so each tracker's consumer filters only its own jobs.
+    """
+    transform = None
+    if settings.tracker_partitions > 1:
+        src, dest = Subjects.telemetry_partitioning(settings.tracker_partitions)
+        transform = SubjectTransform(src=src, dest=dest)
     return [
         StreamConfig(
             name=TELEMETRY,
@@ -36,6 +45,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
             max_bytes=settings.telemetry_max_bytes,
             max_msg_size=8 * 1024 * 1024,
             duplicate_window=120.0,
+            subject_transform=transform,
         ),
         StreamConfig(
             name=EVENTS,
@@ -93,6 +103,19 @@ TRACKER = ConsumerSpec(
     durable="tracker",
     filter_subjects=(Subjects.ALL_HELLO, Subjects.ALL_ITERATIONS, Subjects.ALL_COUNTERS),
 )
+
+
+def tracker_spec(settings: Settings) -> ConsumerSpec:
+    """The tracker's consumer: TRACKER itself, or one durable per partition of the jobs."""
+    n, i = settings.tracker_partitions, settings.tracker_partition
+    if n <= 1:
+        return TRACKER
+    return ConsumerSpec(
+        stream=TELEMETRY, durable=f"tracker-p{i}-of-{n}",
+        filter_subjects=tuple(Subjects.in_partition(f, i) for f in TRACKER.filter_subjects),
+        batch=TRACKER.batch)
+
+
 ANALYZER = ConsumerSpec(
     stream=EVENTS,
     durable="analyzer",
