@@ -43,11 +43,18 @@ def incident_line(incident: dict[str, Any], virtual_at: Callable[[int], float]) 
     return {
         "kind": incident["kind"],
         "ranks": list(culprit.get("ranks") or []),
-        "nodes": list(culprit.get("nodes") or []),
-        "links": [list(x) for x in culprit.get("links") or []],
+        "nodes": [sim_node(n) for n in culprit.get("nodes") or []],
+        "links": [[sim_node(n) for n in x] for x in culprit.get("links") or []],
         "detected_s": round(virtual_at(_ns(incident["opened_at"])), 3),
         "localized_s": when("localized"),
     }
+
+
+def sim_node(label: Any) -> Any:
+    """The simulator names its hosts sim-node<N>; an incident names hosts when nodes are unknown,
+    so the report turns them back into node numbers."""
+    m = re.fullmatch(r"sim-node(\d+)", str(label))
+    return int(m.group(1)) if m else label
 
 
 def _ns(stamp: str) -> int:

@@ -2,6 +2,8 @@
 
 A slowdown opens (or updates) the job's open slowdown incident; a recovery resolves it. Each
 incident change is committed first, then announced on the bus, then the detection is acked.
+A slowdown also starts its localisation (``slow.SlowLocalizer``) as a task of its own, fed by
+the collectives consumer, so detections keep flowing while a job is profiled.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 from typing import Any
 
 from services.analyzer.hangs import diagnose_from_rows, unsigned64
+from services.analyzer.profiling import CollectiveFeed
+from services.analyzer.slow import SlowLocalizer
 from services.common.bus.client import Consumer, TransientError, publish
 from services.common.bus.contract import DetectionEvent, IncidentEvent, Subjects
 from services.common.bus.streams import ANALYZER
@@ -21,16 +25,21 @@ log = logging.getLogger(__name__)
 
 
 class Analyzer:
-    def __init__(self, ctx: ServiceContext) -> None:
+    def __init__(self, ctx: ServiceContext, localizer: SlowLocalizer | None = None) -> None:
         self.ctx = ctx
+        self.localizer = localizer
 
     async def handle(self, subject: str, det: DetectionEvent) -> None:
         try:
             announce = await self._record(det)
         except OSError as exc:
             raise TransientError(f"database unreachable: {exc}") from exc
-        if announce is not None:
-            await publish(self.ctx.js, Subjects.incident(det.job_id), announce)
+        if announce is None:
+            return
+        await publish(self.ctx.js, Subjects.incident(det.job_id), announce)
+        if det.kind == "slowdown" and self.localizer is not None \
+                and announce.stage != "resolved":
+            self.localizer.start(announce.incident_id, det)
 
     @staticmethod
     def _classify(det: DetectionEvent) -> tuple[str, float, dict[str, Any], str]:
@@ -94,9 +103,13 @@ class Analyzer:
 
 
 async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
-    analyzer = Analyzer(ctx)
+    localizer = SlowLocalizer(ctx)
+    analyzer = Analyzer(ctx, localizer)
     consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.handle)
-    task = asyncio.create_task(consumer.run())
+    feed = CollectiveFeed(ctx.js, localizer.buffers)
+    tasks = [asyncio.create_task(consumer.run()), asyncio.create_task(feed.run())]
     await stop.wait()
     consumer.stop()
-    await task
+    feed.stop()
+    await localizer.stop()
+    await asyncio.gather(*tasks)

@@ -1,0 +1,203 @@
+"""Localising a slowdown: profile the job for a moment, classify, write the incident, hand on.
+
+One task per job being profiled, so the detection consumer never waits on a window. The task
+switches the job's agents to profile mode, lets the collective feed fill the job's buffer until
+the window rule is met, switches them back (always, even on error), runs the pure
+``localize_slow`` off the event loop, then commits the result to the incident before announcing
+it: a classified ``Suspicion`` for the validator and an ``IncidentEvent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from greyhound.core.slow_localization import NodeLabel, SlowLocalization, localize_slow
+from services.analyzer.hangs import unsigned64
+from services.analyzer.profiling import ProfileBuffer, WindowRule
+from services.common.bus import control
+from services.common.bus.client import publish
+from services.common.bus.contract import (
+    ControlRequest,
+    DetectionEvent,
+    IncidentEvent,
+    Subjects,
+    Suspicion,
+)
+from services.common.db import repository as repo
+from services.common.db.models import Rank
+from services.common.runtime import ServiceContext
+
+log = logging.getLogger(__name__)
+
+
+class SlowLocalizer:
+    """Owns the open profiling windows (``buffers``, shared with the collective feed)."""
+
+    def __init__(self, ctx: ServiceContext, *, rule: WindowRule | None = None,
+                 control_timeout_s: float = 3.0) -> None:
+        self.ctx = ctx
+        self.rule = rule or WindowRule()
+        self.control_timeout_s = control_timeout_s
+        self.buffers: dict[str, ProfileBuffer] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, incident_id: str, det: DetectionEvent) -> bool:
+        """Begin localising unless this job is already being profiled; False if it is."""
+        job = det.job_id
+        if job in self.tasks:
+            return False
+        task = asyncio.create_task(self._run(incident_id, det), name=f"localize-{job}")
+        self.tasks[job] = task
+        task.add_done_callback(lambda _t: self.tasks.pop(job, None))
+        return True
+
+    async def stop(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def _run(self, incident_id: str, det: DetectionEvent) -> None:
+        try:
+            loc, window = await self._profile(det)
+            announce = await self._record(incident_id, det, loc, window)
+            for subject, msg in announce:
+                await publish(self.ctx.js, subject, msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # one failed localisation must not take the analyzer down
+            log.exception("localisation of job %s failed", det.job_id)
+
+    async def _profile(self, det: DetectionEvent) -> tuple[SlowLocalization, dict[str, Any]]:
+        async with self.ctx.db()() as session:
+            ranks: Sequence[Rank] = await repo.job_ranks(session, det.job_id)
+        agents = sorted({r.agent_id for r in ranks})
+        node_of_rank: dict[int, NodeLabel] = {
+            r.rank: r.node if r.node is not None else r.host for r in ranks}
+        buf = ProfileBuffer(det.job_id, frozenset(node_of_rank))
+        self.buffers[det.job_id] = buf
+        t0 = time.monotonic()
+        try:
+            answered = await self._set_mode(det.job_id, agents, "profile")
+            while not buf.ready(self.rule) and time.monotonic() - t0 < self.rule.max_wall_s:
+                await asyncio.sleep(0.2)
+        finally:
+            self.buffers.pop(det.job_id, None)
+            await self._set_mode(det.job_id, agents, "monitor")
+        window = {"agents": len(agents), "agents_answered": answered, "batches": buf.batches,
+                  "rows": len(buf), "wall_s": round(time.monotonic() - t0, 3)}
+        calls = buf.calls()
+        loc = await asyncio.to_thread(localize_slow, calls, node_of_rank=node_of_rank,
+                                      before_s=det.before_s, after_s=det.after_s)
+        return loc, window
+
+    async def _set_mode(self, job: str, agents: list[str], mode: str) -> int:
+        """Ask every agent; an agent that does not answer costs its ranks' rows, not the window."""
+        req = ControlRequest(job_id=job, action="set_mode",
+                             mode="profile" if mode == "profile" else "monitor",
+                             timeout_s=self.control_timeout_s)
+        replies = await asyncio.gather(*(control.request(self.ctx.nc, a, req) for a in agents),
+                                       return_exceptions=True)
+        ok = 0
+        for agent, reply in zip(agents, replies, strict=True):
+            if isinstance(reply, BaseException):
+                log.warning("set_mode %s for job %s: agent %s: %s", mode, job, agent, reply)
+            elif not reply.ok:
+                log.warning("set_mode %s for job %s refused by %s: %s", mode, job, agent,
+                            reply.error)
+            else:
+                ok += 1
+        return ok
+
+    async def _record(self, incident_id: str, det: DetectionEvent, loc: SlowLocalization,
+                      window: dict[str, Any]) -> list[tuple[str, Any]]:
+        evidence = {**_unsigned_evidence(loc.evidence), "window": window}
+        async with self.ctx.db()() as session:
+            incident = await repo.get_incident_for_update(session, incident_id)
+            if incident is None:
+                return []
+            if loc.kind == "none":
+                stage = "resolved" if loc.transient and incident.status != "resolved" else None
+                result = "transient" if loc.transient else "unexplained"
+                detail = {"result": result, "by": "analyzer", "evidence": evidence}
+                await repo.add_timeline(session, incident, stage or "detected", detail)
+                await session.commit()
+                log.info("incident %s: profiling found nothing (%s)", incident.id, result)
+                if stage is None:
+                    return []
+                return [(Subjects.incident(det.job_id), IncidentEvent(
+                    job_id=det.job_id, incident_id=incident.id, stage="resolved",
+                    kind=incident.kind, severity=incident.severity,
+                    summary=f"{incident.summary} (transient: over before it was localised)"))]
+            culprit = _merge_culprit(incident.culprit, loc)
+            incident.kind = loc.kind
+            incident.culprit = culprit
+            incident.evidence = {**incident.evidence, "localization": evidence}
+            incident.summary = _summary(det, loc, culprit)
+            resolved = incident.status == "resolved"
+            await repo.add_timeline(session, incident, "localized",
+                                    {"kind": loc.kind, "culprit": culprit, "evidence": evidence})
+            if resolved:  # the slowdown ended while profiling: keep it closed
+                incident.status = "resolved"
+            await session.commit()
+            log.info("incident %s localized: %s", incident.id, incident.summary)
+            out: list[tuple[str, Any]] = []
+            if not resolved:
+                out.append((Subjects.suspicion(det.job_id), Suspicion(
+                    job_id=det.job_id, incident_id=incident.id, kind=loc.kind,
+                    ranks=loc.compute_ranks, comm_ids=[unsigned64(c) for c in loc.comm_ids],
+                    slow_groups=[unsigned64(c) for c in loc.slow_groups],
+                    evidence={"nodes": loc.nodes, "links": [list(p) for p in loc.links],
+                              **evidence})))
+            out.append((Subjects.incident(det.job_id), IncidentEvent(
+                job_id=det.job_id, incident_id=incident.id, stage="localized", kind=loc.kind,
+                severity=incident.severity, summary=incident.summary)))
+            return out
+
+
+def _merge_culprit(old: dict[str, Any], loc: SlowLocalization) -> dict[str, Any]:
+    """A repeated localisation of the same open incident adds to what it named before."""
+    prior = old if "comm_ids" in old else {}
+
+    def union(key: str, new: Sequence[Any]) -> list[Any]:
+        seen = {_key(x): x for x in [*prior.get(key, []), *new]}
+        return [seen[k] for k in sorted(seen)]
+
+    return {
+        "ranks": union("ranks", loc.ranks)[:256],
+        "compute_ranks": union("compute_ranks", loc.compute_ranks)[:256],
+        "comm_ids": union("comm_ids", [unsigned64(c) for c in loc.comm_ids])[:256],
+        "nodes": union("nodes", loc.nodes)[:256],
+        "links": union("links", [list(p) for p in loc.links])[:256],
+    }
+
+
+def _key(x: Any) -> str:
+    return repr(x) if not isinstance(x, int) else f"{x:024d}"
+
+
+def _summary(det: DetectionEvent, loc: SlowLocalization, culprit: dict[str, Any]) -> str:
+    what = {"compute_slow": "compute straggler", "comm_slow": "slow communication",
+            "mixed_slow": "compute and communication"}.get(loc.kind, loc.kind)
+    parts = [f"job {det.job_id} {what} ({det.slowdown:.2f}x)"]
+    if loc.compute_ranks:
+        parts.append(f"ranks {loc.compute_ranks[:16]}")
+    if loc.comm_ids:
+        parts.append(f"{len(loc.comm_ids)} communicator(s)")
+    if culprit["links"]:
+        parts.append(f"links {culprit['links'][:4]}")
+    elif culprit["nodes"]:
+        parts.append(f"nodes {culprit['nodes'][:8]}")
+    return "; ".join(parts)
+
+
+def _unsigned_evidence(ev: dict[str, Any]) -> dict[str, Any]:
+    """Comm ids in the evidence as the unsigned hashes every other record uses."""
+    out = dict(ev)
+    for key in ("comms", "groups", "by_elimination"):
+        if key in out:
+            out[key] = [{**e, "comm_id": unsigned64(int(e["comm_id"]))} for e in out[key]]
+    return out
