@@ -31,40 +31,49 @@ def check_token(value: str, what: str) -> str:
     return value
 
 
+def _job_subject(job: str, kind: str, agent: str | None = None) -> str:
+    subject = f"{PREFIX}.{check_token(job, 'job id')}.{kind}"
+    return subject if agent is None else f"{subject}.{check_token(agent, 'agent id')}"
+
+
 class Subjects:
-    """Builders for concrete subjects and the wildcard filters consumers subscribe with."""
+    """Builders for concrete subjects and the wildcard filters consumers subscribe with.
+
+    Per-agent subjects (telemetry from an agent, control to an agent) end in the agent id;
+    job-level events end in their kind.
+    """
 
     @staticmethod
     def hello(job: str, agent: str) -> str:
-        return f"{PREFIX}.{check_token(job, 'job id')}.hello.{check_token(agent, 'agent id')}"
+        return _job_subject(job, "hello", agent)
 
     @staticmethod
     def iterations(job: str, agent: str) -> str:
-        return f"{PREFIX}.{check_token(job, 'job id')}.iter.{check_token(agent, 'agent id')}"
+        return _job_subject(job, "iter", agent)
 
     @staticmethod
     def counters(job: str, agent: str) -> str:
-        return f"{PREFIX}.{check_token(job, 'job id')}.counters.{check_token(agent, 'agent id')}"
+        return _job_subject(job, "counters", agent)
 
     @staticmethod
     def collectives(job: str, agent: str) -> str:
-        return f"{PREFIX}.{check_token(job, 'job id')}.colls.{check_token(agent, 'agent id')}"
-
-    @staticmethod
-    def detection(job: str) -> str:
-        return f"{PREFIX}.{check_token(job, 'job id')}.detect"
-
-    @staticmethod
-    def incident(job: str) -> str:
-        return f"{PREFIX}.{check_token(job, 'job id')}.incident"
-
-    @staticmethod
-    def suspicion(job: str) -> str:
-        return f"{PREFIX}.{check_token(job, 'job id')}.suspect"
+        return _job_subject(job, "colls", agent)
 
     @staticmethod
     def control(job: str, agent: str) -> str:
-        return f"{PREFIX}.{check_token(job, 'job id')}.control.{check_token(agent, 'agent id')}"
+        return _job_subject(job, "control", agent)
+
+    @staticmethod
+    def detection(job: str) -> str:
+        return _job_subject(job, "detect")
+
+    @staticmethod
+    def incident(job: str) -> str:
+        return _job_subject(job, "incident")
+
+    @staticmethod
+    def suspicion(job: str) -> str:
+        return _job_subject(job, "suspect")
 
     @staticmethod
     def dead_letter(stream: str) -> str:
