@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from greyhound.core.period import IterationSegmenter
-from greyhound.hookabi import Op, RingReader, list_rings
+from greyhound.hookabi import RECORD_DTYPE, Op, RingReader, list_rings
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,21 @@ class RankStream:
     path: Path
     reader: RingReader
     segmenter: IterationSegmenter = field(default_factory=IterationSegmenter)
+    # Profile mode only: drained collective records kept for the analyzer (monitor mode keeps none).
+    keep_records: bool = False
+    kept: list[np.ndarray] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
         return self.reader.header.rank
+
+    def take_kept(self) -> np.ndarray:
+        """The records kept since the last call, in ring order (empty when none)."""
+        if not self.kept:
+            return np.empty(0, RECORD_DTYPE)
+        out = np.concatenate(self.kept) if len(self.kept) > 1 else self.kept[0]
+        self.kept = []
+        return out
 
     def wall_offset_ns(self) -> int:
         h = self.reader.header
@@ -64,6 +75,8 @@ class RankStream:
         recs = recs[np.isin(recs["op"], _COLLECTIVES)]
         if len(recs) == 0:
             return []
+        if self.keep_records:
+            self.kept.append(recs)
         iters = self.segmenter.feed(call_keys(recs), recs["enter_ns"].astype(np.int64),
                                     recs["return_ns"].astype(np.int64))
         off = self.wall_offset_ns()
@@ -84,6 +97,57 @@ class CounterRows:
     last_op: list[int] = field(default_factory=list)
     last_count: list[int] = field(default_factory=list)
     last_dtype: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CollectiveRows:
+    """Profile-mode records as the columns of a CollectiveBatch, times on the wall clock."""
+
+    rank: list[int] = field(default_factory=list)
+    comm_id: list[int] = field(default_factory=list)
+    comm_rank: list[int] = field(default_factory=list)
+    nranks: list[int] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)
+    op: list[int] = field(default_factory=list)
+    count: list[int] = field(default_factory=list)
+    dtype: list[int] = field(default_factory=list)
+    peer: list[int] = field(default_factory=list)
+    enter_ns: list[int] = field(default_factory=list)
+    exit_ns: list[int] = field(default_factory=list)
+    gpu_start_ns: list[int] = field(default_factory=list)
+    gpu_end_ns: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def add(self, rank: int, recs: np.ndarray, wall_offset_ns: int) -> None:
+        """Append one rank's records; an unprofiled call keeps GPU times 0 (not shifted)."""
+        n = len(recs)
+        self.rank.extend([rank] * n)
+        self.comm_id.extend(recs["comm_id"].tolist())
+        self.comm_rank.extend(recs["comm_rank"].tolist())
+        self.nranks.extend(recs["nranks"].tolist())
+        self.seq.extend(recs["seq"].tolist())
+        self.op.extend(recs["op"].tolist())
+        self.count.extend(recs["count"].tolist())
+        self.dtype.extend(recs["datatype"].tolist())
+        self.peer.extend(recs["peer"].tolist())
+        off = np.int64(wall_offset_ns)
+        self.enter_ns.extend((recs["enter_ns"].astype(np.int64) + off).tolist())
+        self.exit_ns.extend((recs["return_ns"].astype(np.int64) + off).tolist())
+        for src, dst in (("gpu_start_ns", self.gpu_start_ns), ("gpu_end_ns", self.gpu_end_ns)):
+            t = recs[src].astype(np.int64)
+            dst.extend(np.where(t > 0, t + off, 0).tolist())
+
+    def chunks(self, size: int) -> list[CollectiveRows]:
+        """Consecutive slices of at most ``size`` rows (bus messages have a size limit)."""
+        out: list[CollectiveRows] = []
+        for lo in range(0, len(self), size):
+            part = CollectiveRows()
+            for name, col in vars(self).items():
+                getattr(part, name).extend(col[lo:lo + size])
+            out.append(part)
+        return out
 
 
 class Collector:
@@ -115,6 +179,14 @@ class Collector:
         for stream in self.streams.values():
             out.extend(stream.drain())
         return out
+
+    def take_profiled(self) -> CollectiveRows:
+        """Collective records of the ranks in profile mode, drained since the last call."""
+        rows = CollectiveRows()
+        for stream in self.streams.values():
+            if stream.kept:
+                rows.add(stream.rank, stream.take_kept(), stream.wall_offset_ns())
+        return rows
 
     def counters(self, now_mono_ns: int) -> CounterRows:
         rows = CounterRows()

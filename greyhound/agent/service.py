@@ -10,17 +10,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import time
 from collections import deque
 from pathlib import Path
 
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from greyhound.agent.collector import Collector, RankIteration
+from greyhound.agent.control import AgentControl
 from services.common.bus.client import connect, ensure_streams, publish
 from services.common.bus.contract import (
     AgentHello,
+    CollectiveBatch,
     CounterBatch,
     IterationBatch,
     Message,
@@ -33,6 +37,14 @@ from services.common.settings import Settings
 log = logging.getLogger(__name__)
 
 MAX_BACKLOG = 10_000  # unpublished messages kept while the bus is unreachable
+COLLECTIVE_ROWS = 20_000  # rows per CollectiveBatch: ~3 MB of JSON, under the 8 MB message limit
+_NODE = re.compile(r"node(\d+)$")
+
+
+def node_of(host: str) -> int | None:
+    """The node index in host names like ``sim-node3`` or ``node12``; None for other names."""
+    m = _NODE.search(host.split(".")[0])
+    return int(m.group(1)) if m else None
 
 
 def default_agent_id() -> str:
@@ -70,7 +82,8 @@ class NodeAgent:
             new = col.scan()
             if new:
                 ranks = [RankInfo(rank=s.rank, host=s.reader.header.host, pid=s.reader.header.pid,
-                                  device=s.reader.header.device) for s in new]
+                                  device=s.reader.header.device,
+                                  node=node_of(s.reader.header.host)) for s in new]
                 hello = AgentHello(job_id=job, agent_id=self.agent_id,
                                    host=socket.gethostname(), ranks=ranks)
                 self.backlog.append((Subjects.hello(job, self.agent_id), hello))
@@ -78,6 +91,7 @@ class NodeAgent:
     def collect_iterations(self) -> None:
         for job, col in self.collectors.items():
             its: list[RankIteration] = col.drain()
+            self.collect_profiled(job, col)
             if not its:
                 continue
             batch = IterationBatch(
@@ -85,6 +99,13 @@ class NodeAgent:
                 iteration=[i.iteration for i in its], end_ns=[i.end_wall_ns for i in its],
                 duration_s=[i.duration_s for i in its])
             self.backlog.append((Subjects.iterations(job, self.agent_id), batch))
+
+    def collect_profiled(self, job: str, col: Collector) -> None:
+        """Every collective of ranks in profile mode (switched through control), wall clock."""
+        rows = col.take_profiled()
+        for part in rows.chunks(COLLECTIVE_ROWS):
+            batch = CollectiveBatch(job_id=job, agent_id=self.agent_id, **vars(part))
+            self.backlog.append((Subjects.collectives(job, self.agent_id), batch))
 
     def collect_counters(self) -> None:
         now_mono = time.monotonic_ns()
@@ -108,12 +129,17 @@ class NodeAgent:
             self.backlog.popleft()
             self.published += 1
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, *, nc: NATS | None = None,
+                  control: AgentControl | None = None) -> None:
+        """Drain and publish until ``stop``; with ``control`` (and its connection ``nc``), also
+        answer control requests for every job found."""
         next_scan = next_counters = 0.0
         while not stop.is_set():
             now = time.monotonic()
             if now >= next_scan:
                 self.scan()
+                if control is not None and nc is not None:
+                    await control.subscribe_new_jobs(nc)
                 next_scan = now + 1.0
             self.collect_iterations()
             if now >= next_counters:
@@ -134,8 +160,10 @@ async def run_agent(settings: Settings, nats_url: str, *, agent_id: str | None =
     js = nc.jetstream()
     await ensure_streams(js, settings)
     agent = NodeAgent(settings, js, agent_id=agent_id or default_agent_id(), jobs=jobs)
+    control = AgentControl(agent.agent_id, agent.collectors)
     log.info("agent %s watching %s", agent.agent_id, settings.shm_dir)
     try:
-        await agent.run(stop)
+        await agent.run(stop, nc=nc, control=control)
     finally:
+        await control.close()
         await nc.drain()

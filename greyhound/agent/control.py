@@ -1,0 +1,261 @@
+"""The agent's control handler: requests from the validator and analyzer, acted on the rings.
+
+Control travels on core NATS request/reply (a conversation with a deadline, not a stream to
+replay), one subject per job and agent. Every request gets exactly one reply; anything wrong
+(unknown rank, a bad request, a full benchmark table) is an ``ok=False`` reply with the reason,
+never an exception that would silence the agent. Benchmarks only run on parked ranks, so a bench
+request for a rank that is not paused is refused instead of queued for some later pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from pydantic import ValidationError
+
+from greyhound.agent.collector import Collector, RankStream
+from greyhound.hookabi import BenchKind, BenchRequest, BenchState, Control
+from services.common.bus.contract import (
+    BenchItem,
+    BenchOutcome,
+    CommStatus,
+    ControlReply,
+    ControlRequest,
+    RankStatus,
+    Subjects,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.003  # benchmark results are polled; this keeps the event loop free between looks
+_KINDS = {"gemm": BenchKind.GEMM, "send": BenchKind.SEND, "recv": BenchKind.RECV}
+_STATES: dict[BenchState, Literal["done", "unsupported", "failed"]] = {
+    BenchState.DONE: "done", BenchState.UNSUPPORTED: "unsupported", BenchState.FAILED: "failed"}
+_ACTIVE = 1  # hookabi.CommState.ACTIVE: destroyed communicators can neither pause nor bench
+
+
+class ControlError(ValueError):
+    """A request this agent cannot carry out; its message is the reply's error."""
+
+
+class AgentControl:
+    """Answers control requests for the jobs whose rings ``collectors`` (the agent's) hold."""
+
+    def __init__(self, agent_id: str, collectors: dict[str, Collector], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.agent_id = agent_id
+        self.collectors = collectors
+        self._clock = clock
+        self._controls: dict[Path, Control] = {}
+        self._orphans: dict[Path, list[int]] = {}  # timed-out benchmark ids, freed when done
+        self._subs: dict[str, Subscription] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.handled = 0
+
+    # ---- bus --------------------------------------------------------------------------------
+
+    async def subscribe_new_jobs(self, nc: NATS) -> None:
+        """One subscription per job this agent serves (called after each ring scan)."""
+        for job in list(self.collectors):
+            if job not in self._subs:
+                self._subs[job] = await nc.subscribe(Subjects.control(job, self.agent_id),
+                                                     cb=self._on_msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        # A long benchmark must not hold up a status request: each request runs on its own.
+        task = asyncio.create_task(self._respond(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _respond(self, msg: Msg) -> None:
+        reply = await self.answer(Subjects.job_of(msg.subject), msg.data)
+        if msg.reply:
+            try:
+                await msg.respond(reply.model_dump_json().encode())
+            except Exception:
+                log.exception("could not reply to a control request on %s", msg.subject)
+
+    async def close(self) -> None:
+        for sub in self._subs.values():
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        for ctl in self._controls.values():
+            ctl.close()
+        self._controls.clear()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def answer(self, job: str, data: bytes) -> ControlReply:
+        """The reply to one raw request addressed to ``job``."""
+        self.handled += 1
+        try:
+            req = ControlRequest.model_validate_json(data)
+        except ValidationError as exc:
+            errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                             for e in exc.errors()[:5])
+            return self._fail(f"bad request: {errs}")
+        try:
+            if req.job_id != job:
+                raise ControlError(f"request for job {req.job_id} sent on job {job}'s subject")
+            return await self._dispatch(req)
+        except ControlError as exc:
+            return self._fail(str(exc))
+        except Exception as exc:  # a bug here must cost one reply, not the agent
+            log.exception("control %s for job %s failed", req.action, job)
+            return self._fail(f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, error: str) -> ControlReply:
+        return ControlReply(ok=False, error=error, agent_id=self.agent_id)
+
+    async def _dispatch(self, req: ControlRequest) -> ControlReply:
+        streams = self._streams(req.job_id)
+        if req.action == "bench":
+            return await self._bench(req, streams)
+        targets = self._targets(req, streams)
+        if req.action == "set_mode":
+            if req.mode is None:
+                raise ControlError("set_mode needs mode")
+            for s in targets:
+                self._control(s).set_mode(req.mode)
+                s.keep_records = req.mode == "profile"
+        elif req.action == "pause":
+            self._pause(req, targets)
+        elif req.action == "resume":
+            for s in targets:
+                self._control(s).resume()
+        return ControlReply(ok=True, agent_id=self.agent_id,
+                            ranks=[self._status(s) for s in targets])
+
+    def _streams(self, job: str) -> dict[int, RankStream]:
+        col = self.collectors.get(job)
+        if col is None or not col.streams:
+            raise ControlError(f"agent {self.agent_id} serves no rank of job {job}")
+        return {s.rank: s for s in col.streams.values()}
+
+    def _targets(self, req: ControlRequest, streams: dict[int, RankStream]) -> list[RankStream]:
+        if req.ranks is None:
+            return [streams[r] for r in sorted(streams)]
+        unknown = sorted(set(req.ranks) - set(streams))
+        if unknown:
+            raise ControlError(f"ranks {unknown} of job {req.job_id} are not on agent "
+                               f"{self.agent_id} (it has {sorted(streams)})")
+        return [streams[r] for r in sorted(set(req.ranks))]
+
+    def _control(self, stream: RankStream) -> Control:
+        ctl = self._controls.get(stream.path)
+        if ctl is None:
+            ctl = self._controls[stream.path] = stream.reader.control()
+        return ctl
+
+    def _status(self, s: RankStream) -> RankStatus:
+        comms = [CommStatus(comm_id=int(c["comm_id"]), comm_rank=int(c["rank"]),
+                            nranks=int(c["nranks"]), last_seq_entered=int(c["last_seq_entered"]),
+                            last_seq_completed=int(c["last_seq_completed"]))
+                 for c in s.reader.comms() if int(c["state"]) == _ACTIVE]
+        h = s.reader.header
+        return RankStatus(rank=s.rank, host=h.host, device=h.device,
+                          mode="profile" if s.keep_records else "monitor",
+                          paused=self._control(s).paused(), comms=comms)
+
+    def _pause(self, req: ControlRequest, targets: list[RankStream]) -> None:
+        missing = [s.rank for s in targets if s.rank not in req.pause_comm_id]
+        if len(targets) > 1 and missing:
+            raise ControlError(f"pausing several ranks needs pause_comm_id for each (a plain "
+                               f"pause parks ranks at different calls and deadlocks their "
+                               f"peers); missing for ranks {missing}")
+        for s in targets:
+            self._control(s).pause(req.pause_comm_id.get(s.rank, 0), req.pause_seq)
+
+    # ---- benchmarks -------------------------------------------------------------------------
+
+    async def _bench(self, req: ControlRequest, streams: dict[int, RankStream]) -> ControlReply:
+        if not req.bench:
+            raise ControlError("bench needs at least one item")
+        items = self._bench_items(req, streams)
+        for rank in sorted({it.rank for it in items}):
+            if not self._control(streams[rank]).paused():
+                raise ControlError(f"rank {rank} is not paused: benchmarks run only on parked "
+                                   "ranks")
+        for s in {streams[it.rank].path: streams[it.rank] for it in items}.values():
+            self._reap(s)
+        submitted: list[tuple[BenchItem, RankStream, int]] = []
+        try:
+            for it in items:
+                s = streams[it.rank]
+                req_id = self._control(s).submit(BenchRequest(
+                    kind=_KINDS[it.kind], size=it.size, repeat=it.repeat, comm_id=it.comm_id,
+                    peer=it.peer))
+                submitted.append((it, s, req_id))
+        except RuntimeError as exc:  # all slots busy
+            for _, s, req_id in submitted:
+                self._orphans.setdefault(s.path, []).append(req_id)
+            raise ControlError(f"cannot submit benchmarks: {exc}") from exc
+        outcomes = await self._collect(submitted, req.timeout_s)
+        return ControlReply(ok=True, agent_id=self.agent_id, results=outcomes,
+                            ranks=[self._status(streams[r]) for r in
+                                   sorted({it.rank for it in items})])
+
+    def _bench_items(self, req: ControlRequest, streams: dict[int, RankStream]) -> list[BenchItem]:
+        """Items for ranks here. Without ``ranks``, the request may be one shared by several
+        agents (control.request_all), so items for other agents' ranks are left to them."""
+        if req.ranks is None:
+            items = [it for it in req.bench if it.rank in streams]
+            if not items:
+                raise ControlError(f"no bench item names a rank on agent {self.agent_id}")
+            return items
+        allowed = {s.rank for s in self._targets(req, streams)}
+        stray = sorted({it.rank for it in req.bench} - allowed)
+        if stray:
+            raise ControlError(f"bench items for ranks {stray} outside the request's ranks")
+        return list(req.bench)
+
+    async def _collect(self, submitted: list[tuple[BenchItem, RankStream, int]],
+                       timeout_s: float) -> list[BenchOutcome]:
+        done: dict[int, BenchOutcome] = {}
+        deadline = self._clock() + timeout_s
+        while True:
+            for i, (it, s, req_id) in enumerate(submitted):
+                if i in done:
+                    continue
+                res = self._control(s).result(req_id)
+                if res is not None:
+                    done[i] = BenchOutcome(item=it, state=_STATES[res.state],
+                                           durations_ns=list(res.durations_ns))
+            if len(done) == len(submitted) or self._clock() >= deadline:
+                break
+            await asyncio.sleep(POLL_S)
+        out: list[BenchOutcome] = []
+        for i, (it, s, req_id) in enumerate(submitted):
+            if i in done:
+                out.append(done[i])
+            else:
+                self._orphans.setdefault(s.path, []).append(req_id)
+                out.append(BenchOutcome(item=it, state="timeout"))
+        return out
+
+    def _reap(self, s: RankStream) -> None:
+        """Free the slots of earlier timed-out requests that have finished since."""
+        ids = self._orphans.get(s.path)
+        if not ids:
+            return
+        ctl = self._control(s)
+        keep: list[int] = []
+        for req_id in ids:
+            try:
+                if ctl.result(req_id) is None:
+                    keep.append(req_id)
+            except KeyError:
+                pass
+        self._orphans[s.path] = keep
