@@ -86,3 +86,22 @@ class JobHangMonitor:
                 inflight_ranks=inflight,
                 rows={f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}))
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a restarted tracker needs: the learned iteration times and long phases.
+
+        The per-communicator watches are not kept: samples re-arm them within a second, and a
+        stall that began before the restart is then measured from the restart (a late alarm,
+        never a false one).
+        """
+        policy = self.policy
+        return {"floor_s": self.floor_s, "multiple": self.multiple, "stale_s": self.stale_s,
+                "recent": list(policy._recent), "long": list(policy._long)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> JobHangMonitor:
+        mon = cls(floor_s=float(state["floor_s"]), multiple=float(state["multiple"]),
+                  stale_s=float(state["stale_s"]))
+        mon.policy._recent.extend(float(x) for x in state["recent"])
+        mon.policy._long.extend(float(x) for x in state["long"])
+        return mon

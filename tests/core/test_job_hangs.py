@@ -61,3 +61,13 @@ def test_stale_samples_stop_the_watch() -> None:
     done = _warm(mon, 10)
     mon.observe_counters(10.0, _sample([done] * 4, [0.5] * 4))
     assert mon.check(30.0) == []  # the job (or its agent) is gone: not a hang
+
+
+def test_state_round_trip_keeps_the_learned_threshold() -> None:
+    mon = JobHangMonitor(floor_s=1.0, multiple=20.0)
+    for k in range(50):
+        mon.observe_iteration(0.2 + 0.001 * k)
+    mon.policy.observe_recovered_pause(9.0)
+    back = JobHangMonitor.from_state(mon.state_dict())
+    assert back.policy.threshold_s() == mon.policy.threshold_s() == 1.5 * 9.0
+    assert back.policy.typical_s() == mon.policy.typical_s()
