@@ -47,22 +47,50 @@ extern int gh_tsc_ok;
 extern uint64_t gh_reanchor_ticks;
 void gh_clock_init(void);
 uint64_t gh_tsc_reanchor(uint64_t tsc);
+/* Hot-path timestamps: the enter stamp keeps its TSC value and rate, so the return stamp costs one
+ * rdtsc and a multiply (no anchor loads, never before the enter stamp). */
 #if defined(__x86_64__)
 #include <x86intrin.h>
-static inline uint64_t gh_fast_ns(void) {
+static inline uint64_t gh_tsc_to_ns(uint64_t dticks, uint64_t mult) {
+  return (uint64_t)(((unsigned __int128)dticks * mult) >> 32);
+}
+static inline uint64_t gh_clock_enter(uint64_t *tsc, uint64_t *mult) {
   if (GH_LIKELY(__atomic_load_n(&gh_tsc_ok, __ATOMIC_ACQUIRE))) {
     uint64_t t = __rdtsc();
     const struct gh_tsc_anchor *a = &gh_anchor[__atomic_load_n(&gh_anchor_idx, __ATOMIC_ACQUIRE)];
-    uint64_t base = __atomic_load_n(&a->tsc, __ATOMIC_RELAXED);
-    uint64_t dt = t - base;
+    uint64_t dt = t - __atomic_load_n(&a->tsc, __ATOMIC_RELAXED);
+    uint64_t m = __atomic_load_n(&a->mult, __ATOMIC_RELAXED);
+    *tsc = t;
+    *mult = m;
     if (GH_UNLIKELY(dt > __atomic_load_n(&gh_reanchor_ticks, __ATOMIC_RELAXED))) return gh_tsc_reanchor(t);
-    return __atomic_load_n(&a->ns, __ATOMIC_RELAXED) +
-           (uint64_t)(((unsigned __int128)dt * __atomic_load_n(&a->mult, __ATOMIC_RELAXED)) >> 32);
+    return __atomic_load_n(&a->ns, __ATOMIC_RELAXED) + gh_tsc_to_ns(dt, m);
   }
+  *tsc = 0;
+  *mult = 0;
   return gh_now_ns();
 }
+static inline uint64_t gh_clock_exit(uint64_t tsc0, uint64_t mult, uint64_t ns0) {
+  if (GH_LIKELY(mult != 0)) {
+    uint64_t dt = __rdtsc() - tsc0; /* a TSC that went backwards wraps huge: slow path below */
+    if (GH_LIKELY(dt < __atomic_load_n(&gh_reanchor_ticks, __ATOMIC_RELAXED))) return ns0 + gh_tsc_to_ns(dt, mult);
+    uint64_t t, m, ns = gh_clock_enter(&t, &m);
+    return ns > ns0 ? ns : ns0;
+  }
+  uint64_t ns = gh_now_ns();
+  return ns > ns0 ? ns : ns0;
+}
 #else
-static inline uint64_t gh_fast_ns(void) { return gh_now_ns(); }
+static inline uint64_t gh_clock_enter(uint64_t *tsc, uint64_t *mult) {
+  *tsc = 0;
+  *mult = 0;
+  return gh_now_ns();
+}
+static inline uint64_t gh_clock_exit(uint64_t tsc0, uint64_t mult, uint64_t ns0) {
+  (void)tsc0;
+  (void)mult;
+  uint64_t ns = gh_now_ns();
+  return ns > ns0 ? ns : ns0;
+}
 #endif
 
 /* resolve.c: the real pncclX (or, failing that, ncclX that is not our own wrapper). */
@@ -72,7 +100,32 @@ void *gh_find_library_symbol(const char *lib_prefix, const char *const *sonames,
 /* ring.c */
 int gh_ring_ensure(int comm_rank); /* 1 when the ring is usable */
 void gh_ring_set_device(int device);
-struct gh_record *gh_reserve(uint64_t *index); /* NULL when full (counted) or disabled */
+/* The record index (+1) the poller is writing GPU times into right now, 0 when none. */
+extern uint64_t gh_gpu_busy;
+void gh_reserve_wait_poller(uint64_t busy);
+/* 1 when the GPU times landed in record `index` (it was not recycled meanwhile). */
+int gh_ring_gpu_complete(uint64_t index, uint64_t start_ns, uint64_t end_ns, uint32_t flags);
+
+/* A slot is reserved by CAS on head and refused (counted) when the reader's cursor is a full ring
+ * behind. The CAS and the load of gh_gpu_busy are seq_cst (a locked instruction and a plain load on
+ * x86) so that a writer recycling a slot and the poller completing the record it held cannot both
+ * miss each other (Dekker): one of them sees the other and the poller stays out of the new record. */
+static inline struct gh_record *gh_reserve(uint64_t *index) {
+  struct gh_ring_header *h = __atomic_load_n(&gh_hdr, __ATOMIC_ACQUIRE);
+  if (h == NULL) return NULL;
+  uint64_t cap = (uint64_t)gh_mask + 1;
+  uint64_t head = __atomic_load_n(&h->head, __ATOMIC_RELAXED);
+  do {
+    if (GH_UNLIKELY(head - __atomic_load_n(&h->consumed, __ATOMIC_ACQUIRE) >= cap)) {
+      __atomic_fetch_add(&h->dropped, 1, __ATOMIC_RELAXED);
+      return NULL;
+    }
+  } while (!__atomic_compare_exchange_n(&h->head, &head, head + 1, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED));
+  uint64_t busy = __atomic_load_n(&gh_gpu_busy, __ATOMIC_SEQ_CST);
+  if (GH_UNLIKELY(busy != 0 && busy + cap == head + 1)) gh_reserve_wait_poller(busy);
+  *index = head;
+  return &gh_records[head & gh_mask];
+}
 static inline void gh_publish(struct gh_record *r, uint64_t index) {
   __atomic_store_n(&r->stamp, index + 1, __ATOMIC_RELEASE);
 }
@@ -98,51 +151,24 @@ struct gh_comm_entry *gh_comm_adopt(ncclComm_t comm);
     f_;                                                                               \
   })
 
-/* Body of a data-path wrapper: pass through when nested or disabled, else record around CALL. */
-#define GH_DATA_CALL(OP, COMM, STREAM, CALL, COUNT, DTYPE, REDOP, PEER)               \
-  do {                                                                                \
-    if (GH_UNLIKELY(gh_depth > 0 || gh_disabled)) return CALL;                       \
-    int saved_ = errno;                                                               \
-    gh_depth++;                                                                       \
-    if (gh_group_depth == 0) gh_pause_point(COMM);                                    \
-    struct gh_call c_;                                                                \
-    gh_enter(&c_, (OP), (COMM), (STREAM), (COUNT), (int)(DTYPE));                      \
-    errno = saved_;                                                                   \
-    ncclResult_t res_ = CALL;                                                         \
-    saved_ = errno;                                                                   \
-    gh_exit(&c_, res_, (COMM), (COUNT), (int)(DTYPE), (int)(REDOP), (PEER), (STREAM)); \
-    gh_depth--;                                                                       \
-    errno = saved_;                                                                   \
-    return res_;                                                                      \
-  } while (0)
-
-/* record.c: shared wrapper bodies. */
-struct gh_call {
-  uint64_t enter_ns;
-  struct gh_comm_entry *entry;
-  uint64_t seq;
-  uint16_t op;
-  int saved_errno;
-  int profiled;      /* profile.c started events for this call */
-  uint32_t prof_slot;
-};
-void gh_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream, uint64_t count,
-              int dtype);
-void gh_exit(struct gh_call *c, ncclResult_t res, ncclComm_t comm, uint64_t count, int dtype,
-             int redop, int peer, cudaStream_t stream);
 void gh_record_event(uint16_t op, struct gh_comm_entry *e, int result, int peer, uint64_t enter_ns);
+
+/* The agent's mode and pause_request as one word (mode low, pause high): monitor mode with no
+ * pause request reads 0, so the hot path tests both with one load. Points at a zero word until
+ * the ring exists. */
+typedef uint64_t __attribute__((may_alias)) gh_ctl_word_t;
+extern const gh_ctl_word_t *gh_ctl_word;
+#define GH_CTL_PAUSE(word) ((word) >> 32)
 
 /* control.c: pause point, run at depth 0 outside groups before a data-path call. */
 void gh_pause_point_slow(ncclComm_t comm);
 static inline void gh_pause_point(ncclComm_t comm) {
-  if (GH_UNLIKELY(gh_ctl != 0 && __atomic_load_n(&gh_ctl->pause_request, __ATOMIC_RELAXED)))
-    gh_pause_point_slow(comm);
+  const gh_ctl_word_t *w = __atomic_load_n(&gh_ctl_word, __ATOMIC_ACQUIRE);
+  if (GH_UNLIKELY(GH_CTL_PAUSE(__atomic_load_n(w, __ATOMIC_RELAXED)) != 0)) gh_pause_point_slow(comm);
 }
 
 /* profile.c: CUDA events around calls when the agent selected profile mode. */
-int gh_profile_begin(cudaStream_t stream, uint32_t *slot, uint32_t *flags);
 void gh_profile_end(uint32_t slot);
-void gh_profile_attach(uint32_t slot, uint64_t record_index, struct gh_comm_entry *e);
 void gh_profile_group_end(void);
 void gh_profile_comm_gone(struct gh_comm_entry *e);
 void gh_profile_fork_child(void);

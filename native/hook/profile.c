@@ -11,7 +11,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-#include "gh_hook.h"
+#include "hot.h"
 
 #define POOL 1024u
 #define ANCHORS 4u
@@ -53,7 +53,7 @@ struct slot {
 
 static struct slot pool[POOL];
 static uint64_t claim_next, poll_next;
-static int prof_state; /* 0 untried, 1 ready, 2 unavailable */
+static int prof_state; /* P_* below */
 static pthread_mutex_t prof_lock = PTHREAD_MUTEX_INITIALIZER;
 static cuda_event anchor_ev[ANCHORS];
 static uint64_t anchor_ns[ANCHORS];
@@ -85,29 +85,24 @@ static int take_anchor(void) {
   return 1;
 }
 
-static int record_ready(uint64_t idx) {
-  return idx != UINT64_MAX && gh_records != NULL &&
-         __atomic_load_n(&gh_records[idx & gh_mask].stamp, __ATOMIC_ACQUIRE) == idx + 1;
-}
-
+/* GPU times are computed first (CUDA calls), then written by gh_ring_gpu_complete, which keeps
+ * them out of the slot if the reader gave up on this record and a writer recycled it. */
 static void complete(struct slot *s, uint32_t extra_flags) {
-  if (record_ready(s->record)) {
-    struct gh_record *r = &gh_records[s->record & gh_mask];
-    uint32_t flags = extra_flags;
-    uint32_t gen = s->anchor_gen;
-    float ms0 = 0, ms1 = 0;
-    if (extra_flags == 0 && anchor_gen - gen < ANCHORS - 1 &&
-        cu.ev_elapsed(&ms0, anchor_ev[gen % ANCHORS], s->start) == 0 &&
-        cu.ev_elapsed(&ms1, anchor_ev[gen % ANCHORS], s->end) == 0) {
-      uint64_t base = anchor_ns[gen % ANCHORS];
-      r->gpu_start_ns = base + (uint64_t)((double)ms0 * 1e6);
-      r->gpu_end_ns = base + (uint64_t)((double)ms1 * 1e6);
-      flags = GH_F_GPU_DONE;
-    } else if (flags == 0) {
-      flags = GH_F_GPU_LOST;
-    }
-    __atomic_fetch_or(&r->flags, flags, __ATOMIC_RELEASE);
+  uint32_t flags = extra_flags;
+  uint32_t gen = s->anchor_gen;
+  float ms0 = 0, ms1 = 0;
+  uint64_t start = 0, end = 0;
+  if (extra_flags == 0 && s->record != UINT64_MAX && anchor_gen - gen < ANCHORS - 1 &&
+      cu.ev_elapsed(&ms0, anchor_ev[gen % ANCHORS], s->start) == 0 &&
+      cu.ev_elapsed(&ms1, anchor_ev[gen % ANCHORS], s->end) == 0) {
+    uint64_t base = anchor_ns[gen % ANCHORS];
+    start = base + (uint64_t)((double)ms0 * 1e6);
+    end = base + (uint64_t)((double)ms1 * 1e6);
+    flags = GH_F_GPU_DONE;
+  } else if (flags == 0) {
+    flags = GH_F_GPU_LOST;
   }
+  gh_ring_gpu_complete(s->record, start, end, flags);
   __atomic_store_n(&s->state, S_FREE, __ATOMIC_RELEASE);
 }
 
@@ -152,7 +147,7 @@ static void *poller(void *arg) {
   return NULL;
 }
 
-static int setup(void) {
+static int resolve_cuda(void) {
 #define GH_CU(field, name) ((cu.field = (__typeof__(cu.field))gh_cuda_sym(name)) != NULL)
   int ok = GH_CU(ev_create, "cudaEventCreateWithFlags") && GH_CU(ev_record, "cudaEventRecord") &&
            GH_CU(ev_query, "cudaEventQuery") && GH_CU(ev_sync, "cudaEventSynchronize") &&
@@ -162,56 +157,93 @@ static int setup(void) {
   (void)GH_CU(set_device, "cudaSetDevice");
   (void)GH_CU(get_device, "cudaGetDevice");
 #undef GH_CU
-  if (!ok) return 0;
+  return ok;
+}
+
+/* Runs in a training thread. Thread-local capture mode: a graph captured meanwhile by another
+ * thread must not make our event synchronisation an illegal call (nor be invalidated by it). */
+static int setup(void) {
+  int mode = 1; /* cudaStreamCaptureModeThreadLocal */
+  if (cu.capture_mode != NULL) cu.capture_mode(&mode);
+  int ok = 0;
   if (cu.get_device != NULL) cu.get_device(&device);
-  if (gh_private_stream(&anchor_stream) != 0) return 0;
+  if (gh_private_stream(&anchor_stream) != 0) goto out;
   for (unsigned i = 0; i < ANCHORS; i++)
-    if (cu.ev_create(&anchor_ev[i], 0) != 0) return 0;
+    if (cu.ev_create(&anchor_ev[i], 0) != 0) goto out;
   for (unsigned i = 0; i < POOL; i++)
-    if (cu.ev_create(&pool[i].start, 0) != 0 || cu.ev_create(&pool[i].end, 0) != 0) return 0;
+    if (cu.ev_create(&pool[i].start, 0) != 0 || cu.ev_create(&pool[i].end, 0) != 0) goto out;
   anchor_gen = ANCHORS - 1;
-  if (!take_anchor()) return 0;
+  if (!take_anchor()) goto out;
   pthread_t t;
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  int rc = pthread_create(&t, &attr, poller, NULL);
+  ok = pthread_create(&t, &attr, poller, NULL) == 0;
   pthread_attr_destroy(&attr);
-  return rc == 0;
+out:
+  if (cu.capture_mode != NULL) cu.capture_mode(&mode);
+  return ok;
 }
 
-static int ready(void) {
-  int s = __atomic_load_n(&prof_state, __ATOMIC_ACQUIRE);
-  if (GH_LIKELY(s != 0)) return s == 1;
-  int saved = errno;
+enum { P_UNTRIED = 0, P_READY = 1, P_NONE = 2, P_RESOLVED = 3 };
+
+/* Symbols first, the pool and poller only at the first call on a stream that is not capturing:
+ * creating them is no business of a graph being captured. */
+static int ready(cudaStream_t stream, int *capturing) {
+  int st = __atomic_load_n(&prof_state, __ATOMIC_ACQUIRE);
+  if (GH_UNLIKELY(st == P_UNTRIED)) {
+    pthread_mutex_lock(&prof_lock);
+    if (prof_state == P_UNTRIED) __atomic_store_n(&prof_state, resolve_cuda() ? P_RESOLVED : P_NONE, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&prof_lock);
+    st = __atomic_load_n(&prof_state, __ATOMIC_ACQUIRE);
+  }
+  if (st == P_NONE) return 0;
+  int cap = 0;
+  *capturing = cu.is_capturing != NULL && cu.is_capturing(stream, &cap) == 0 && cap != 0;
+  if (*capturing || st == P_READY) return 1;
   pthread_mutex_lock(&prof_lock);
-  if (prof_state == 0) __atomic_store_n(&prof_state, setup() ? 1 : 2, __ATOMIC_RELEASE);
+  if (prof_state == P_RESOLVED) __atomic_store_n(&prof_state, setup() ? P_READY : P_NONE, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&prof_lock);
-  errno = saved;
-  return prof_state == 1;
+  return __atomic_load_n(&prof_state, __ATOMIC_ACQUIRE) == P_READY;
 }
 
-int gh_profile_begin(cudaStream_t stream, uint32_t *slot_out, uint32_t *unused) {
-  (void)unused;
-  if (!ready()) return 0;
-  int capturing = 0;
-  if (cu.is_capturing != NULL && cu.is_capturing(stream, &capturing) == 0 && capturing != 0) return -1;
+int gh_profile_enter(cudaStream_t stream) {
+  struct gh_control *ctl = gh_ctl;
+  if (ctl == NULL || __atomic_load_n(&ctl->mode, __ATOMIC_RELAXED) != GH_MODE_PROFILE) return 0;
+  int saved = errno, capturing = 0, res = 0;
+  if (!ready(stream, &capturing)) goto out;
+  res = -1; /* capturing: an event recorded now would become a graph node, not a timing */
+  if (capturing) goto out;
+  res = 0;
   uint64_t n = __atomic_fetch_add(&claim_next, 1, __ATOMIC_ACQ_REL);
   struct slot *s = &pool[n % POOL];
   uint32_t expect = S_FREE;
   if (!__atomic_compare_exchange_n(&s->state, &expect, S_STARTED, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
     if (gh_hdr != NULL) __atomic_fetch_add(&gh_hdr->gpu_dropped, 1, __ATOMIC_RELAXED);
-    return 0;
+    goto out;
   }
   s->stream = stream;
   s->record = UINT64_MAX;
   s->entry = NULL;
   s->anchor_gen = __atomic_load_n(&anchor_gen, __ATOMIC_ACQUIRE);
   cu.ev_record(s->start, stream);
-  *slot_out = (uint32_t)(n % POOL);
-  if (gh_group_depth > 0 && group_n < MAX_GROUP) group_slots[group_n++] = *slot_out;
-  else if (gh_group_depth > 0) gh_profile_end(*slot_out); /* group too large: end at issue */
-  return 1;
+  uint32_t slot = (uint32_t)(n % POOL);
+  res = (int)slot + 1;
+  if (gh_group_depth > 0 && group_n < MAX_GROUP) group_slots[group_n++] = slot;
+  else if (gh_group_depth > 0) gh_profile_end(slot); /* group too large: end at issue */
+out:
+  errno = saved;
+  return res;
+}
+
+uint32_t gh_profile_exit(int profiled) {
+  if (profiled < 0) return GH_F_CAPTURED;
+  if (gh_group_depth == 0) {
+    int saved = errno;
+    gh_profile_end((uint32_t)profiled - 1);
+    errno = saved;
+  }
+  return GH_F_PROFILED;
 }
 
 void gh_profile_end(uint32_t slot) {
@@ -229,18 +261,20 @@ void gh_profile_attach(uint32_t slot, uint64_t record_index, struct gh_comm_entr
 }
 
 void gh_profile_group_end(void) {
+  int saved = errno;
   for (int i = 0; i < group_n; i++) gh_profile_end(group_slots[i]);
   group_n = 0;
+  errno = saved;
 }
 
 void gh_profile_comm_gone(struct gh_comm_entry *e) {
-  if (__atomic_load_n(&prof_state, __ATOMIC_ACQUIRE) != 1) return;
+  if (__atomic_load_n(&prof_state, __ATOMIC_ACQUIRE) != P_READY) return;
   for (unsigned i = 0; i < POOL; i++)
     if (__atomic_load_n(&pool[i].state, __ATOMIC_ACQUIRE) != S_FREE && pool[i].entry == e)
       __atomic_fetch_or(&pool[i].state, S_GONE, __ATOMIC_RELEASE);
 }
 
 void gh_profile_fork_child(void) {
-  prof_state = 2; /* the poller thread did not survive the fork */
+  prof_state = P_NONE; /* the poller thread did not survive the fork */
   pthread_mutex_init(&prof_lock, NULL);
 }

@@ -1,67 +1,33 @@
 /*
- * The common body of every data-path wrapper (Darshan's shape): timestamp, real call outside any
- * lock, timestamp, one ring record and the communicator's counters. A record is written once, at
- * return; what is inside NCCL right now is visible to the agent through the comm table
- * (inflight_enter_ns, last_seq_entered vs last_seq_completed), so a hung call is never invisible.
+ * The out-of-line parts of the data-path wrappers (the inline hot path is in hot.h) and the
+ * records of non-data calls (groups, communicator lifecycle).
  */
 #define _GNU_SOURCE
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "gh_hook.h"
+#include "hot.h"
 
 GH_TLS int gh_depth;
 GH_TLS int gh_group_depth;
 GH_TLS uint64_t gh_group_id;
-static GH_TLS uint32_t tls_tid;
+GH_TLS ncclComm_t gh_last_comm;
+GH_TLS struct gh_comm_entry *gh_last_entry;
+GH_TLS uint32_t gh_tid;
 
-static inline uint32_t my_tid(void) {
-  if (GH_UNLIKELY(tls_tid == 0)) tls_tid = (uint32_t)syscall(SYS_gettid);
-  return tls_tid;
+uint32_t gh_tid_slow(void) {
+  gh_tid = (uint32_t)syscall(SYS_gettid);
+  return gh_tid;
 }
 
-/* NCCL forbids using one communicator from several threads at once, so its counters have a single
- * writer at a time: plain load+store (no locked instruction) keeps them exact and cheap. */
-static inline void bump(uint64_t *p) { __atomic_store_n(p, __atomic_load_n(p, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED); }
-static inline uint64_t bump_get(uint64_t *p) {
-  uint64_t v = __atomic_load_n(p, __ATOMIC_RELAXED) + 1;
-  __atomic_store_n(p, v, __ATOMIC_RELAXED);
-  return v;
-}
-
-/* The last communicator this thread used: training loops hit the same one again and again. */
-static GH_TLS ncclComm_t last_comm;
-static GH_TLS struct gh_comm_entry *last_entry;
-
-static inline int is_p2p(uint16_t op) { return op == GH_OP_SEND || op == GH_OP_RECV; }
-
-void gh_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream, uint64_t count,
-              int dtype) {
-  c->op = op;
-  c->seq = 0;
-  c->profiled = 0;
-  if (GH_LIKELY(comm == last_comm && last_entry != NULL &&
-                __atomic_load_n(&last_entry->state, __ATOMIC_RELAXED) == GH_COMM_ACTIVE &&
-                last_entry->handle == (uint64_t)(uintptr_t)comm)) {
-    c->entry = last_entry;
-  } else {
-    c->entry = gh_comm_lookup(comm);
-    if (GH_UNLIKELY(c->entry == NULL && comm != NULL)) c->entry = gh_comm_adopt(comm);
-    last_comm = comm;
-    last_entry = c->entry;
-  }
-  c->enter_ns = gh_fast_ns();
-  struct gh_comm_entry *e = c->entry;
-  if (e != NULL) {
-    bump(&e->calls_entered);
-    if (!is_p2p(op)) c->seq = bump_get(&e->last_seq_entered);
-    __atomic_store_n(&e->inflight_enter_ns, c->enter_ns, __ATOMIC_RELAXED);
-    __atomic_store_n(&e->last_op, (uint32_t)op, __ATOMIC_RELAXED);
-    __atomic_store_n(&e->last_count, count, __ATOMIC_RELAXED);
-    __atomic_store_n(&e->last_dtype, (uint32_t)dtype, __ATOMIC_RELAXED);
-  }
-  if (GH_UNLIKELY(gh_ctl != NULL && __atomic_load_n(&gh_ctl->mode, __ATOMIC_RELAXED) == GH_MODE_PROFILE))
-    c->profiled = gh_profile_begin(stream, &c->prof_slot, NULL);
+struct gh_comm_entry *gh_comm_miss(ncclComm_t comm) {
+  int saved = errno; /* adopting asks NCCL about the communicator */
+  struct gh_comm_entry *e = gh_comm_lookup(comm);
+  if (e == NULL && comm != NULL) e = gh_comm_adopt(comm);
+  gh_last_comm = comm;
+  gh_last_entry = e;
+  errno = saved;
+  return e;
 }
 
 static int peer_index(struct gh_comm_entry *e, int peer) {
@@ -80,61 +46,10 @@ static int peer_index(struct gh_comm_entry *e, int peer) {
   return -1;
 }
 
-void gh_exit(struct gh_call *c, ncclResult_t res, ncclComm_t comm, uint64_t count, int dtype,
-             int redop, int peer, cudaStream_t stream) {
-  (void)comm;
-  uint64_t ret_ns = gh_fast_ns();
-  if (GH_UNLIKELY(ret_ns < c->enter_ns)) ret_ns = c->enter_ns; /* across a re-anchor */
-  uint32_t flags = 0;
-  if (res == ncclInProgress) flags |= GH_F_IN_PROGRESS;
-  if (gh_group_depth > 0) flags |= GH_F_IN_GROUP;
-  if (c->profiled < 0) flags |= GH_F_CAPTURED;
-  if (c->profiled > 0) {
-    flags |= GH_F_PROFILED;
-    if (gh_group_depth == 0) gh_profile_end(c->prof_slot);
-  }
-  struct gh_comm_entry *e = c->entry;
-  uint64_t seq = c->seq;
-  int ok = res == ncclSuccess || res == ncclInProgress;
-  if (e != NULL) {
-    if (is_p2p(c->op) && ok) {
-      int pi = peer_index(e, peer);
-      if (pi >= 0) {
-        uint64_t *ctr = c->op == GH_OP_SEND ? &e->send_count[pi] : &e->recv_count[pi];
-        seq = bump_get(ctr);
-      }
-    }
-    if (!is_p2p(c->op)) __atomic_store_n(&e->last_seq_completed, seq, __ATOMIC_RELAXED);
-    __atomic_store_n(&e->inflight_enter_ns, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&e->calls_completed, __atomic_load_n(&e->calls_completed, __ATOMIC_RELAXED) + 1,
-                     __ATOMIC_RELEASE);
-  }
-  uint64_t idx;
-  struct gh_record *r = gh_reserve(&idx);
-  if (r == NULL) {
-    if (c->profiled > 0) gh_profile_attach(c->prof_slot, UINT64_MAX, e);
-    return;
-  }
-  r->comm_id = e != NULL ? e->comm_id : 0;
-  r->count = count;
-  r->seq = seq;
-  r->enter_ns = c->enter_ns;
-  r->return_ns = ret_ns;
-  r->stream = (uint64_t)(uintptr_t)stream;
-  r->group_id = gh_group_depth > 0 ? gh_group_id : 0;
-  r->gpu_start_ns = 0;
-  r->gpu_end_ns = 0;
-  r->comm_rank = e != NULL ? e->rank : -1;
-  r->nranks = e != NULL ? e->nranks : 0;
-  r->peer = peer;
-  r->result = (int32_t)res;
-  r->op = c->op;
-  r->datatype = (uint8_t)dtype;
-  r->redop = (uint8_t)redop;
-  r->flags = flags;
-  r->tid = my_tid();
-  gh_publish(r, idx);
-  if (c->profiled > 0) gh_profile_attach(c->prof_slot, idx, e);
+uint64_t gh_p2p_count(struct gh_comm_entry *e, uint16_t op, int peer) {
+  int pi = peer_index(e, peer);
+  if (pi < 0) return 0;
+  return gh_bump(op == GH_OP_SEND ? &e->send_count[pi] : &e->recv_count[pi]);
 }
 
 void gh_record_event(uint16_t op, struct gh_comm_entry *e, int result, int peer, uint64_t enter_ns) {
@@ -159,6 +74,6 @@ void gh_record_event(uint16_t op, struct gh_comm_entry *e, int result, int peer,
   r->datatype = 0;
   r->redop = 255;
   r->flags = 0;
-  r->tid = my_tid();
+  r->tid = gh_tid != 0 ? gh_tid : gh_tid_slow();
   gh_publish(r, idx);
 }

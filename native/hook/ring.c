@@ -2,12 +2,14 @@
  * The per-rank shared-memory ring. Created lazily at the first NCCL call that knows the rank
  * (from the launcher's environment, else the first communicator's rank), built under a temporary
  * name and renamed into place so that a reader never sees a half-written header. Writers never
- * block: a slot is reserved with a CAS on head, refused (and counted) when the reader's published
- * cursor is a full ring behind.
+ * wait on the reader: a slot is reserved with a CAS on head (gh_hook.h), refused (and counted) when
+ * the reader's published cursor is a full ring behind. The one wait is for the poller, and only
+ * while it is inside its few stores into the very slot being recycled (gh_ring_gpu_complete).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +25,10 @@ struct gh_comm_entry *gh_comms;
 struct gh_record *gh_records;
 uint32_t gh_mask;
 int gh_disabled;
+
+uint64_t gh_gpu_busy;
+static const gh_ctl_word_t zero_ctl;
+const gh_ctl_word_t *gh_ctl_word = &zero_ctl;
 
 static int ring_state; /* 0 not tried, 1 ready, 2 failed for good */
 static pthread_mutex_t ring_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -123,6 +129,7 @@ static int create_ring(int rank) {
     return 0;
   }
   gh_ctl = (struct gh_control *)((char *)m + control_off);
+  __atomic_store_n(&gh_ctl_word, (const gh_ctl_word_t *)gh_ctl, __ATOMIC_RELEASE);
   gh_comms = (struct gh_comm_entry *)((char *)m + comms_off);
   gh_records = (struct gh_record *)((char *)m + records_off);
   gh_mask = cap - 1;
@@ -152,21 +159,39 @@ void gh_ring_set_device(int device) {
   if (gh_hdr != NULL && gh_hdr->device < 0) __atomic_store_n(&gh_hdr->device, device, __ATOMIC_RELAXED);
 }
 
-struct gh_record *gh_reserve(uint64_t *index) {
-  struct gh_ring_header *h = gh_hdr;
-  if (h == NULL) return NULL;
-  uint64_t head = __atomic_load_n(&h->head, __ATOMIC_RELAXED);
-  for (;;) {
-    uint64_t consumed = __atomic_load_n(&h->consumed, __ATOMIC_ACQUIRE);
-    if (GH_UNLIKELY(head - consumed >= (uint64_t)gh_mask + 1)) {
-      __atomic_fetch_add(&h->dropped, 1, __ATOMIC_RELAXED);
-      return NULL;
+void gh_reserve_wait_poller(uint64_t busy) {
+  /* The poller is inside its few-instruction write into the record this slot held (the reader had
+   * given up on it and the ring lapped meanwhile): wait for it to leave rather than publish a
+   * record it may still scribble on. Spin first, then yield in case it was preempted there. */
+  for (unsigned spins = 0; __atomic_load_n(&gh_gpu_busy, __ATOMIC_ACQUIRE) == busy; spins++) {
+#if defined(__x86_64__)
+    if (spins < 1024) {
+      __builtin_ia32_pause();
+      continue;
     }
-    if (__atomic_compare_exchange_n(&h->head, &head, head + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
-      break;
+#endif
+    sched_yield();
   }
-  *index = head;
-  return &gh_records[head & gh_mask];
+}
+
+int gh_ring_gpu_complete(uint64_t index, uint64_t start_ns, uint64_t end_ns, uint32_t flags) {
+  if (index == UINT64_MAX || gh_records == NULL) return 0;
+  struct gh_record *r = &gh_records[index & gh_mask];
+  struct gh_ring_header *h = gh_hdr;
+  /* Announce the write, then check that no writer has reserved this slot's next lap (seq_cst
+   * pairs with gh_reserve's CAS and load); while announced, such a writer waits for us. */
+  __atomic_store_n(&gh_gpu_busy, index + 1, __ATOMIC_SEQ_CST);
+  int ok = __atomic_load_n(&h->head, __ATOMIC_SEQ_CST) <= index + gh_mask + 1 &&
+           __atomic_load_n(&r->stamp, __ATOMIC_ACQUIRE) == index + 1;
+  if (ok) {
+    if (flags & GH_F_GPU_DONE) {
+      __atomic_store_n(&r->gpu_start_ns, start_ns, __ATOMIC_RELAXED);
+      __atomic_store_n(&r->gpu_end_ns, end_ns, __ATOMIC_RELAXED);
+    }
+    __atomic_fetch_or(&r->flags, flags, __ATOMIC_RELEASE);
+  }
+  __atomic_store_n(&gh_gpu_busy, 0, __ATOMIC_RELEASE);
+  return ok;
 }
 
 /* A forked child (data-loader workers) must not write into its parent's ring. */
@@ -174,6 +199,8 @@ static void on_fork_child(void) {
   gh_disabled = 1;
   gh_hdr = NULL;
   gh_ctl = NULL;
+  __atomic_store_n(&gh_ctl_word, &zero_ctl, __ATOMIC_RELAXED);
+  __atomic_store_n(&gh_gpu_busy, 0, __ATOMIC_RELAXED);
   ring_state = 2;
   pthread_mutex_init(&ring_lock, NULL);
   gh_profile_fork_child();

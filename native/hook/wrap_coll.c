@@ -3,7 +3,7 @@
  * ncclBroadcast through its PLT, which lands in our wrapper at depth 1 and passes straight through,
  * so the call is recorded once.
  */
-#include "gh_hook.h"
+#include "hot.h"
 
 #define NO_REDOP 255
 #define NO_PEER (-1)

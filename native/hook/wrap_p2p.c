@@ -3,7 +3,7 @@
  * ncclGroupEnd, so records issued inside carry the group id and, in profile mode, their end
  * events are recorded after that outermost End (profile.c).
  */
-#include "gh_hook.h"
+#include "hot.h"
 
 #define NO_REDOP 255
 

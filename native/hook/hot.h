@@ -1,0 +1,140 @@
+/*
+ * The monitor-mode hot path of every data-path wrapper (Darshan's shape: timestamp, real call
+ * outside any lock, timestamp, counters, one ring record), inlined into each wrapper so that the
+ * op is a constant, the call state stays in registers and nothing is called out of line unless
+ * something unusual happens: a communicator not in this thread's cache, a pause request or
+ * profile mode (one control word says both), a P2P peer counter, a full ring. Those leave
+ * through record.c / profile.c / control.c.
+ *
+ * errno: the hot path makes no call that can set it (rdtsc, loads, stores, one CAS); every slow
+ * path saves and restores it, so the caller sees errno exactly as NCCL left it.
+ *
+ * A record is written once, at return; what is inside NCCL right now is visible to the agent
+ * through the comm table (inflight_enter_ns, last_seq_entered vs last_seq_completed), so a hung
+ * call is never invisible.
+ */
+#ifndef GREYHOUND_HOOK_HOT_H
+#define GREYHOUND_HOOK_HOT_H
+
+#include "gh_hook.h"
+
+#define GH_INLINE static inline __attribute__((always_inline))
+#define GH_IS_P2P(op) ((op) == GH_OP_SEND || (op) == GH_OP_RECV)
+
+/* The last communicator this thread used (training loops hit the same one again and again), and
+ * the thread's Linux tid (0 until first needed). */
+extern GH_TLS ncclComm_t gh_last_comm;
+extern GH_TLS struct gh_comm_entry *gh_last_entry;
+extern GH_TLS uint32_t gh_tid;
+
+/* record.c */
+struct gh_comm_entry *gh_comm_miss(ncclComm_t comm); /* lookup or adopt; refills the cache */
+uint64_t gh_p2p_count(struct gh_comm_entry *e, uint16_t op, int peer); /* per-peer count, 0 if full */
+uint32_t gh_tid_slow(void);
+/* profile.c: start events when the agent selected profile mode (returns the pool slot + 1; -1 the
+ * stream is capturing a graph; 0 not profiled), end them (returns the record flags), hand the
+ * record index to the poller. */
+int gh_profile_enter(cudaStream_t stream);
+uint32_t gh_profile_exit(int profiled);
+void gh_profile_attach(uint32_t slot, uint64_t record_index, struct gh_comm_entry *e);
+
+/* NCCL forbids using one communicator from several threads at once, so its counters have a single
+ * writer at a time: plain load+store (no locked instruction) keeps them exact and cheap. */
+GH_INLINE uint64_t gh_bump(uint64_t *p) {
+  uint64_t v = __atomic_load_n(p, __ATOMIC_RELAXED) + 1;
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+  return v;
+}
+
+struct gh_call {
+  uint64_t enter_ns, tsc, mult, seq;
+  struct gh_comm_entry *e;
+  int profiled;
+};
+
+GH_INLINE void gh_hot_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream,
+                            uint64_t count, uint32_t dtype) {
+  uint64_t ctl = __atomic_load_n(__atomic_load_n(&gh_ctl_word, __ATOMIC_ACQUIRE), __ATOMIC_RELAXED);
+  if (GH_UNLIKELY(ctl != 0) && GH_CTL_PAUSE(ctl) != 0 && gh_group_depth == 0) gh_pause_point_slow(comm);
+  struct gh_comm_entry *e = gh_last_entry;
+  if (GH_UNLIKELY(comm != gh_last_comm || e == NULL ||
+                  __atomic_load_n(&e->state, __ATOMIC_RELAXED) != GH_COMM_ACTIVE ||
+                  e->handle != (uint64_t)(uintptr_t)comm))
+    e = gh_comm_miss(comm);
+  c->e = e;
+  c->enter_ns = gh_clock_enter(&c->tsc, &c->mult);
+  c->seq = 0;
+  if (GH_LIKELY(e != NULL)) {
+    gh_bump(&e->calls_entered);
+    if (!GH_IS_P2P(op)) c->seq = gh_bump(&e->last_seq_entered);
+    __atomic_store_n(&e->inflight_enter_ns, c->enter_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->last_op, (uint32_t)op, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->last_count, count, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->last_dtype, dtype, __ATOMIC_RELAXED);
+  }
+  c->profiled = 0;
+  if (GH_UNLIKELY(ctl != 0)) c->profiled = gh_profile_enter(stream);
+}
+
+GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
+                           uint64_t count, int dtype, int redop, int peer) {
+  uint64_t ret_ns = gh_clock_exit(c->tsc, c->mult, c->enter_ns);
+  uint32_t flags = res == ncclInProgress ? GH_F_IN_PROGRESS : 0u;
+  int in_group = gh_group_depth > 0;
+  if (in_group) flags |= GH_F_IN_GROUP;
+  if (GH_UNLIKELY(c->profiled != 0)) flags |= gh_profile_exit(c->profiled);
+  struct gh_comm_entry *e = c->e;
+  uint64_t seq = c->seq, comm_id = 0;
+  int32_t rank = -1, nranks = 0;
+  if (GH_LIKELY(e != NULL)) {
+    if (!GH_IS_P2P(op)) __atomic_store_n(&e->last_seq_completed, seq, __ATOMIC_RELAXED);
+    else if (res == ncclSuccess || res == ncclInProgress) seq = gh_p2p_count(e, op, peer);
+    __atomic_store_n(&e->inflight_enter_ns, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->calls_completed, __atomic_load_n(&e->calls_completed, __ATOMIC_RELAXED) + 1,
+                     __ATOMIC_RELEASE);
+    comm_id = e->comm_id;
+    rank = e->rank;
+    nranks = e->nranks;
+  }
+  uint64_t idx = UINT64_MAX;
+  struct gh_record *r = gh_reserve(&idx);
+  if (GH_LIKELY(r != NULL)) {
+    uint32_t tid = gh_tid;
+    if (GH_UNLIKELY(tid == 0)) tid = gh_tid_slow();
+    r->comm_id = comm_id;
+    r->count = count;
+    r->seq = seq;
+    r->enter_ns = c->enter_ns;
+    r->return_ns = ret_ns;
+    r->stream = (uint64_t)(uintptr_t)stream;
+    r->group_id = in_group ? gh_group_id : 0;
+    r->gpu_start_ns = 0;
+    r->gpu_end_ns = 0;
+    r->comm_rank = rank;
+    r->nranks = nranks;
+    r->peer = peer;
+    r->result = (int32_t)res;
+    r->op = op;
+    r->datatype = (uint8_t)dtype;
+    r->redop = (uint8_t)redop;
+    r->flags = flags;
+    r->tid = tid;
+    gh_publish(r, idx);
+  }
+  if (GH_UNLIKELY(c->profiled > 0)) gh_profile_attach((uint32_t)c->profiled - 1, idx, e);
+}
+
+/* Body of a data-path wrapper: pass through when nested or disabled, else record around CALL. */
+#define GH_DATA_CALL(OP, COMM, STREAM, CALL, COUNT, DTYPE, REDOP, PEER)                          \
+  do {                                                                                           \
+    if (GH_UNLIKELY(gh_depth > 0 || gh_disabled)) return CALL;                                  \
+    gh_depth = 1;                                                                                \
+    struct gh_call c_;                                                                           \
+    gh_hot_enter(&c_, (OP), (COMM), (STREAM), (uint64_t)(COUNT), (uint32_t)(DTYPE));             \
+    ncclResult_t res_ = CALL;                                                                    \
+    gh_hot_exit(&c_, (OP), res_, (STREAM), (uint64_t)(COUNT), (int)(DTYPE), (int)(REDOP), (PEER)); \
+    gh_depth = 0;                                                                                \
+    return res_;                                                                                 \
+  } while (0)
+
+#endif
