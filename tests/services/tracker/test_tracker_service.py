@@ -1,0 +1,145 @@
+"""The tracker over a real nats-server: restart mid-slowdown, and jobs split across partitions."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from services.common.bus.client import Consumer, publish
+from services.common.bus.contract import DetectionEvent, IterationBatch, Subjects
+from services.common.bus.streams import EVENTS, tracker_spec
+from services.common.embedded import EmbeddedNats
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+from services.tracker.service import Telemetry, Tracker
+from services.tracker.state_store import TrackerStateStore
+
+RANKS = 8
+
+
+@pytest.fixture()
+def own_nats() -> Iterator[str]:
+    """A private server: these tests bind the tracker's durables, which the e2e stack also uses."""
+    with tempfile.TemporaryDirectory(prefix="gh-trk-") as d:
+        server = EmbeddedNats(Path(d))
+        yield server.start()
+        server.stop()
+
+
+def _series(iterations: int, slow_from: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = 0.1 * (1.0 + 0.01 * rng.standard_normal((RANKS, iterations)))
+    x[:, slow_from:] *= 1.5
+    return x
+
+
+async def _send(ctx: ServiceContext, job: str, x: np.ndarray, start: int, stop: int) -> int:
+    """One message per two iterations of all ranks, as an agent flush; returns messages sent."""
+    sent = 0
+    for it in range(start, stop, 2):
+        its = list(range(it, min(it + 2, stop)))
+        rank = [r for r in range(RANKS) for _ in its]
+        iteration = [i for _ in range(RANKS) for i in its]
+        msg = IterationBatch(job_id=job, agent_id="a0", rank=rank, iteration=iteration,
+                             end_ns=[i * 100_000_000 for i in iteration],
+                             duration_s=[float(x[r, i]) for r, i in zip(rank, iteration,
+                                                                         strict=True)])
+        await publish(ctx.js, Subjects.iterations(job, "a0"), msg)
+        sent += 1
+    return sent
+
+
+@asynccontextmanager
+async def _tracker(url: str, settings: Settings) -> AsyncIterator[tuple[Tracker, Consumer[Any]]]:
+    """A running tracker (its consumer in a task); stopped the way run_tracker stops it."""
+    ctx = await start_service("tracker-test", settings, need_db=False,
+                              backends=Backends(nats_url=url, database_url=""))
+    store = await TrackerStateStore(ctx.js).open()
+    tracker = Tracker(ctx, store=store)
+    consumer: Consumer[Any] = Consumer(ctx.js, tracker_spec(settings), Telemetry, tracker.handle)
+    task = asyncio.create_task(consumer.run(idle=tracker.tick))
+    try:
+        yield tracker, consumer
+    finally:
+        consumer.stop()
+        await task
+        await tracker.persist()
+        await ctx.close()
+
+
+async def _until(cond: Any, timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def _detections(url: str, settings: Settings, job: str) -> list[DetectionEvent]:
+    ctx = await start_service("reader", settings, need_db=False,
+                              backends=Backends(nats_url=url, database_url=""))
+    sub = await ctx.js.pull_subscribe(Subjects.detection(job), stream=EVENTS)
+    out: list[DetectionEvent] = []
+    try:
+        while True:
+            msgs = await sub.fetch(100, timeout=0.5)
+            out += [DetectionEvent.model_validate_json(m.data) for m in msgs]
+    except TimeoutError:
+        pass
+    await ctx.close()
+    return out
+
+
+@pytest.mark.parametrize("restart_at", [102, 125])
+def test_restart_mid_slowdown_reports_it_once(own_nats: str, tmp_path: Path,
+                                              restart_at: int) -> None:
+    """102: the slowdown began but was not yet confirmed; 125: it was already reported."""
+    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+    job = f"restart-{restart_at}"
+    x = _series(200, slow_from=100, seed=restart_at)
+
+    async def scenario() -> list[DetectionEvent]:
+        async with _tracker(own_nats, settings) as (tracker, consumer):
+            sent = await _send(tracker.ctx, job, x, 0, restart_at)
+            await _until(lambda: consumer.stats.handled >= sent)
+        async with _tracker(own_nats, settings) as (tracker, consumer):
+            sent = await _send(tracker.ctx, job, x, restart_at, 200)
+            await _until(lambda: consumer.stats.handled >= sent)
+            assert tracker.jobs[job].slow
+        return await _detections(own_nats, settings, job)
+
+    events = asyncio.run(scenario())
+    assert [e.kind for e in events] == ["slowdown"], events
+    assert 100 <= events[0].first_iteration <= 103
+    assert events[0].after_s / events[0].before_s == pytest.approx(1.5, rel=0.05)
+
+
+def test_partitions_share_the_jobs_each_job_on_one_tracker(own_nats: str, tmp_path: Path) -> None:
+    jobs = [f"job-{k}" for k in range(8)]
+    x = _series(20, slow_from=20, seed=7)
+
+    async def scenario() -> list[set[str]]:
+        parts = [Settings(nats_url=own_nats, data_dir=tmp_path, tracker_partitions=2,
+                          tracker_partition=i) for i in range(2)]
+        async with _tracker(own_nats, parts[0]) as (t0, c0), \
+                _tracker(own_nats, parts[1]) as (t1, c1):
+            sent = 0
+            for job in jobs:
+                sent += await _send(t0.ctx, job, x, 0, 20)
+            await _until(lambda: c0.stats.handled + c1.stats.handled >= sent)
+            await asyncio.sleep(0.3)  # nothing else may arrive: each message went to one tracker
+            assert c0.stats.handled + c1.stats.handled == sent
+            assert c0.spec.durable != c1.spec.durable
+            return [set(t0.jobs), set(t1.jobs)]
+
+    owned = asyncio.run(scenario())
+    assert owned[0] and owned[1], owned
+    assert not owned[0] & owned[1]
+    assert owned[0] | owned[1] == set(jobs)
