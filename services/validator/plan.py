@@ -1,0 +1,159 @@
+"""What a validation does, decided from the ranks' communicator status alone (pure, no I/O).
+
+Three decisions: where every rank parks (one communicator per rank and one sequence number for
+all, so that all ranks stop at the same iteration boundary and none waits inside a collective
+for a parked peer), which GPUs run the GEMM check (the suspects and the peers they are compared
+with), and which P2P pairs run in which round (the ring and the tree NCCL could use over each
+suspect communicator, split so that no rank is in two transfers at once, O(1) rounds per group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from greyhound.core.p2p_rounds import binary_tree_parents, ring_rounds, tree_rounds
+
+U64 = (1 << 64) - 1
+PAUSE_AHEAD = 2  # collectives beyond the furthest rank: covers status taken at slightly different times
+
+
+def u64(comm_id: int) -> int:
+    """Comm ids are unsigned 64-bit in the rings; some paths carry them signed."""
+    return comm_id & U64
+
+
+@dataclass(frozen=True, slots=True)
+class CommView:
+    """One communicator as one rank sees it (from the agents' status replies)."""
+
+    comm_id: int
+    comm_rank: int
+    nranks: int
+    last_seq_entered: int
+
+
+@dataclass(frozen=True, slots=True)
+class PausePlan:
+    comm_of_rank: dict[int, int]
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One P2P check: ``src`` sends to ``dst`` (global ranks) over ``comm_id``."""
+
+    comm_id: int
+    src: int
+    dst: int
+    src_comm_rank: int
+    dst_comm_rank: int
+
+    @property
+    def link(self) -> tuple[int, int]:
+        return (self.src, self.dst)
+
+
+def pause_plan(comms: Mapping[int, Sequence[CommView]]) -> PausePlan:
+    """Each rank parks on its largest communicator, all at the same sequence number.
+
+    Ties in size go to the busier communicator (more collectives entered), then the lower id, so
+    that ranks of a symmetric job all pick the same kind of group (e.g. every DP group).
+    """
+    chosen: dict[int, CommView] = {}
+    for rank, views in comms.items():
+        if not views:
+            raise ValueError(f"rank {rank} has no active communicator to pause on")
+        chosen[rank] = max(views, key=lambda c: (c.nranks, c.last_seq_entered, -u64(c.comm_id)))
+    if not chosen:
+        raise ValueError("no ranks to pause")
+    seq = max(c.last_seq_entered for c in chosen.values()) + PAUSE_AHEAD
+    return PausePlan({r: c.comm_id for r, c in chosen.items()}, seq)
+
+
+def members(comms: Mapping[int, Sequence[CommView]]) -> dict[int, list[int]]:
+    """Global ranks of every communicator (by unsigned id), in comm-rank order.
+
+    A communicator some of whose ranks did not report is left out: its ring cannot be checked.
+    """
+    seen: dict[int, dict[int, int]] = {}
+    size: dict[int, int] = {}
+    for rank, views in comms.items():
+        for c in views:
+            cid = u64(c.comm_id)
+            seen.setdefault(cid, {})[c.comm_rank] = rank
+            size[cid] = c.nranks
+    return {cid: [by_rank[i] for i in range(size[cid])] for cid, by_rank in seen.items()
+            if len(by_rank) == size[cid] and set(by_rank) == set(range(size[cid]))}
+
+
+def gemm_ranks(suspects: Iterable[int], suspect_comms: Iterable[int],
+               groups: Mapping[int, list[int]], comms: Mapping[int, Sequence[CommView]]
+               ) -> list[int]:
+    """The suspect GPUs and every GPU they are compared with: all members of each group a
+    suspect belongs to, and of each suspect communicator. With nothing named, every rank."""
+    picked: set[int] = set()
+    for rank in suspects:
+        if rank not in comms:
+            continue
+        picked.add(rank)
+        for c in comms[rank]:
+            picked.update(groups.get(u64(c.comm_id), []))
+    for cid in suspect_comms:
+        picked.update(groups.get(u64(cid), []))
+    return sorted(picked) if picked else sorted(comms)
+
+
+def suspect_comms(kind: str, comm_ids: Iterable[int], suspects: Iterable[int],
+                  groups: Mapping[int, list[int]], comms: Mapping[int, Sequence[CommView]]
+                  ) -> list[int]:
+    """Communicators whose links are checked: those the suspicion names; when it names none
+    but suspects communication, the largest group of each suspect rank (of every rank if none)."""
+    named = [u64(c) for c in comm_ids if u64(c) in groups]
+    if named or kind == "compute_slow":
+        return sorted(set(named))
+    ranks = [r for r in suspects if r in comms] or sorted(comms)
+    out: set[int] = set()
+    for r in ranks:
+        multi = [c for c in comms[r] if c.nranks > 1 and u64(c.comm_id) in groups]
+        if multi:
+            out.add(u64(max(multi, key=lambda c: (c.nranks, c.last_seq_entered)).comm_id))
+    return sorted(out)
+
+
+def transfer_rounds(comm_ids: Iterable[int], groups: Mapping[int, list[int]]) -> list[list[Transfer]]:
+    """Ring and binary-tree rounds of every communicator, packed so that rounds of disjoint
+    communicators run together; each link (unordered pair of ranks) is checked once."""
+    rounds: list[list[Transfer]] = []
+    done: set[frozenset[int]] = set()
+    for cid in comm_ids:
+        group = groups[u64(cid)]
+        n = len(group)
+        if n < 2:
+            continue
+        for plan in (ring_rounds(range(n)), tree_rounds(binary_tree_parents(n))):
+            for pairs in plan:
+                todo = []
+                for a, b in pairs:
+                    key = frozenset((group[a], group[b]))
+                    if key not in done:
+                        done.add(key)
+                        todo.append(Transfer(u64(cid), group[a], group[b], a, b))
+                if todo:
+                    rounds.append(todo)
+    return pack_rounds(rounds)
+
+
+def pack_rounds(rounds: Sequence[Sequence[Transfer]]) -> list[list[Transfer]]:
+    """First fit: each round joins the first batch none of whose ranks it uses."""
+    batches: list[tuple[list[Transfer], set[int]]] = []
+    for rnd in rounds:
+        ranks = {r for t in rnd for r in (t.src, t.dst)}
+        for batch, used in batches:
+            if not used & ranks:
+                batch.extend(rnd)
+                used.update(ranks)
+                break
+        else:
+            batches.append((list(rnd), set(ranks)))
+    return [b for b, _ in batches]

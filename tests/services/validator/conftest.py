@@ -1,0 +1,107 @@
+"""An in-process stack for the validator tests: agent, tracker (it stores the ranks from the
+agent's hellos) and validator on their own NATS server and a fresh database per test."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from greyhound.agent.service import run_agent
+from services.common.bus.client import publish
+from services.common.bus.contract import IncidentEvent, Subjects, Suspicion
+from services.common.db import repository as repo
+from services.common.db.models import Incident
+from services.common.embedded import EmbeddedNats
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+from services.tracker.service import run_tracker
+from services.validator.service import Validator, ValidatorConfig, run_validator
+
+AGENT = "val-agent"
+
+
+@pytest.fixture(scope="module")
+def own_nats() -> Iterator[str]:
+    """Not the session's server: the durable 'tracker' and 'validator' consumers start empty."""
+    with tempfile.TemporaryDirectory(prefix="gh-val-nats-") as d:
+        server = EmbeddedNats(Path(d))
+        yield server.start()
+        server.stop()
+
+
+@dataclass
+class MiniStack:
+    settings: Settings
+    ctx: ServiceContext
+    validator: Validator
+    events: list[IncidentEvent] = field(default_factory=list)
+
+    async def open_incident(self, job: str) -> str:
+        async with self.ctx.db()() as session:
+            inc = await repo.open_incident(
+                session, job_id=job, kind="slowdown", dedup_key="slowdown", severity=1.5,
+                summary=f"job {job} slowdown", culprit={"ranks": []}, evidence={},
+                stage_detail={"by": "test"})
+            await session.commit()
+            return inc.id
+
+    async def wait_ranks(self, job: str, n: int, timeout_s: float = 30.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            async with self.ctx.db()() as session:
+                if len(await repo.job_ranks(session, job)) >= n:
+                    return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"the tracker never stored {n} ranks of {job}")
+
+    async def suspect(self, s: Suspicion, timeout_s: float = 60.0) -> Incident:
+        """Publish the suspicion and wait for the validator to announce its incident."""
+        await publish(self.ctx.js, Subjects.suspicion(s.job_id), s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            async with self.ctx.db()() as session:
+                inc = await repo.get_incident(session, s.incident_id)
+            if inc is not None and "validation" in inc.evidence:
+                return inc
+            await asyncio.sleep(0.1)
+        raise AssertionError("the validator did not record a validation")
+
+
+@pytest.fixture()
+async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path
+                     ) -> AsyncIterator[MiniStack]:
+    settings = Settings(nats_url=own_nats, database_url=fresh_db_url, shm_dir=tmp_path / "shm",
+                        data_dir=tmp_path / "data", agent_poll_s=0.02, agent_counters_s=0.5)
+    backends = Backends(nats_url=own_nats, database_url=fresh_db_url)
+    ctx = await start_service("validator-test", settings, backends=backends)
+    tracker_ctx = await start_service("tracker-test", settings, backends=backends)
+    config = ValidatorConfig(gemm_n=64, gemm_repeat=9, threshold=0.5)
+    stop = asyncio.Event()
+    validator = Validator(ctx, config)
+    stack = MiniStack(settings, ctx, validator)
+
+    async def on_event(msg: Any) -> None:
+        stack.events.append(IncidentEvent.model_validate_json(msg.data))
+
+    sub = await ctx.nc.subscribe(Subjects.ALL_INCIDENTS, cb=on_event)
+    tasks = [
+        asyncio.create_task(run_agent(settings, own_nats, agent_id=AGENT, stop=stop)),
+        asyncio.create_task(run_tracker(tracker_ctx, stop)),
+        asyncio.create_task(run_validator(ctx, stop, validator=validator)),
+    ]
+    try:
+        yield stack
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await sub.unsubscribe()
+        await tracker_ctx.close()
+        await ctx.close()
