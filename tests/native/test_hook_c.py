@@ -18,6 +18,7 @@ def test_native_c_suite(target: str) -> None:
     p = subprocess.run(["make", "-s", "-C", str(NATIVE), target], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    for name in ("test_hook_api: ok", "test_hook_stress: ok", "test_hook_rtld_local: ok"):
+    for name in ("test_hook_api: ok", "test_hook_stress: ok", "test_hook_rtld_local: ok",
+                 "test_ring_race: ok"):
         assert name in p.stdout
     assert "WARNING: ThreadSanitizer" not in p.stderr and "ERROR: AddressSanitizer" not in p.stderr
