@@ -20,7 +20,7 @@ from greyhound.hookabi import Op
 from services.analyzer.hangs import op_name, signed64
 from services.common.bus.client import Consumer
 from services.common.bus.contract import CollectiveBatch, Subjects
-from services.common.bus.streams import ANALYZER_COLLECTIVES
+from services.common.bus.streams import ANALYZER_COLLECTIVES, ConsumerSpec
 
 # ncclDataType_t: Int8, Uint8, Int32, Uint32, Int64, Uint64, Float16, Float32, Float64, Bfloat16,
 # Float8e4m3, Float8e5m2
@@ -86,10 +86,11 @@ class ProfileBuffer:
         rows_ok = self.expected_ranks <= seen and all(
             counts[r] >= rule.min_rows for r in self.expected_ranks)
         instances = _complete_per_comm(calls)
-        if rows_ok and instances.min(initial=0) >= rule.min_instances:
+        fewest = int(instances.min()) if instances.size else 0
+        if rows_ok and fewest >= rule.min_instances:
             return True
         span = float(calls.exit_ns.max() - calls.enter_ns.min()) / 1e9
-        return span >= rule.max_data_s and instances.min(initial=0) >= 1
+        return span >= rule.max_data_s and fewest >= 1
 
 
 def _complete_per_comm(calls: ProfiledCalls) -> np.ndarray:
@@ -106,8 +107,9 @@ def _complete_per_comm(calls: ProfiledCalls) -> np.ndarray:
 class CollectiveFeed(Consumer[CollectiveBatch]):
     """The ANALYZER_COLLECTIVES consumer: only jobs with an open window are decoded."""
 
-    def __init__(self, js: JetStreamContext, buffers: dict[str, ProfileBuffer]) -> None:
-        super().__init__(js, ANALYZER_COLLECTIVES, CollectiveBatch, self._feed)
+    def __init__(self, js: JetStreamContext, buffers: dict[str, ProfileBuffer], *,
+                 spec: ConsumerSpec = ANALYZER_COLLECTIVES) -> None:
+        super().__init__(js, spec, CollectiveBatch, self._feed)
         self.buffers = buffers
 
     async def handle(self, msg: Msg) -> None:

@@ -1,0 +1,165 @@
+"""The analyzer's localisation on a real nats-server and Postgres, with stand-in agents that
+answer set_mode and, in profile mode, publish the collectives of a 4-rank job."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats.errors
+import numpy as np
+import pytest
+from nats.aio.msg import Msg
+
+from services.analyzer.profiling import CollectiveFeed, WindowRule
+from services.analyzer.service import Analyzer
+from services.analyzer.slow import SlowLocalizer
+from services.common.bus.client import publish
+from services.common.bus.contract import (
+    CollectiveBatch,
+    ControlReply,
+    ControlRequest,
+    DetectionEvent,
+    Subjects,
+    Suspicion,
+)
+from services.common.bus.streams import EVENTS, TELEMETRY, ConsumerSpec
+from services.common.db import repository as repo
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+
+COMM = (1 << 64) - 12345  # an unsigned hash above 2^63: must survive the int64 cores
+AGENTS = ("node-a", "node-b")
+
+
+def collectives(job: str, agent: str, ranks: list[int], *, iters: int, iter_ms: float,
+                late_rank: int | None, late_ms: float, seed: int,
+                comm_ms: float = 0.5) -> CollectiveBatch:
+    """One all-reduce per iteration on one 4-rank communicator; the late rank enters late and
+    everyone leaves together, as NCCL ranks do."""
+    rng = np.random.default_rng(seed)
+    cols: dict[str, list[int]] = {k: [] for k in (
+        "rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count", "dtype", "peer",
+        "enter_ns", "exit_ns", "gpu_start_ns", "gpu_end_ns")}
+    t0 = 1_700_000_000_000_000_000
+    for it in range(iters):
+        start = t0 + int(it * iter_ms * 1e6)
+        compute = {r: 30e6 + rng.normal(0, 0.2e6) + (late_ms * 1e6 if r == late_rank else 0)
+                   for r in range(4)}
+        exit_ns = start + int(max(compute.values()) + comm_ms * 1e6)
+        for r in ranks:
+            enter = start + int(compute[r])
+            for key, value in (("rank", r), ("comm_id", COMM), ("comm_rank", r), ("nranks", 4),
+                               ("seq", it + 1), ("op", 1), ("count", 1 << 18), ("dtype", 7),
+                               ("peer", -1), ("enter_ns", enter), ("exit_ns", exit_ns),
+                               ("gpu_start_ns", 0), ("gpu_end_ns", 0)):
+                cols[key].append(value)
+    return CollectiveBatch(job_id=job, agent_id=agent, **cols)
+
+
+class StandInAgents:
+    """Answers control requests for each agent; publishes a profile window when asked."""
+
+    def __init__(self, ctx: ServiceContext, job: str, **profile: Any) -> None:
+        self.ctx, self.job, self.profile = ctx, job, profile
+        self.modes: list[str] = []
+
+    async def start(self) -> None:
+        for i, agent in enumerate(AGENTS):
+            async def answer(msg: Msg, agent: str = agent, i: int = i) -> None:
+                req = ControlRequest.model_validate_json(msg.data)
+                self.modes.append(str(req.mode))
+                await msg.respond(ControlReply(ok=True, agent_id=agent).model_dump_json().encode())
+                if req.mode == "profile":
+                    batch = collectives(self.job, agent, [2 * i, 2 * i + 1], seed=i, **self.profile)
+                    await publish(self.ctx.js, Subjects.collectives(self.job, agent), batch)
+            await self.ctx.nc.subscribe(Subjects.control(self.job, agent), cb=answer)
+
+
+@pytest.fixture()
+async def ctx(nats_url: str, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
+    settings = Settings(nats_url=nats_url, database_url=fresh_db_url)
+    c = await start_service("analyzer-test", settings,
+                            backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
+    yield c
+    await c.close()
+
+
+async def run_case(ctx: ServiceContext, *, before_s: float, after_s: float,
+                   **profile: Any) -> tuple[dict[str, Any], list[Suspicion], list[str]]:
+    job = f"loc{uuid.uuid4().hex[:8]}"
+    async with ctx.db()() as session:
+        await repo.touch_job(session, job)
+        for i, agent in enumerate(AGENTS):
+            await repo.upsert_ranks(session, job, agent, [
+                {"rank": r, "host": f"host{i}", "node": None, "device": r % 2, "pid": 100 + r}
+                for r in (2 * i, 2 * i + 1)])
+        await session.commit()
+    agents = StandInAgents(ctx, job, **profile)
+    await agents.start()
+    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
+    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
+        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
+    feeding = asyncio.create_task(feed.run())
+    det = DetectionEvent(job_id=job, kind="slowdown", ranks=[0, 1, 2, 3], first_iteration=100,
+                         detected_iteration=104, before_s=before_s, after_s=after_s,
+                         detected_ns=0)
+    await Analyzer(ctx, localizer).handle(Subjects.detection(job), det)
+    for _ in range(200):
+        if not localizer.tasks:
+            break
+        await asyncio.sleep(0.05)
+    feed.stop()
+    await feeding
+    async with ctx.db()() as session:
+        rows = await repo.list_incidents(session, job_id=job)
+        assert len(rows) == 1
+        inc = rows[0]
+        incident = {"kind": inc.kind, "status": inc.status, "culprit": inc.culprit,
+                    "evidence": inc.evidence,
+                    "timeline": [(e.stage, e.detail) for e in inc.timeline]}
+    suspicions = await ctx.js.pull_subscribe(Subjects.suspicion(job), durable=None, stream=EVENTS)
+    try:
+        msgs = await suspicions.fetch(5, timeout=1.0)
+    except nats.errors.TimeoutError:
+        msgs = []
+    await suspicions.unsubscribe()
+    return incident, [Suspicion.model_validate_json(m.data) for m in msgs], agents.modes
+
+
+async def test_late_rank_is_localized_as_compute(ctx: ServiceContext) -> None:
+    incident, suspicions, modes = await run_case(
+        ctx, before_s=0.031, after_s=0.051, iters=40, iter_ms=55.0, late_rank=2, late_ms=20.0)
+    assert modes == ["profile", "profile", "monitor", "monitor"]
+    assert incident["kind"] == "compute_slow"
+    assert incident["culprit"]["compute_ranks"] == [2]
+    assert incident["culprit"]["nodes"] == ["host1"]
+    stages = [s for s, _ in incident["timeline"]]
+    assert stages == ["detected", "localized"]
+    compute = incident["evidence"]["localization"]["compute"]
+    assert compute[0]["rank"] == 2 and compute[0]["p"] > 0.9
+    assert len(suspicions) == 1
+    assert suspicions[0].kind == "compute_slow" and suspicions[0].ranks == [2]
+
+
+async def test_ended_slowdown_is_transient(ctx: ServiceContext) -> None:
+    incident, suspicions, _ = await run_case(
+        ctx, before_s=0.031, after_s=0.051, iters=40, iter_ms=31.0, late_rank=None, late_ms=0.0)
+    assert incident["kind"] == "slowdown"
+    assert incident["status"] == "resolved"
+    assert incident["timeline"][-1][1]["result"] == "transient"
+    assert suspicions == []
+
+
+async def test_slow_single_communicator_is_named_by_elimination(ctx: ServiceContext) -> None:
+    # Nobody is late, the job is still slow, and the one communicator spends 25 ms an
+    # iteration inside: more than the 20 ms the iteration gained.
+    incident, suspicions, _ = await run_case(
+        ctx, before_s=0.035, after_s=0.055, iters=40, iter_ms=55.0, late_rank=None,
+        late_ms=0.0, comm_ms=25.0)
+    assert incident["kind"] == "comm_slow"
+    assert incident["culprit"]["comm_ids"] == [COMM]
+    assert incident["culprit"]["ranks"] == [0, 1, 2, 3]
+    assert suspicions[0].comm_ids == [COMM]
