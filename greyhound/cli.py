@@ -46,6 +46,13 @@ def cmd_analyzer(_: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validator(_: argparse.Namespace) -> int:
+    from services.validator.service import run_validator
+
+    asyncio.run(_serve("validator", run_validator))
+    return 0
+
+
 def cmd_api(args: argparse.Namespace) -> int:
     from services.api.service import run_api
 
@@ -132,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("tracker", help="run the tracker service").set_defaults(func=cmd_tracker)
     sub.add_parser("analyzer", help="run the analyzer service").set_defaults(func=cmd_analyzer)
+    sub.add_parser("validator", help="run the validator service (pauses and benchmarks suspects)"
+                   ).set_defaults(func=cmd_validator)
 
     api = sub.add_parser("api", help="run the REST API service")
     api.add_argument("--host", default=None)

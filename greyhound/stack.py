@@ -23,7 +23,7 @@ from services.common.settings import Settings
 
 log = logging.getLogger(__name__)
 
-SERVICES = ("tracker", "analyzer", "api", "agent")
+SERVICES = ("tracker", "analyzer", "validator", "api", "agent")
 
 
 @dataclass

@@ -76,16 +76,22 @@ class MiniStack:
 
 
 @pytest.fixture()
-async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path
-                     ) -> AsyncIterator[MiniStack]:
+def validator_config() -> ValidatorConfig:
+    """For the CPU fake NCCL: its naive SGEMM on 2 shared cores is noisy, so tiny GEMMs, best of
+    9, and a wider threshold (the injected slow GPU is 2x)."""
+    return ValidatorConfig(gemm_n=64, gemm_repeat=9, threshold=0.5)
+
+
+@pytest.fixture()
+async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path,
+                     validator_config: ValidatorConfig) -> AsyncIterator[MiniStack]:
     settings = Settings(nats_url=own_nats, database_url=fresh_db_url, shm_dir=tmp_path / "shm",
                         data_dir=tmp_path / "data", agent_poll_s=0.02, agent_counters_s=0.5)
     backends = Backends(nats_url=own_nats, database_url=fresh_db_url)
     ctx = await start_service("validator-test", settings, backends=backends)
     tracker_ctx = await start_service("tracker-test", settings, backends=backends)
-    config = ValidatorConfig(gemm_n=64, gemm_repeat=9, threshold=0.5)
     stop = asyncio.Event()
-    validator = Validator(ctx, config)
+    validator = Validator(ctx, validator_config)
     stack = MiniStack(settings, ctx, validator)
 
     async def on_event(msg: Any) -> None:

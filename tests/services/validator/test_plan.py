@@ -1,0 +1,90 @@
+"""The validator's pure planning: pause point, GEMM set, P2P rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.validator.plan import (
+    CommView,
+    gemm_ranks,
+    members,
+    pack_rounds,
+    pause_plan,
+    suspect_comms,
+    transfer_rounds,
+    u64,
+)
+
+WORLD_ID = (1 << 64) - 5  # a comm id with the top bit set, as hashes often are
+
+
+def _dp_tp(world: int, tp: int) -> dict[int, list[CommView]]:
+    """TP groups of ``tp`` consecutive ranks, DP groups across them; TP is the busier comm."""
+    dp = world // tp
+    out: dict[int, list[CommView]] = {}
+    for r in range(world):
+        t, d = r % tp, r // tp
+        out[r] = [CommView(100 + d, t, tp, 50 + r % 2), CommView(200 + t, d, dp, 10 + r % 3)]
+    return out
+
+
+def test_pause_on_the_largest_comm_beyond_every_rank() -> None:
+    plan = pause_plan(_dp_tp(8, 2))
+    assert plan.comm_of_rank == {r: 200 + r % 2 for r in range(8)}  # DP (4 ranks) over TP (2)
+    assert plan.seq == 12 + 2
+
+
+def test_equal_sizes_pick_the_busier_comm_on_every_rank() -> None:
+    plan = pause_plan(_dp_tp(4, 2))  # TP and DP both have 2 ranks; TP sees more collectives
+    assert plan.comm_of_rank == {r: 100 + r // 2 for r in range(4)}
+    assert plan.seq == 51 + 2
+    with pytest.raises(ValueError, match="rank 3"):
+        pause_plan({3: []})
+
+
+def test_members_in_comm_rank_order_and_incomplete_comms_dropped() -> None:
+    comms = {r: [CommView(-5, (r + 1) % 4, 4, 0)] for r in range(4)}
+    assert members(comms) == {WORLD_ID: [3, 0, 1, 2]}
+    del comms[0]
+    assert members(comms) == {}
+
+
+def test_gemm_set_is_the_suspects_groups() -> None:
+    comms = _dp_tp(8, 2)
+    groups = members(comms)
+    assert gemm_ranks([5], [], groups, comms) == [1, 3, 4, 5, 7]  # TP pair and DP group of 5
+    assert gemm_ranks([], [100], groups, comms) == [0, 1]
+    assert gemm_ranks([], [], groups, comms) == list(range(8))
+
+
+def test_suspect_comms() -> None:
+    comms = _dp_tp(8, 2)
+    groups = members(comms)
+    assert suspect_comms("comm_slow", [101, 999], [], groups, comms) == [101]
+    assert suspect_comms("compute_slow", [], [3], groups, comms) == []
+    assert suspect_comms("mixed_slow", [], [3], groups, comms) == [201]
+
+
+@pytest.mark.parametrize(("n", "rounds", "links"), [(4, 3, 6), (5, 5, 8), (8, 5, 14), (2, 1, 1), (64, 5, 126)])
+def test_ring_and_tree_rounds_use_each_rank_once_per_round(n: int, rounds: int,
+                                                           links: int) -> None:
+    group = [10 * i for i in range(n)]
+    comms = {g: [CommView(7, i, n, 0)] for i, g in enumerate(group)}
+    plan = transfer_rounds([7], members(comms))
+    assert len(plan) == rounds
+    seen = [frozenset(t.link) for batch in plan for t in batch]
+    assert len(seen) == len(set(seen)) == links
+    for batch in plan:
+        used = [r for t in batch for r in t.link]
+        assert len(used) == len(set(used))
+        for t in batch:
+            assert group[t.src_comm_rank] == t.src and group[t.dst_comm_rank] == t.dst
+            assert t.comm_id == u64(7)
+
+
+def test_disjoint_groups_share_rounds() -> None:
+    comms = _dp_tp(8, 2)
+    one = transfer_rounds([200], members(comms))
+    both = transfer_rounds([200, 201], members(comms))
+    assert len(both) == len(one) and sum(map(len, both)) == 2 * sum(map(len, one))
+    assert pack_rounds([]) == []
