@@ -74,6 +74,8 @@ GH_CUDA_API(cublasStatus_t, cublasSgemm_v2,
             (cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
              const float *alpha, const float *A, int lda, const float *B, int ldb, const float *beta, float *C,
              int ldc))
+/* Fake-only: counts of CUDA calls a graph capture in progress made illegal or turned into nodes. */
+GH_CUDA_API(void, fakeCudaCaptureStats, (long *violations, long *captured_records))
 #undef GH_CUDA_API
 
 #endif

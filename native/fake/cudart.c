@@ -2,7 +2,14 @@
  * A fake CUDA runtime whose "GPU" is the CPU timeline. The fake NCCL runs collectives
  * synchronously, so all work queued on a stream before an event is done when the event is
  * recorded: the event completes at its record time, plus `gpu_lag_ms R ms` for this rank so a
- * poller really meets not-ready events. `capture R` makes every stream of rank R report capturing.
+ * poller really meets not-ready events. `capture R` makes rank R's default stream (the one the
+ * workload trains on) report capturing, as if its training thread were capturing a CUDA graph in
+ * the default (global) capture mode; streams made with cudaStreamCreate are not capturing.
+ * Then, as in CUDA, event queries and synchronisations are illegal from any thread that has not
+ * switched itself to thread-local or relaxed capture mode: they fail with
+ * cudaErrorStreamCaptureUnsupported (a real capture would be invalidated), and recording an event
+ * into a capturing stream only adds a graph node, never a timing. Both are counted, and the
+ * counts are readable through fakeCudaCaptureStats so tests can assert a profiler stayed clear.
  * Device memory is host memory.
  */
 #include <stdatomic.h>
@@ -34,6 +41,22 @@ static cudaError_t ret(cudaError_t e) {
 
 static int event_ok(cudaEvent_t e) { return e != NULL && e->magic == FK_EVENT_MAGIC; }
 
+static _Atomic long g_capture_violations, g_captured_records;
+
+static int capturing(void) { return fk_fault_find(FK_CAPTURE, fk_global_rank(0), -1, NULL); }
+
+/* An event query/sync that a global-mode capture in progress forbids in this thread. */
+static int unsafe_during_capture(void) {
+  if (t_capture_mode != cudaStreamCaptureModeGlobal || !capturing()) return 0;
+  atomic_fetch_add(&g_capture_violations, 1);
+  return 1;
+}
+
+GH_EXPORT void fakeCudaCaptureStats(long *violations, long *captured_records) {
+  if (violations != NULL) *violations = atomic_load(&g_capture_violations);
+  if (captured_records != NULL) *captured_records = atomic_load(&g_captured_records);
+}
+
 GH_EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags) {
   if (event == NULL) return ret(cudaErrorInvalidValue);
   cudaEvent_t e = calloc(1, sizeof *e);
@@ -47,8 +70,11 @@ GH_EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int 
 GH_EXPORT cudaError_t cudaEventCreate(cudaEvent_t *event) { return cudaEventCreateWithFlags(event, 0); }
 
 GH_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
-  (void)stream;
   if (!event_ok(event)) return ret(cudaErrorInvalidResourceHandle);
+  if (stream == NULL && capturing()) { /* a graph node; the event itself records nothing */
+    atomic_fetch_add(&g_captured_records, 1);
+    return cudaSuccess;
+  }
   double lag_ms = 0;
   fk_fault_find(FK_GPU_LAG_MS, fk_global_rank(0), -1, &lag_ms);
   atomic_store(&event->done_ns, fk_now_ns() + (int64_t)(lag_ms * 1e6));
@@ -58,11 +84,13 @@ GH_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 /* An event never recorded counts as complete, as in CUDA. */
 GH_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
   if (!event_ok(event)) return ret(cudaErrorInvalidResourceHandle);
+  if (unsafe_during_capture()) return ret(cudaErrorStreamCaptureUnsupported);
   return fk_now_ns() >= atomic_load(&event->done_ns) ? cudaSuccess : cudaErrorNotReady;
 }
 
 GH_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!event_ok(event)) return ret(cudaErrorInvalidResourceHandle);
+  if (unsafe_during_capture()) return ret(cudaErrorStreamCaptureUnsupported);
   fk_sleep_until(atomic_load(&event->done_ns));
   return cudaSuccess;
 }
@@ -87,10 +115,8 @@ GH_EXPORT cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 
 GH_EXPORT cudaError_t cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus *status) {
-  (void)stream;
   if (status == NULL) return ret(cudaErrorInvalidValue);
-  *status = fk_fault_find(FK_CAPTURE, fk_global_rank(0), -1, NULL) ? cudaStreamCaptureStatusActive
-                                                                  : cudaStreamCaptureStatusNone;
+  *status = stream == NULL && capturing() ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
 

@@ -168,6 +168,11 @@ static int run(const struct cfg *c) {
     }
     if (c->ckpt_every > 0 && (it + 1) % c->ckpt_every == 0) fk_sleep_ns((int64_t)(c->ckpt_ms * 1e6));
   }
+  if (c->verbose) {
+    long violations = 0, captured = 0;
+    fakeCudaCaptureStats(&violations, &captured);
+    printf("fake_cuda capture_violations=%ld captured_event_records=%ld\n", violations, captured);
+  }
   free(buf);
   cublasDestroy_v2(blas);
   if (m.tp != NULL) ncclCommDestroy(m.tp);

@@ -317,16 +317,31 @@ def test_fake_cuda_events_lag_and_capture(native_build: Path, tmp_path: Path,
     ms = ctypes.c_float()
     assert cuda.cudaEventElapsedTime(ctypes.byref(ms), a, b) == 0
     assert 45.0 <= ms.value < 500.0
-    faults.write_text("gpu_lag_ms 1 200\ncapture 1\n")
+    faults.write_text("gpu_lag_ms 1 200\n")
     time.sleep(0.01)
     assert cuda.cudaEventRecord(b, None) == 0
     assert cuda.cudaEventQuery(b) == 600  # cudaErrorNotReady: the poller must come back
     assert cuda.cudaEventElapsedTime(ctypes.byref(ms), a, b) == 600
     assert cuda.cudaEventSynchronize(b) == 0 and cuda.cudaEventQuery(b) == 0
-    status = ctypes.c_int()
+    # A global-mode graph capture on the default stream: created streams are not capturing, event
+    # records on the captured stream are graph nodes, queries are illegal until the thread goes
+    # thread-local.
+    faults.write_text("capture 1\n")
+    time.sleep(0.01)
+    status, side = ctypes.c_int(), ctypes.c_void_p()
     assert cuda.cudaStreamIsCapturing(None, ctypes.byref(status)) == 0 and status.value == 1
+    assert cuda.cudaStreamCreate(ctypes.byref(side)) == 0
+    assert cuda.cudaStreamIsCapturing(side, ctypes.byref(status)) == 0 and status.value == 0
+    assert cuda.cudaEventRecord(a, None) == 0 and cuda.cudaEventRecord(b, side) == 0
+    assert cuda.cudaEventQuery(b) == 900  # cudaErrorStreamCaptureUnsupported
     mode = ctypes.c_int(1)
     assert cuda.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0 and mode.value == 0
+    assert cuda.cudaEventQuery(b) == 0 and cuda.cudaEventSynchronize(b) == 0
+    violations, nodes = ctypes.c_long(), ctypes.c_long()
+    cuda.fakeCudaCaptureStats(ctypes.byref(violations), ctypes.byref(nodes))
+    assert (violations.value, nodes.value) == (1, 1)
+    assert cuda.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0  # back to global
+    assert cuda.cudaStreamDestroy(side) == 0
     assert cuda.cudaEventDestroy(a) == 0 and cuda.cudaEventDestroy(b) == 0
     assert cuda.cudaGetErrorString(600) is not None
 
