@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +45,7 @@ async def _ask(nc: NATS, **kw: object) -> ControlReply:
     return await request(nc, AGENT, ControlRequest(job_id=JOB, **kw))
 
 
-async def _until(pred: object, timeout_s: float, what: str) -> None:
+async def _until(pred: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while loop.time() < deadline:
