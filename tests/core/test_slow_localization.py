@@ -1,0 +1,81 @@
+"""The slow-localisation core on simulated profiling windows (TP2 DP4 PP2, 4 GPUs a node)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from greyhound import hookabi
+from greyhound.core.slow_localization import ProfiledCalls, complete_instances, localize_slow
+from greyhound.sim.model import ClusterModel
+from greyhound.sim.records import NEVER_NS, RecordCodec
+from greyhound.sim.scenario import parse_scenario
+
+JOB = {"tp": 2, "dp": 4, "pp": 2, "gpus_per_node": 4, "microbatches": 4,
+       "microbatch_compute_s": 0.02, "dp_allreduce_bytes": 2.0e8, "pp_activation_bytes": 1.0e7,
+       "link_gbps": 100, "nvlink_gbps": 900}
+DTYPE_BYTES = np.array([1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1])
+
+
+def window(faults: list[dict[str, Any]], *, fault_s: float = 5.0, until_s: float = 9.0,
+           from_s: float = 7.0) -> tuple[ProfiledCalls, float, float, dict[int, int]]:
+    """The calls of [from_s, until_s) and the iteration times before and after the fault."""
+    sc = parse_scenario({"name": "t", "job": JOB, "duration_s": 60, "seed": 3,
+                         "noise": {"jitter_cv": 0.02},
+                         "faults": [{**f, "start_s": fault_s, "duration_s": 100} for f in faults]})
+    model = ClusterModel(sc)
+    codec = RecordCodec(model.comms, 0, pid=1)
+    t, recs, ranks, ends = 0.0, [], [], []
+    while t < until_s:
+        it = model.iteration(t)
+        r, rec = codec.encode(it.blocks)
+        recs.append(rec)
+        ranks.append(r)
+        ends.append(it.end_s)
+        t = it.end_s
+    rec, rank = np.concatenate(recs), np.concatenate(ranks)
+    keep = (rec["enter_ns"] >= from_s * 1e9) & (rec["return_ns"] != NEVER_NS)
+    rec, rank = rec[keep], rank[keep]
+    op = rec["op"]
+    calls = ProfiledCalls(
+        rank=rank, comm_id=rec["comm_id"].view(np.int64), comm_rank=rec["comm_rank"],
+        nranks=rec["nranks"], seq=rec["seq"].astype(np.int64),
+        op=np.array([hookabi.Op(int(o)).name.lower() for o in op]),
+        nbytes=rec["count"].astype(np.int64) * DTYPE_BYTES[rec["datatype"]],
+        p2p=np.isin(op, [hookabi.Op.SEND, hookabi.Op.RECV]),
+        enter_ns=rec["enter_ns"].astype(np.float64), exit_ns=rec["return_ns"].astype(np.float64))
+    its = np.diff(ends)
+    nodes = {r: int(model.layout.gpu_of_rank[r]) // 4 for r in range(16)}
+    return calls, float(its[0]), float(its[-1]), nodes
+
+
+def test_throttled_gpu_is_a_compute_straggler() -> None:
+    calls, before, after, nodes = window([{"kind": "gpu_slow", "rank": 5, "factor": 1.5}])
+    loc = localize_slow(calls, node_of_rank=nodes, before_s=before, after_s=after)
+    assert (loc.kind, loc.compute_ranks, loc.comm_ids, loc.nodes) == ("compute_slow", [5], [], [1])
+    assert loc.evidence["compute"][0]["p"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_congested_link_names_the_dp_rings_through_it() -> None:
+    calls, before, after, nodes = window(
+        [{"kind": "link_congestion", "nodes": [0, 1], "factor": 4.0}])
+    loc = localize_slow(calls, node_of_rank=nodes, before_s=before, after_s=after)
+    assert loc.kind == "comm_slow" and loc.compute_ranks == []
+    assert len(loc.comm_ids) == 2 and loc.ranks == list(range(8))
+    assert loc.links == [(0, 1)] and loc.nodes == [0, 1]
+    assert all(g["ratio"] > 1.1 for g in loc.evidence["groups"])
+
+
+def test_fault_over_before_profiling_is_transient() -> None:
+    calls, before, _, nodes = window([])
+    loc = localize_slow(calls, node_of_rank=nodes, before_s=before, after_s=before * 1.3)
+    assert loc.kind == "none" and loc.transient and loc.ranks == []
+
+
+def test_partial_instances_at_the_window_edge_are_dropped() -> None:
+    calls, _, _, _ = window([])
+    cut = calls.take(~((calls.rank == 3) & (calls.enter_ns == calls.enter_ns[calls.rank == 3].max())))
+    keep = complete_instances(cut)
+    assert keep.sum() < len(cut) and keep[cut.p2p].all()
