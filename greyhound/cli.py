@@ -47,9 +47,19 @@ def cmd_analyzer(_: argparse.Namespace) -> int:
 
 
 def cmd_validator(_: argparse.Namespace) -> int:
-    from services.validator.service import run_validator
+    from services.validator.service import ValidatorConfig, run_validator
 
-    asyncio.run(_serve("validator", run_validator))
+    s = get_settings()
+    config = ValidatorConfig(
+        gemm_n=s.validator_gemm_n, gemm_repeat=s.validator_gemm_repeat,
+        p2p_sizes=tuple(s.validator_p2p_bytes), p2p_repeat=s.validator_p2p_repeat,
+        pause_timeout_s=s.validator_pause_timeout_s, bench_timeout_s=s.validator_bench_timeout_s,
+        threshold=s.validator_threshold)
+
+    async def main(ctx: ServiceContext, stop: asyncio.Event) -> None:
+        await run_validator(ctx, stop, config)
+
+    asyncio.run(_serve("validator", main))
     return 0
 
 

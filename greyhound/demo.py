@@ -20,6 +20,17 @@ from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
 from greyhound.stack import Stack
 from services.common.settings import Settings
 
+# The fake NCCL's GPU is a CPU: a naive SGEMM of N=2048 would take seconds, so the demo's
+# validator runs small GEMMs, more repeats, and a looser threshold for the CPU's noise.
+FAKE_VALIDATION = {"validator_gemm_n": 64, "validator_gemm_repeat": 9, "validator_threshold": 0.5,
+                   "validator_p2p_bytes": [1 << 20, 2 << 20, 4 << 20]}
+
+
+def for_fake_jobs(settings: Settings) -> Settings:
+    """Validation sizes suited to jobs on the CPU fake NCCL, unless the operator chose others."""
+    chosen = settings.model_fields_set
+    return settings.model_copy(update={k: v for k, v in FAKE_VALIDATION.items() if k not in chosen})
+
 
 def wait_api(base: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -47,6 +58,7 @@ def run_demo(settings: Settings, *, ranks: int = 4, slow_rank: int = 2, factor: 
         raise SystemExit(f"--slow-rank must be in [0, {ranks}), got {slow_rank}")
     if factor <= 1.0:
         raise SystemExit(f"--factor must be > 1, got {factor}")
+    settings = for_fake_jobs(settings)
     port = port or settings.api_port
     base = f"http://127.0.0.1:{port}"
     job = f"demo-{uuid.uuid4().hex[:8]}"

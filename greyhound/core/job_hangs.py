@@ -1,11 +1,14 @@
 """Hang watching for one job, from the agents' counter samples.
 
-A communicator is suspected hung when its members' completed counts stop advancing for longer
-than the job's adaptive threshold (HangPolicy) while at least one member sits inside an NCCL call.
-The second condition keeps long phases without NCCL (checkpoint saves, evaluation loops) from
-alarming at all; the adaptive threshold covers the ones where some ranks wait inside a collective
-(a barrier while rank 0 writes). Samples that stop arriving (the job ended, its agent went away)
-stop the watch rather than raise a hang: that is a fail-stop, not a hang.
+A communicator is suspected hung when one of its members has been inside a single NCCL call for
+longer than the job's adaptive threshold (HangPolicy), as CCL-D calls a hang "communication
+lasting longer than a threshold". Measuring the call's own time inside NCCL, as the hook reports
+it, rather than the wall time since the counters last moved, means that long phases without NCCL
+(checkpoint saves, evaluation loops) never alarm, and that a simulated job held back by its
+consumer is not mistaken for a hung one (its calls' virtual time stands still). Long waits inside
+a collective that end normally (a barrier while rank 0 writes a checkpoint) are learned: the next
+one of that length does not alarm. Samples that stop arriving (the job ended, its agent went
+away) stop the watch rather than raise a hang: that is a fail-stop, not a hang.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from greyhound.core.hang import HangPolicy, HangWatch
+from greyhound.core.hang import HangPolicy
 
 COUNTER_FIELDS = ("rank", "comm_id", "comm_rank", "nranks", "entered", "completed",
                   "last_seq_entered", "last_seq_completed", "inflight_s", "last_op",
@@ -31,9 +34,11 @@ class HangFinding:
 
 @dataclass
 class _Comm:
-    watch: HangWatch
     rows: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # rank -> latest row
     sampled_s: float = 0.0
+    completed: int = -1
+    longest_wait_s: float = 0.0  # longest time inside NCCL seen since completed last moved
+    alarmed: bool = False
 
 
 @dataclass
@@ -58,41 +63,45 @@ class JobHangMonitor:
             comm_id = int(row[1])
             comm = self.comms.get(comm_id)
             if comm is None:
-                comm = self.comms[comm_id] = _Comm(HangWatch(self.policy))
+                comm = self.comms[comm_id] = _Comm()
             comm.rows[int(row[0])] = row
             comm.sampled_s = max(comm.sampled_s, sampled_s)
             touched.add(comm_id)
         for comm_id in touched:
             comm = self.comms[comm_id]
             completed = sum(int(r[5]) for r in comm.rows.values())
-            comm.watch.observe(sampled_s, completed)
+            waiting = max(float(r[8]) for r in comm.rows.values())
+            if completed > comm.completed:
+                if comm.completed >= 0 and (
+                        comm.alarmed or comm.longest_wait_s > self.multiple * self.policy.typical_s()):
+                    # It came back: whatever that was, the job survives waits this long.
+                    self.policy.observe_recovered_pause(comm.longest_wait_s)
+                comm.completed, comm.longest_wait_s, comm.alarmed = completed, waiting, False
+            else:
+                comm.longest_wait_s = max(comm.longest_wait_s, waiting)
 
     def check(self, now_s: float) -> list[HangFinding]:
         out: list[HangFinding] = []
+        threshold = self.policy.threshold_s()
         for comm_id, comm in self.comms.items():
-            if now_s - comm.sampled_s > self.stale_s:
+            if comm.alarmed or now_s - comm.sampled_s > self.stale_s:
                 continue
-            inflight = tuple(sorted(r for r, row in comm.rows.items() if float(row[8]) > 0.0))
-            if not inflight:
-                # Nobody inside NCCL: re-arm, so a stall is measured from the next sample on.
-                comm.watch = HangWatch(self.policy)
+            waits = {r: float(row[8]) for r, row in comm.rows.items() if float(row[8]) > 0.0}
+            if not waits or max(waits.values()) <= threshold:
                 continue
-            alarm = comm.watch.check(now_s)
-            if alarm is None:
-                continue
+            comm.alarmed = True
             rows = sorted(comm.rows.values())
             out.append(HangFinding(
-                comm_id=comm_id, stalled_s=alarm.stalled_s, threshold_s=alarm.threshold_s,
-                inflight_ranks=inflight,
+                comm_id=comm_id, stalled_s=max(waits.values()), threshold_s=threshold,
+                inflight_ranks=tuple(sorted(waits)),
                 rows={f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}))
         return out
 
     def state_dict(self) -> dict[str, Any]:
         """What a restarted tracker needs: the learned iteration times and long phases.
 
-        The per-communicator watches are not kept: samples re-arm them within a second, and a
-        stall that began before the restart is then measured from the restart (a late alarm,
-        never a false one).
+        The per-communicator watches are not kept: the next samples rebuild them, and a call
+        already stuck inside NCCL reports its own time there, so a hang is still raised.
         """
         policy = self.policy
         return {"floor_s": self.floor_s, "multiple": self.multiple, "stale_s": self.stale_s,

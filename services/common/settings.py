@@ -33,6 +33,15 @@ class Settings(BaseSettings):
     hang_floor_s: float = Field(default=60.0, gt=0, description="never call a hang sooner than this")
     hang_multiple: float = Field(default=20.0, gt=0, description="x the job's typical iteration")
     log_level: str = "INFO"
+    # Validation benchmarks. Real GPUs and the simulator take the defaults (the paper's sizes);
+    # the CPU fake NCCL runs a naive SGEMM, so jobs on it want a small GEMM and a loose threshold.
+    validator_gemm_n: int = Field(default=2048, gt=0)
+    validator_gemm_repeat: int = Field(default=3, ge=1, le=64)
+    validator_p2p_bytes: list[int] = Field(default=[16 << 20, 32 << 20, 64 << 20], min_length=1)
+    validator_p2p_repeat: int = Field(default=3, ge=1, le=64)
+    validator_threshold: float = Field(default=0.15, gt=0)
+    validator_pause_timeout_s: float = Field(default=10.0, gt=0)
+    validator_bench_timeout_s: float = Field(default=30.0, gt=0)
     tracker_partitions: int = Field(
         default=1, ge=1, le=1024,
         description="jobs are hashed over this many tracker processes (1: one tracker, no hashing)")

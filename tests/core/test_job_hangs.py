@@ -71,3 +71,30 @@ def test_state_round_trip_keeps_the_learned_threshold() -> None:
     back = JobHangMonitor.from_state(mon.state_dict())
     assert back.policy.threshold_s() == mon.policy.threshold_s() == 1.5 * 9.0
     assert back.policy.typical_s() == mon.policy.typical_s()
+
+
+def test_stall_with_short_calls_inside_nccl_is_not_a_hang() -> None:
+    """A job held back from outside (a paced simulation, a paused consumer) shows no progress
+    for a long time, but none of its calls has been inside NCCL long: not a hang."""
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    for k in range(1, 100):
+        t = 10.0 + k / 10
+        mon.observe_counters(t, _sample([done] * 4, [0.05, 0.05, 0.0, 0.05]))
+        assert mon.check(t) == []
+
+
+def test_a_long_wait_that_ended_is_learned() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    t = 10.0
+    for k in range(1, 41):  # ranks wait 4 s inside a barrier while rank 0 saves: one alarm
+        t = 10.0 + k / 10
+        mon.observe_counters(t, _sample([done] * 4, [0.0, k / 10, k / 10, k / 10]))
+        mon.check(t)
+    mon.observe_counters(t + 0.1, _sample([done + 1] * 4, [0.0] * 4))  # it completed
+    assert mon.policy.threshold_s() >= 1.5 * 4.0
+    for k in range(1, 41):  # the next checkpoint's barrier of the same length: no alarm
+        t2 = t + 1 + k / 10
+        mon.observe_counters(t2, _sample([done + 1] * 4, [0.0, k / 10, k / 10, k / 10]))
+        assert mon.check(t2) == []

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from greyhound.demo import wait_api
+from greyhound.demo import for_fake_jobs, wait_api
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
 from greyhound.stack import Stack
 from services.common.settings import Settings
@@ -28,8 +28,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="package")
 def stack(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("e2e")
-    settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=root / "data",
-                        shm_dir=root / "shm", hang_floor_s=HANG_FLOOR_S)
+    settings = for_fake_jobs(Settings(nats_url=nats_url, database_url=pg_url,
+                                      data_dir=root / "data", shm_dir=root / "shm",
+                                      hang_floor_s=HANG_FLOOR_S))
     port = _free_port()
     with Stack(settings, port=port) as st:
         wait_api(f"http://127.0.0.1:{port}")

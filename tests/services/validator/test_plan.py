@@ -65,7 +65,8 @@ def test_suspect_comms() -> None:
     assert suspect_comms("mixed_slow", [], [3], groups, comms) == [201]
 
 
-@pytest.mark.parametrize(("n", "rounds", "links"), [(4, 3, 6), (5, 5, 8), (8, 5, 14), (2, 1, 1), (64, 5, 126)])
+@pytest.mark.parametrize(("n", "rounds", "links"),
+                         [(4, 3, 6), (5, 5, 8), (8, 5, 14), (2, 1, 1), (64, 5, 126)])
 def test_ring_and_tree_rounds_use_each_rank_once_per_round(n: int, rounds: int,
                                                            links: int) -> None:
     group = [10 * i for i in range(n)]
