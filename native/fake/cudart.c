@@ -45,6 +45,13 @@ static _Atomic long g_capture_violations, g_captured_records;
 
 static int capturing(void) { return fk_fault_find(FK_CAPTURE, fk_global_rank(0), -1, NULL); }
 
+/* A real capture starts and ends by the application thread's own calls, never between two CUDA
+ * calls the hook makes for one NCCL call; the fault file can flip at any moment. So the state a
+ * thread saw at its last cudaStreamIsCapturing holds for its event records until it asks again. */
+static _Thread_local int t_seen_capture = -1;
+
+static int capturing_for_record(void) { return t_seen_capture >= 0 ? t_seen_capture : capturing(); }
+
 /* An event query/sync that a global-mode capture in progress forbids in this thread. */
 static int unsafe_during_capture(void) {
   if (t_capture_mode != cudaStreamCaptureModeGlobal || !capturing()) return 0;
@@ -71,7 +78,7 @@ GH_EXPORT cudaError_t cudaEventCreate(cudaEvent_t *event) { return cudaEventCrea
 
 GH_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (!event_ok(event)) return ret(cudaErrorInvalidResourceHandle);
-  if (stream == NULL && capturing()) { /* a graph node; the event itself records nothing */
+  if (stream == NULL && capturing_for_record()) { /* a graph node; the event records nothing */
     atomic_fetch_add(&g_captured_records, 1);
     return cudaSuccess;
   }
@@ -116,7 +123,9 @@ GH_EXPORT cudaError_t cudaEventDestroy(cudaEvent_t event) {
 
 GH_EXPORT cudaError_t cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus *status) {
   if (status == NULL) return ret(cudaErrorInvalidValue);
-  *status = stream == NULL && capturing() ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  int active = stream == NULL && capturing();
+  if (stream == NULL) t_seen_capture = active;
+  *status = active ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
 
