@@ -22,7 +22,7 @@ from services.common.settings import Settings
 
 # The fake NCCL's GPU is a CPU: a naive SGEMM of N=2048 would take seconds, so the demo's
 # validator runs small GEMMs, more repeats, and a looser threshold for the CPU's noise.
-FAKE_VALIDATION = {"validator_gemm_n": 64, "validator_gemm_repeat": 9, "validator_threshold": 0.5,
+FAKE_VALIDATION = {"validator_gemm_n": 128, "validator_gemm_repeat": 9, "validator_threshold": 0.5,
                    "validator_p2p_bytes": [1 << 20, 2 << 20, 4 << 20]}
 
 

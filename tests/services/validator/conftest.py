@@ -79,7 +79,7 @@ class MiniStack:
 def validator_config() -> ValidatorConfig:
     """For the CPU fake NCCL: its naive SGEMM on 2 shared cores is noisy, so tiny GEMMs, best of
     9, and a wider threshold (the injected slow GPU is 2x)."""
-    return ValidatorConfig(gemm_n=64, gemm_repeat=9, threshold=0.5)
+    return ValidatorConfig(gemm_n=128, gemm_repeat=9, threshold=0.5)
 
 
 @pytest.fixture()
