@@ -7,6 +7,8 @@ new ring files (new ranks, restarted processes) are discovered on every scan.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +53,21 @@ class RankStream:
     # Profile mode only: drained collective records kept for the analyzer (monitor mode keeps none).
     keep_records: bool = False
     kept: list[np.ndarray] = field(default_factory=list)
+    inode: int = 0
+    ended: bool = False  # the writer process exited: drain what is left, report no counters
+
+    def writer_gone(self) -> bool:
+        """True when the rank's process ran on this host and no longer exists.
+
+        A dead job is a fail-stop, not a hang: its last call stays "inside NCCL" in the ring
+        forever, so its counters must stop being reported. The check needs the agent to see the
+        training processes' PIDs (same PID namespace: ``pid: host`` in containers); rings from
+        other hosts (the simulator's) are never judged.
+        """
+        h = self.reader.header
+        if h.pid <= 0 or h.host != socket.gethostname():
+            return False
+        return not os.path.exists(f"/proc/{h.pid}")
 
     @property
     def rank(self) -> int:
@@ -159,17 +176,28 @@ class Collector:
         self.streams: dict[Path, RankStream] = {}
 
     def scan(self) -> list[RankStream]:
-        """Attach to ring files that appeared since the last scan; returns the new ones."""
+        """Attach to ring files that appeared (or were re-created by a restarted rank) since the
+        last scan, and retire those whose process exited; returns the new ones."""
         new: list[RankStream] = []
         for path in list_rings(self.shm_dir, self.job):
-            if path in self.streams:
+            try:
+                inode = path.stat().st_ino
+            except OSError:
+                continue
+            old = self.streams.get(path)
+            if old is not None and old.inode == inode:
+                if not old.ended and old.writer_gone():
+                    old.ended = True
+                    log.info("rank %d of job %s exited; its ring is retired", old.rank, self.job)
                 continue
             try:
                 reader = RingReader(path)
             except (OSError, ValueError) as exc:  # half-written or foreign file: retry next scan
                 log.debug("cannot attach %s yet: %s", path, exc)
                 continue
-            stream = RankStream(path, reader)
+            if old is not None:
+                old.reader.close()
+            stream = RankStream(path, reader, inode=inode)
             self.streams[path] = stream
             new.append(stream)
         return new
@@ -191,6 +219,8 @@ class Collector:
     def counters(self, now_mono_ns: int) -> CounterRows:
         rows = CounterRows()
         for stream in self.streams.values():
+            if stream.ended:
+                continue
             comms = stream.reader.comms()
             for c in comms:
                 cid = int(c["comm_id"])
