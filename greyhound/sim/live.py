@@ -136,6 +136,9 @@ class LiveSimulation:
                 time.sleep(self.tick_s)
             if on_progress is not None:
                 on_progress(self.progress())
+        if self.done:
+            for ring in self.rings:
+                ring.finish()
         return self.progress()
 
     # ---- one tick ---------------------------------------------------------------------------
@@ -146,15 +149,22 @@ class LiveSimulation:
         dt, self._last = now - self._last, now
         self._control()
         if max(r.lag() for r in self.rings) > self.lead * self.rings[0].capacity:
+            self._restamp()
             return False
         target = self._target(dt)
         if target <= self._v:
+            self._restamp()
             return False
         self._fill(target)
         self._write(target)
         self._v = target
         self.samples.append((time.time_ns(), target))
         return True
+
+    def _restamp(self) -> None:
+        mono_now, v_ns = time.monotonic_ns(), int(self.codec.ns(np.array([self._v]))[0])
+        for ring in self.rings:
+            ring.restamp(mono_now, v_ns)
 
     def _target(self, dt: float) -> float:
         end = self.scenario.duration_s

@@ -132,6 +132,18 @@ class SimRing:
             r["last_seq_entered"] = max(int(r["last_seq_entered"]), call.seq)
         r["inflight_enter_ns"] = max(1, shown_enter_ns or call.enter_ns)
 
+    def restamp(self, mono_now_ns: int, virtual_now_ns: int) -> None:
+        """Keep the call inside NCCL showing its virtual time there while the simulation stands
+        still (held back by its consumer): a paced simulation must not look hung."""
+        call = self.inflight
+        if call is not None:
+            self._map.comm_table[call.row]["inflight_enter_ns"] = max(
+                1, mono_now_ns - (virtual_now_ns - call.enter_ns))
+
+    def finish(self) -> None:
+        """The simulated job ended: nothing is inside NCCL any more (as when processes exit)."""
+        self.advance(np.empty(0, hookabi.RECORD_DTYPE), None)
+
     def _write(self, records: np.ndarray) -> None:
         hdr = self._map.hdr
         head = int(hdr["head"])
