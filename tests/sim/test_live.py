@@ -212,3 +212,29 @@ def test_never_runs_ahead_of_the_consumer(tmp_path: Path) -> None:
         assert sum(r.dropped for r in sim.rings) == 0
     finally:
         sim.close()
+
+
+def test_held_back_or_finished_runs_do_not_look_hung(tmp_path: Path) -> None:
+    """Held back by a reader that does not consume, the virtual clock stands still, so a call
+    inside NCCL must not show wall-clock time passing there; once the run ends nothing is inside
+    NCCL. Otherwise the tracker would see hangs that the simulated job does not have."""
+    import time as _time
+
+    sim = LiveSimulation(scenario(J, duration_s=20.0), tmp_path, "job-d", capacity=256, lead=0.5)
+    col = Collector(tmp_path, "job-d")
+    col.scan()
+    try:
+        while sim.step():
+            pass
+        assert not sim.done  # held back: the collector has not drained anything
+        _time.sleep(0.3)
+        sim.step()
+        waits = col.counters(_time.monotonic_ns()).inflight_s
+        assert max(waits) < 0.25, waits
+        while not sim.done:
+            if not sim.step():
+                col.drain()
+        sim.run()  # returns at once (done) and marks the job finished
+        assert max(col.counters(_time.monotonic_ns()).inflight_s) == 0.0
+    finally:
+        sim.close()
