@@ -97,6 +97,16 @@ class JobHangMonitor:
                 rows={f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}))
         return out
 
+    def rows_for(self, findings: list[HangFinding], limit: int = 8192) -> dict[str, list[Any]]:
+        """The latest counter rows of the stalled communicators and of every other communicator
+        their waiting ranks belong to: what a diagnosis needs to tell a root cause (a rank that
+        never entered) from its cascade (peers stuck in the collective after it), columnar."""
+        stalled = {f.comm_id for f in findings}
+        ranks = {int(r) for f in findings for r in f.rows["rank"]}
+        rows = sorted(row for cid, comm in self.comms.items() for row in comm.rows.values()
+                      if cid in stalled or int(row[0]) in ranks)[:limit]
+        return {f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}
+
     def state_dict(self) -> dict[str, Any]:
         """What a restarted tracker needs: the learned iteration times and long phases.
 

@@ -52,17 +52,20 @@ class Analyzer:
         severity = stalled / det.threshold_s if det.threshold_s else 1.0
         culprit: dict[str, Any] = {"comm_id": det.comm_id, "ranks": det.ranks[:64]}
         rows = det.evidence.get("counters", {})
-        found = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled) if rows else []
-        mine = [d for d in found if det.comm_id is None or unsigned64(d.comm_id) == det.comm_id]
+        # Root causes come first; cascaded symptoms are already dropped by the diagnosis.
+        mine = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled) if rows else []
         if not mine:
             return "hang", severity, culprit, (
                 f"job {det.job_id}: communicator {det.comm_id} made no progress for "
                 f"{stalled:.1f}s (cause not determined)")
         d = mine[0]
-        culprit = {"comm_id": det.comm_id, "ranks": d.ranks[:64], "seq": d.seq, "op": d.op,
-                   "diagnosis": d.evidence}
+        comm = unsigned64(d.comm_id)
+        culprit = {"comm_id": comm, "ranks": d.ranks[:64], "seq": d.seq, "op": d.op,
+                   "diagnosis": d.evidence,
+                   "others": [{"kind": o.kind, "comm_id": unsigned64(o.comm_id), "seq": o.seq,
+                               "ranks": o.ranks[:16]} for o in mine[1:16]]}
         return d.kind, severity, culprit, (
-            f"job {det.job_id}: {d.kind} on communicator {det.comm_id} at {d.op} #{d.seq}; "
+            f"job {det.job_id}: {d.kind} on communicator {comm} at {d.op} #{d.seq}; "
             f"ranks {d.ranks[:16]}; stalled {stalled:.1f}s")
 
     async def _record(self, det: DetectionEvent) -> IncidentEvent | None:
@@ -70,7 +73,8 @@ class Analyzer:
                   "first_iteration": det.first_iteration,
                   "detected_iteration": det.detected_iteration,
                   "before_s": det.before_s, "after_s": det.after_s}
-        dedup = "slowdown" if det.kind in ("slowdown", "recovery") else f"hang:{det.comm_id}"
+        # One open incident per job and problem family: a hang stalls many communicators at once.
+        dedup = "slowdown" if det.kind in ("slowdown", "recovery") else "hang"
         kind, severity, culprit, summary = self._classify(det)
         async with self.ctx.db()() as session:
             if not await repo.claim_event(session, ANALYZER.durable, det.event_id):

@@ -134,19 +134,26 @@ class Tracker:
     async def check_hangs(self) -> None:
         now = time.time()
         for job, mon in self.hangs.items():
-            for finding in mon.check(now):
-                await self._emit_hang(job, finding)
+            findings = mon.check(now)
+            if findings:
+                await self._emit_hang(job, mon, findings)
 
-    async def _emit_hang(self, job: str, f: HangFinding) -> None:
+    async def _emit_hang(self, job: str, mon: JobHangMonitor, found: list[HangFinding]) -> None:
+        """One event per job and check: a hang stalls many communicators at once (the cascade),
+        and only the diagnosis over all of them can tell the cause from its symptoms."""
+        worst = max(found, key=lambda f: f.stalled_s)
+        waiting = sorted({r for f in found for r in f.inflight_ranks})
         event = DetectionEvent(
-            job_id=job, kind="hang", ranks=list(f.inflight_ranks), first_iteration=-1,
-            detected_iteration=-1, before_s=0.0, after_s=f.stalled_s, detected_ns=time.time_ns(),
-            comm_id=f.comm_id, stalled_s=f.stalled_s, threshold_s=f.threshold_s,
-            method="hang-watch", evidence={"counters": f.rows})
+            job_id=job, kind="hang", ranks=waiting[:256], first_iteration=-1,
+            detected_iteration=-1, before_s=0.0, after_s=worst.stalled_s,
+            detected_ns=time.time_ns(), comm_id=worst.comm_id, stalled_s=worst.stalled_s,
+            threshold_s=worst.threshold_s, method="hang-watch",
+            evidence={"counters": mon.rows_for(found),
+                      "stalled_comms": [f.comm_id for f in found][:1024]})
         await publish(self.ctx.js, Subjects.detection(job), event)
         self.detections += 1
-        log.warning("job %s: communicator %x stalled %.1fs (threshold %.1fs); inside NCCL: %s",
-                    job, f.comm_id, f.stalled_s, f.threshold_s, list(f.inflight_ranks)[:8])
+        log.warning("job %s: %d communicator(s) stalled up to %.1fs (threshold %.1fs); inside "
+                    "NCCL: %s", job, len(found), worst.stalled_s, worst.threshold_s, waiting[:8])
 
     async def _hello(self, msg: AgentHello) -> None:
         if self.ctx.sessions is None:

@@ -98,3 +98,21 @@ def test_a_long_wait_that_ended_is_learned() -> None:
         t2 = t + 1 + k / 10
         mon.observe_counters(t2, _sample([done + 1] * 4, [0.0, k / 10, k / 10, k / 10]))
         assert mon.check(t2) == []
+
+
+def test_rows_for_a_finding_include_the_waiting_ranks_other_communicators() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    other = _sample([done] * 4, [0.0] * 4, comm=9)
+    other["rank"] = [0, 1, 2, 5]  # rank 5 shares nothing with the stalled communicator
+    for k in range(1, 40):
+        t = 10.0 + k / 10
+        mon.observe_counters(t, _sample([done] * 4, [k / 10, k / 10, 0.0, k / 10]))
+        mon.observe_counters(t, other)
+        found = mon.check(t)
+        if found:
+            break
+    rows = mon.rows_for(found)
+    pairs = set(zip(rows["comm_id"], rows["rank"], strict=True))
+    assert {(7, r) for r in range(4)} <= pairs
+    assert {(9, 0), (9, 1), (9, 2)} <= pairs and (9, 5) not in pairs
