@@ -107,6 +107,9 @@ def run_one(path: Path, stack: Stack, base: str, speed: float | None, settle_s: 
     sim = LiveSimulation(sc, Path(stack.settings.shm_dir), job, speed=speed)
     try:
         sim.run(should_stop=lambda: bool(stack.dead()))
+        if stack.dead():
+            raise RuntimeError(f"service(s) {stack.dead()} exited during {sc.name}; see "
+                               f"{stack.settings.data_dir}/logs")
         deadline = time.monotonic() + 60
         while any(r.lag() for r in sim.rings) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -162,17 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory(prefix="gh-report-") as tmp:
-        # The simulator reports time inside NCCL in virtual seconds: at 4x a validation pause of
-        # ~1.5 s shows as ~6 s, so the hang floor stays above that and below the scenarios' tails.
-        settings = Settings(data_dir=Path(tmp) / "data", shm_dir=Path(tmp) / "shm",
-                            hang_floor_s=args.hang_floor)
-        with Stack(settings, port=port) as stack:
-            base = f"http://127.0.0.1:{port}"
-            wait_api(base)
-            for n, path in enumerate(paths, 1):
-                print(f"[{n}/{len(paths)}] {path.stem} ...", file=sys.stderr, flush=True)
-                rows.append(run_one(path, stack, base, args.speed, args.settle))
+    # Logs and data stay (under the ignored .greyhound/) so a surprising row can be looked into.
+    Path(".greyhound").mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="report-", dir=Path(".greyhound").resolve()))
+    print(f"services' logs: {tmp}/data/logs", file=sys.stderr)
+    # The simulator reports time inside NCCL in virtual seconds: at 4x a validation pause of
+    # ~1.5 s shows as ~6 s, so the hang floor stays above that and below the scenarios' tails.
+    settings = Settings(data_dir=tmp / "data", shm_dir=tmp / "shm", hang_floor_s=args.hang_floor)
+    with Stack(settings, port=port) as stack:
+        base = f"http://127.0.0.1:{port}"
+        wait_api(base)
+        for n, path in enumerate(paths, 1):
+            print(f"[{n}/{len(paths)}] {path.stem} ...", file=sys.stderr, flush=True)
+            rows.append(run_one(path, stack, base, args.speed, args.settle))
     print(f"{'scenario':28} {'gpus':>5} {'faults':>6} {'kind':>5} {'culprit':>7} {'false':>5} "
           f"{'localise s':>10}")
     for r in rows:
