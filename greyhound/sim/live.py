@@ -19,6 +19,7 @@ agent consumes (never more than ``lead`` x capacity records ahead of any rank's 
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import shutil
@@ -59,7 +60,7 @@ class LiveSimulation:
 
     def __init__(self, scenario: Scenario, shm_dir: Path, job_id: str, *,
                  speed: float | None = None, capacity: int = 4096, lead: float = 0.25,
-                 chunk_iterations: int = 4, tick_s: float = 0.02,
+                 max_ahead_s: float = 1.0, chunk_iterations: int = 4, tick_s: float = 0.02,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not _JOB_ID.match(job_id):
             raise ValueError(f"job id {job_id!r} must match [A-Za-z0-9_-]{{1,128}}")
@@ -70,6 +71,11 @@ class LiveSimulation:
         self.job_id = job_id
         self.speed = speed
         self.lead = lead
+        # A real agent drains every few tens of ms, so what it reads is at most that old; a
+        # simulation far ahead of its reader would hand the analyzer stale calls (from before
+        # a fault began) when it profiles. Virtual time written and not yet read stays small.
+        self.max_ahead_s = max_ahead_s
+        self._written_at: collections.deque[tuple[float, list[int]]] = collections.deque()
         self.chunk_iterations = chunk_iterations
         self.tick_s = tick_s
         self._clock = clock
@@ -148,7 +154,8 @@ class LiveSimulation:
         now = self._clock()
         dt, self._last = now - self._last, now
         self._control()
-        if max(r.lag() for r in self.rings) > self.lead * self.rings[0].capacity:
+        if (max(r.lag() for r in self.rings) > self.lead * self.rings[0].capacity
+                or self._unread_virtual_s() > self.max_ahead_s):
             self._restamp()
             return False
         target = self._target(dt)
@@ -159,7 +166,18 @@ class LiveSimulation:
         self._write(target)
         self._v = target
         self.samples.append((time.time_ns(), target))
+        self._written_at.append((target, [r.head for r in self.rings]))
         return True
+
+    def _unread_virtual_s(self) -> float:
+        """Virtual seconds between now and the oldest step whose records are not all read."""
+        while self._written_at:
+            start, heads = self._written_at[0]
+            if all(r.consumed >= h for r, h in zip(self.rings, heads, strict=True)):
+                self._written_at.popleft()
+                continue
+            return self._v - start
+        return 0.0
 
     def _restamp(self) -> None:
         mono_now, v_ns = time.monotonic_ns(), int(self.codec.ns(np.array([self._v]))[0])

@@ -154,7 +154,9 @@ def test_pause_bench_and_resume(tmp_path: Path) -> None:
     faults = [{"kind": "gpu_slow", "rank": 6, "start_s": 0.0, "factor": 2.0},
               {"kind": "link_congestion", "nodes": [0, 1], "start_s": 0.0, "factor": 4.0}]
     sc = scenario(J, faults, duration_s=6.0)
-    sim = LiveSimulation(sc, tmp_path, "job-p", capacity=1024, speed=20.0, tick_s=0.0)
+    # No reader drains here: only the ring capacity may hold the run back, not unread time.
+    sim = LiveSimulation(sc, tmp_path, "job-p", capacity=1024, speed=20.0, tick_s=0.0,
+                         max_ahead_s=float("inf"))
     try:
         readers = [RingReader(p) for p in list_rings(tmp_path, "job-p")]
         ctls = [rd.control() for rd in readers]
@@ -236,5 +238,22 @@ def test_held_back_or_finished_runs_do_not_look_hung(tmp_path: Path) -> None:
                 col.drain()
         sim.run()  # returns at once (done) and marks the job finished
         assert max(col.counters(_time.monotonic_ns()).inflight_s) == 0.0
+    finally:
+        sim.close()
+
+
+def test_unread_virtual_time_stays_under_max_ahead(tmp_path: Path) -> None:
+    """What the agent reads is never much older than the simulated present, as with a real
+    agent draining every few tens of ms: profiling must not see calls from before a fault."""
+    sim = LiveSimulation(scenario(J, duration_s=60.0), tmp_path, "job-e", max_ahead_s=1.0)
+    readers = [RingReader(p) for p in list_rings(tmp_path, "job-e")]
+    try:
+        while sim.step():
+            pass
+        first_stop = sim.virtual_s
+        assert 1.0 <= first_stop < 2.5  # one step past the limit at most
+        for rd in readers:
+            rd.poll()
+        assert sim.step() and sim.virtual_s > first_stop
     finally:
         sim.close()
