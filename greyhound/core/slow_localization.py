@@ -199,13 +199,21 @@ def localize_slow(calls: ProfiledCalls, *, node_of_rank: Mapping[int, NodeLabel]
         "comms": _comm_evidence(suspicion.evidence),
         "groups": [_group_evidence(g) for g in groups[:32]],
     }
+    slow_hosts: list[int] = []
     if not suspicion.compute_ranks and not comm_set and still_slow and increase > 0:
+        # Nobody late within its own communicators: a whole group may be slow together (host
+        # contention on a node slows every GPU of its TP group alike). Compare each rank's time
+        # outside NCCL with its peers in the other communicators it belongs to.
+        slow_hosts, busy = _slow_outside_nccl(calls, threshold)
+        evidence["outside_nccl"] = busy
+    if not suspicion.compute_ranks and not comm_set and not slow_hosts and still_slow \
+            and increase > 0:
         eliminated = _comms_by_elimination(calls, iteration or after_s, increase,
                                            still_slow_share)
         comm_set = {c for c, _ in eliminated}
         evidence["by_elimination"] = [{"comm_id": c, "comm_s_per_iteration": s}
                                       for c, s in eliminated]
-    compute = sorted(suspicion.compute_ranks)
+    compute = sorted(set(suspicion.compute_ranks) | set(slow_hosts))
     comm_ids = sorted(comm_set)
     kind: LocalizedKind = ("mixed_slow" if compute and comm_ids else "compute_slow" if compute
                            else "comm_slow" if comm_ids else "none")
@@ -223,6 +231,41 @@ def localize_slow(calls: ProfiledCalls, *, node_of_rank: Mapping[int, NodeLabel]
         ranks=sorted(set(compute) | set(comm_ranks)), compute_ranks=compute, comm_ids=comm_ids,
         slow_groups=[g.group_id for g in groups], nodes=sorted(nodes, key=str),
         links=links, evidence=evidence)
+
+
+def _slow_outside_nccl(calls: ProfiledCalls, threshold: float, min_share: float = 0.02
+                       ) -> tuple[list[int], dict[str, Any]]:
+    """Ranks that spend a larger share of their time outside NCCL than the other members of a
+    communicator they belong to (by ``threshold`` relative and ``min_share`` absolute).
+
+    Waiting happens inside NCCL calls, so the share outside them is each rank's own work; peers
+    of one communicator (a DP group: one rank per stage position) do the same work.
+    """
+    if len(calls) == 0:
+        return [], {}
+    order = np.lexsort((calls.enter_ns, calls.rank))
+    rank, enter, exit_ = calls.rank[order], calls.enter_ns[order], calls.exit_ns[order]
+    same = rank[1:] == rank[:-1]
+    gaps = np.where(same, np.maximum(enter[1:] - exit_[:-1], 0.0), 0.0)
+    rank_values, rank_code = codes(rank)
+    own = np.bincount(rank_code[1:], weights=gaps, minlength=len(rank_values))
+    lo = np.full(len(rank_values), np.inf)
+    hi = np.full(len(rank_values), -np.inf)
+    np.minimum.at(lo, rank_code, enter)
+    np.maximum.at(hi, rank_code, exit_)
+    share = own / np.maximum(hi - lo, 1.0)
+    share_of = dict(zip(rank_values.tolist(), share.tolist(), strict=True))
+    flagged: set[int] = set()
+    for members in _members(calls).values():
+        if len(members) < 3:
+            continue  # two peers cannot say which of them is the odd one
+        vals = np.array([share_of[r] for r in members])
+        med = float(np.median(vals))
+        for r, v in zip(members, vals.tolist(), strict=True):
+            if v > med * (1.0 + threshold) and v - med > min_share:
+                flagged.add(r)
+    return sorted(flagged), {"share_by_rank": {str(r): round(v, 4) for r, v in
+                                               sorted(share_of.items())[:256]}}
 
 
 def _comms_by_elimination(calls: ProfiledCalls, iteration_s: float, increase_s: float,
