@@ -23,6 +23,8 @@ from services.common.runtime import ServiceContext
 
 log = logging.getLogger(__name__)
 
+_HANG_PRIORITY = {"hang_not_entered": 0, "hang_inconsistent": 1, "hang_hardware": 2}
+
 
 class Analyzer:
     def __init__(self, ctx: ServiceContext, localizer: SlowLocalizer | None = None) -> None:
@@ -52,8 +54,11 @@ class Analyzer:
         severity = stalled / det.threshold_s if det.threshold_s else 1.0
         culprit: dict[str, Any] = {"comm_id": det.comm_id, "ranks": det.ranks[:64]}
         rows = det.evidence.get("counters", {})
-        # Root causes come first; cascaded symptoms are already dropped by the diagnosis.
-        mine = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled) if rows else []
+        # Cascaded symptoms are already dropped by the diagnosis. Of what is left, a rank that
+        # never entered (or entered something else) explains peers stuck in the collective after
+        # it, so those causes are named before "all entered, none completes".
+        found = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled) if rows else []
+        mine = sorted(found, key=lambda d: _HANG_PRIORITY.get(d.kind, len(_HANG_PRIORITY)))
         if not mine:
             return "hang", severity, culprit, (
                 f"job {det.job_id}: communicator {det.comm_id} made no progress for "
