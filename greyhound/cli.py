@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 
 from services.common.runtime import ServiceContext, resolve_backends, start_service
@@ -197,6 +198,8 @@ def _passthrough(argv: Sequence[str]) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # pgserver's platformdirs warns when XDG_RUNTIME_DIR is unset; it falls back correctly.
+    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
     argv = list(sys.argv[1:] if argv is None else argv)
     rc = _passthrough(argv)
     if rc is not None:

@@ -62,7 +62,8 @@ async def test_a_fault_gone_before_the_check_is_transient(mini_stack: MiniStack,
         inc = await mini_stack.suspect(Suspicion(
             job_id=job, incident_id=incident_id, kind="compute_slow", ranks=[1], comm_ids=[]))
         assert await asyncio.to_thread(fj.wait, 60) == [0] * WORLD
-    assert inc.status == "resolved" and inc.kind == "slowdown"
-    assert [e.stage for e in inc.timeline][-2:] == ["validated", "resolved"]
+    # Not reproduced: recorded, but only the tracker's recovery resolves the incident.
+    assert inc.status == "validated" and inc.kind == "slowdown"
+    assert [e.stage for e in inc.timeline][-1] == "validated"
     assert inc.evidence["validation"]["verdict"] == "transient"
     assert inc.evidence["validation"]["p2p_rounds"] == 0  # compute suspicion: GEMM only
