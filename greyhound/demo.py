@@ -22,8 +22,10 @@ from services.common.settings import Settings
 
 # The fake NCCL's GPU is a CPU: a naive SGEMM of N=2048 would take seconds, so the demo's
 # validator runs small GEMMs, more repeats, and a looser threshold for the CPU's noise.
-FAKE_VALIDATION = {"validator_gemm_n": 256, "validator_gemm_repeat": 9, "validator_threshold": 0.25,
-                   "validator_p2p_bytes": [1 << 20, 2 << 20, 4 << 20]}
+FAKE_GEMM_N, FAKE_GEMM_REPEAT, FAKE_THRESHOLD = 256, 9, 0.25
+FAKE_VALIDATION: dict[str, object] = {
+    "validator_gemm_n": FAKE_GEMM_N, "validator_gemm_repeat": FAKE_GEMM_REPEAT,
+    "validator_threshold": FAKE_THRESHOLD, "validator_p2p_bytes": [1 << 20, 2 << 20, 4 << 20]}
 
 
 def for_fake_jobs(settings: Settings) -> Settings:

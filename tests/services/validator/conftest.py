@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from greyhound.agent.service import run_agent
+from greyhound.demo import FAKE_GEMM_N, FAKE_GEMM_REPEAT, FAKE_THRESHOLD
 from services.common.bus.client import publish
 from services.common.bus.contract import IncidentEvent, Subjects, Suspicion
 from services.common.db import repository as repo
@@ -77,9 +78,10 @@ class MiniStack:
 
 @pytest.fixture()
 def validator_config() -> ValidatorConfig:
-    """For the CPU fake NCCL: its naive SGEMM on 2 shared cores is noisy, so tiny GEMMs, best of
-    9, and a wider threshold (the injected slow GPU is 2x)."""
-    return ValidatorConfig(gemm_n=128, gemm_repeat=9, threshold=0.5)
+    """For the CPU fake NCCL: the demo's settings (greyhound.demo.FAKE_VALIDATION): GEMMs large
+    enough to rise above the noise of a naive SGEMM on 2 shared cores, best of 9, 25%."""
+    return ValidatorConfig(gemm_n=FAKE_GEMM_N, gemm_repeat=FAKE_GEMM_REPEAT,
+                           threshold=FAKE_THRESHOLD)
 
 
 @pytest.fixture()
