@@ -182,6 +182,9 @@ class FakeJob:
             GH_CKPT_EVERY=str(s.ckpt_every), GH_CKPT_MS=str(s.ckpt_ms),
             GH_VERBOSE="1" if s.verbose else "0", GH_RDZV=str(self.workdir / "rdzv"),
             FAKE_NCCL_FAULTS=str(self.faults.path), GREYHOUND_JOB_ID=s.job_id,
+            # The fake "GPU" runs GEMMs at a fixed rate (see native/fake/cublas.c), so GEMM
+            # checks on shared CPU cores measure it rather than the scheduler.
+            FAKE_GPU_GFLOPS=env.get("FAKE_GPU_GFLOPS", "0.5"),
             LD_LIBRARY_PATH=f"{lib}:{old}" if old else lib,
         )
         if self.shm_dir is not None:

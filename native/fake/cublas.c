@@ -39,6 +39,17 @@ GH_EXPORT cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t 
   return CUBLAS_STATUS_SUCCESS;
 }
 
+/* FAKE_GPU_GFLOPS, read once (a benign race: every thread reads the same value). */
+static double gpu_gflops(void) {
+  static double rate = -1.0;
+  if (rate < 0.0) {
+    const char *v = getenv("FAKE_GPU_GFLOPS");
+    double r = v != NULL ? strtod(v, NULL) : 0.0;
+    rate = r > 0.0 ? r : 0.0;
+  }
+  return rate;
+}
+
 static float at(const float *M, int ld, cublasOperation_t op, int i, int j) {
   return op == CUBLAS_OP_N ? M[i + (size_t)j * (size_t)ld] : M[j + (size_t)i * (size_t)ld];
 }
@@ -59,8 +70,19 @@ GH_EXPORT cublasStatus_t cublasSgemm_v2(cublasHandle_t handle, cublasOperation_t
       float *c = &C[i + (size_t)j * (size_t)ldc];
       *c = *alpha * acc + (*beta == 0.0f ? 0.0f : *beta * *c);
     }
+  /* A GPU runs a GEMM at its own speed whatever the host does: with FAKE_GPU_GFLOPS set, the call
+   * lasts at least 2mnk / rate, so GEMM checks on 2 shared CPU cores measure the fake "GPU" and
+   * not the scheduler. A slow rank's GPU stretches that time by its factor. */
+  int64_t took = fk_now_ns() - t0;
+  double rate = gpu_gflops();
+  if (rate > 0.0) {
+    int64_t nominal = (int64_t)(2.0 * (double)m * (double)n * (double)k / rate);
+    if (took < nominal) took = nominal;
+  }
   double factor = 1.0;
   if (fk_fault_find(FK_SLOW_RANK, fk_global_rank(0), -1, &factor) && factor > 1.0)
-    fk_sleep_ns((int64_t)((double)(fk_now_ns() - t0) * (factor - 1.0)));
+    took = (int64_t)((double)took * factor);
+  int64_t left = t0 + took - fk_now_ns();
+  if (left > 0) fk_sleep_ns(left);
   return CUBLAS_STATUS_SUCCESS;
 }
