@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.api.schemas import ErrorOut, Health, IncidentOut, JobDetailOut, JobOut
@@ -33,7 +32,7 @@ def create_app(sessions: async_sessionmaker[AsyncSession]) -> FastAPI:
     @app.get("/healthz", response_model=Health)
     async def healthz(session: Session) -> Health:
         try:
-            await session.execute(text("select 1"))
+            await repo.ping(session)
             ok = True
         except OSError:
             ok = False

@@ -15,16 +15,7 @@ import numpy as np
 
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
-
-
-def _wait_rings(shm: Path, job: str, n: int, timeout: float = 20.0) -> list[Path]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rings = H.list_rings(shm, job)
-        if len(rings) == n:
-            return rings
-        time.sleep(0.02)
-    raise TimeoutError(f"{n} rings for {job} did not appear")
+from tests.native.helpers import wait_rings
 
 
 def test_capture_flags_records_and_the_poller_stays_legal(native_build: Path,
@@ -33,7 +24,7 @@ def test_capture_flags_records_and_the_poller_stays_legal(native_build: Path,
     shm = tmp_path / "shm"
     hook = native_build / "libgreyhound_hook.so"
     with FakeJob(spec, workdir=tmp_path / "w", hook=hook, shm_dir=shm) as job:
-        readers = [H.RingReader(p, gpu_wait_ns=0) for p in _wait_rings(shm, "capture", 2)]
+        readers = [H.RingReader(p, gpu_wait_ns=0) for p in wait_rings(shm, "capture", 2)]
         # Rank 0's events complete 30 ms late, so some are still pending when the capture starts
         # and the poller queries them during it.
         job.faults.set("gpu_lag_ms 0 30")

@@ -15,22 +15,13 @@ import pytest
 
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
+from tests.native.helpers import wait_rings
 
 DATA = (H.Op.ALLREDUCE, H.Op.SEND, H.Op.RECV)
 
 
 def _hook(build: Path) -> Path:
     return build / "libgreyhound_hook.so"
-
-
-def _wait_rings(shm: Path, job: str, n: int, timeout: float = 20.0) -> list[Path]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rings = H.list_rings(shm, job)
-        if len(rings) == n:
-            return rings
-        time.sleep(0.02)
-    raise TimeoutError(f"{n} rings for {job} did not appear")
 
 
 def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -141,7 +132,7 @@ def test_profile_mode_gets_gpu_times_from_the_fake_cuda(native_build: Path, tmp_
                        verbose=False)
     shm = tmp_path / "shm"
     with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
-        rings = _wait_rings(shm, "prof", 2)
+        rings = wait_rings(shm, "prof", 2)
         readers = [H.RingReader(p, gpu_wait_ns=5_000_000_000) for p in rings]
         for r in readers:
             r.control().set_mode("profile")
@@ -164,7 +155,7 @@ def test_pause_benchmark_resume_with_the_jobs_communicators(native_build: Path,
     spec = FakeJobSpec(world_size=2, iters=400, compute_ms=2, bytes=4096, job_id="pause")
     shm = tmp_path / "shm"
     with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
-        rings = _wait_rings(shm, "pause", 2)
+        rings = wait_rings(shm, "pause", 2)
         job.wait_iteration(0, 5, 30)
         readers = [H.RingReader(p) for p in rings]
         ctls = [r.control() for r in readers]

@@ -7,12 +7,17 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
 from services.common.db.models import Incident, IncidentEvent, Job, ProcessedEvent, Rank
+
+
+async def ping(session: AsyncSession) -> None:
+    """A round trip to the database (health checks)."""
+    await session.execute(text("select 1"))
 
 
 async def claim_event(session: AsyncSession, consumer: str, event_id: str) -> bool:
