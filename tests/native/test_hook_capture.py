@@ -8,7 +8,6 @@ mode, or those queries are illegal (the fake counts them and fails them, as CUDA
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
