@@ -31,8 +31,10 @@ from greyhound.core.localize import (
     IntArray,
     codes,
     combine_codes,
+    combine_dense,
     group_median,
     group_quantile,
+    order_by_code,
     order_within_groups,
 )
 
@@ -111,7 +113,8 @@ def classify_slow(
     comm_values, comm_code = codes(obs.comm_id)
     rank_values, rank_code = codes(obs.rank)
     n_comms, n_ranks = len(comm_values), len(rank_values)
-    inst, inst_first = combine_codes(comm_code, obs.seq)
+    seq_code = codes(obs.seq)[1]
+    inst, inst_first = combine_dense((comm_code, seq_code), (n_comms, int(seq_code.max()) + 1))
     n_inst = len(inst_first)
 
     # --- communication: C per instance, per-communicator median against its healthy baseline.
@@ -136,19 +139,19 @@ def classify_slow(
     # --- compute: each rank's gap since its previous collective, against its peers' gaps. The
     # reference is the instance's lower quartile (the shorter gap in a pair): stragglers cannot
     # drag it up unless they are most of the group. Jitter is each rank's own spread over time.
-    gap = _gap_since_previous(rank_code, obs.enter_ns, obs.exit_ns)
+    gap = _gap_since_previous(rank_code, n_ranks, obs.enter_ns, obs.exit_ns)
     valid = ~np.isnan(gap)
     ref = group_quantile(inst[valid], gap[valid], n_inst, on_time_quantile)
     delay = np.where(valid, gap - ref[inst], 0.0)
     delay = np.nan_to_num(delay, nan=0.0)
-    pair, pair_first = combine_codes(comm_code, rank_code)
+    pair, pair_first = combine_dense((comm_code, rank_code), (n_comms, n_ranks))
     n_pairs = len(pair_first)
     pair_rounds = np.bincount(pair, weights=valid, minlength=n_pairs)
     with np.errstate(divide="ignore", invalid="ignore"):
         typical = np.bincount(pair, weights=delay, minlength=n_pairs) / pair_rounds
         # residuals around the mean of k values shrink by sqrt((k-1)/k): undo that
-        k = pair_rounds[pair[valid]]
-        spread = (np.abs(delay[valid] - typical[pair[valid]]) * np.sqrt(k / (k - 1)))[k > 1]
+        k = pair_rounds[pair]
+        spread = (np.abs(delay - typical[pair]) * np.sqrt(k / (k - 1)))[valid & (k > 1)]
     jitter = 1.4826 * float(np.median(spread)) if len(spread) else 0.0
     late_thr = max(min_late_ns, jitter_k * jitter)
     is_late = valid & (delay > late_thr)
@@ -168,7 +171,7 @@ def classify_slow(
     compute_ranks = [int(r) for r in rank_values[culprit]]
     slow_comms = np.flatnonzero(comm_slow)
     comm_ids = [int(c) for c in comm_values[slow_comms]]
-    comm_ranks = np.unique(rank_code[comm_slow[comm_code]])
+    comm_ranks = _any_per(rank_code[comm_slow[comm_code]], n_ranks)
     ranks = sorted(set(compute_ranks) | {int(r) for r in rank_values[comm_ranks]})
     kind: SlowKind
     if compute_ranks and comm_ids:
@@ -208,17 +211,23 @@ def classify_slow(
     return SlowSuspicion(kind, ranks, compute_ranks, comm_ids, rank_values, p, evidence)
 
 
-def _gap_since_previous(rank: IntArray, enter: FloatArray, exit_: FloatArray) -> FloatArray:
+def _gap_since_previous(rank: IntArray, n_ranks: int, enter: FloatArray, exit_: FloatArray) -> FloatArray:
     """Per row, time since the same rank left its previous collective (NaN for its first).
 
     Collectives that overlap (an asynchronous all-reduce still running) give a gap of zero, the
-    same for every peer, so they neither accuse nor excuse anyone.
+    same for every peer, so they neither accuse nor excuse anyone. Rows usually arrive in time
+    order per rank (each rank's hook appends), so a stable sort by rank alone is tried first.
     """
-    order = order_within_groups(rank, enter, int(rank.max()) + 1)
-    r, e, x = rank[order], enter[order], exit_[order]
-    gap_sorted = np.full(len(order), np.nan)
+    order = order_by_code(rank, n_ranks)
+    r, e = rank[order], enter[order]
     same = r[1:] == r[:-1]
-    gap_sorted[1:][same] = np.maximum(e[1:][same] - x[:-1][same], 0.0)
+    if bool(np.any(same & (e[1:] < e[:-1]))):
+        order = order_within_groups(rank, enter, n_ranks)
+        r, e = rank[order], enter[order]
+        same = r[1:] == r[:-1]
+    x = exit_[order]
+    gap_sorted = np.full(len(order), np.nan)
+    gap_sorted[1:] = np.where(same, np.maximum(e[1:] - x[:-1], 0.0), np.nan)
     gap = np.empty(len(order))
     gap[order] = gap_sorted
     return gap
