@@ -11,6 +11,12 @@ communicator for `stall_ns`. Then, comparing its members:
                      kernel-level progress counter, CCL-D's SendCount + RecvCount, names the laggard).
 Hangs cascade: a rank that never entered the DP all-reduce because it is itself stuck in a hung TP
 collective is a symptom, not a cause, so such diagnoses are dropped in favour of the root.
+
+Point-to-point communicators (pipeline sends and receives) are not compared member against member:
+each stage makes its own number of calls, so entered counts and the op at a sequence number differ
+by design. A rank pending there counts as busy (its absence elsewhere is a symptom), and when no
+collective explains the hang, a pipeline pair whose ends are both inside calls that never return
+is named (hang_hardware).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from numpy.typing import NDArray
 from greyhound.core.localize import Evidence, FloatArray, IntArray, codes, combine_codes
 
 HangKind = Literal["hang_not_entered", "hang_inconsistent", "hang_hardware"]
+P2P_OPS = ("send", "recv")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -141,6 +148,9 @@ def diagnose_hang(
     # ranks pending in a stalled comm are busy there: their absence elsewhere is a symptom
     # (a lagging rank is never pending in the communicator where it lags and is idle)
     blocked_rank = counters.rank[pending & stalled[c_comm]]
+    p2p_comm = np.zeros(n_comms, bool)
+    p2p_op = np.isin(op_values.astype(str), P2P_OPS)
+    p2p_comm[r_comm[p2p_op[op_code]]] = True
 
     counter_order, counter_start = _split_by(c_comm, n_comms)
     odd_order, odd_start = _split_by(r_comm[odd_record], n_comms)
@@ -148,7 +158,7 @@ def diagnose_hang(
     rec_order, rec_start = _split_by(r_comm, n_comms)
     found: list[HangDiagnosis] = []
     symptoms: list[HangDiagnosis] = []
-    for c in np.flatnonzero(stalled):
+    for c in np.flatnonzero(stalled & ~p2p_comm):
         rows = counter_order[counter_start[c] : counter_start[c + 1]]
         rec = majority_rec[c]
         op = str(op_values[op_code[rec]]) if rec >= 0 else "unknown"
@@ -221,6 +231,9 @@ def diagnose_hang(
         if len(lag_rows) == 0 and len(odd_rows) == 0:
             found.append(_hardware(counters, rows, base, int(comm_values[c]), seq, op))
     if not found:
+        found = _stuck_in_p2p(symptoms, counters, last, c_comm, r_comm, stalled & p2p_comm,
+                              op_values, op_code, comm_values)
+    if not found:
         found = symptoms  # a cycle of communicators waiting on each other: report them all
     else:
         for d in found:
@@ -248,6 +261,38 @@ def _at_seq(
         evidence["count"] = int(last.count[there[0]])
         evidence["dtype"] = int(last.dtype[there[0]])
     return HangDiagnosis(kind, comm, seq, op, named, evidence)
+
+
+def _stuck_in_p2p(
+    symptoms: list[HangDiagnosis],
+    counters: CommCounters,
+    last: LastRecords,
+    c_comm: IntArray,
+    r_comm: IntArray,
+    stalled_p2p: NDArray[np.bool_],
+    op_values: NDArray[Any],
+    op_code: IntArray,
+    comm_values: IntArray,
+) -> list[HangDiagnosis]:
+    """Pipeline communicators whose every member is inside a send or receive that never
+    returns: nobody there is missing, so the pair itself is where the job stopped (without
+    kernel-level progress counters the two ends cannot be told apart)."""
+    out: list[HangDiagnosis] = []
+    for c in np.flatnonzero(stalled_p2p):
+        rows = np.flatnonzero(c_comm == c)
+        if len(rows) < 2 or not bool(np.all(counters.entered[rows] > counters.completed[rows])):
+            continue
+        named = sorted(int(r) for r in counters.rank[rows])
+        rec = np.flatnonzero(r_comm == c)
+        seq = int(last.seq[rec[0]]) if len(rec) else -1
+        op = str(op_values[op_code[rec[0]]]) if len(rec) else "unknown"
+        ev: Evidence = {"comm_id": int(comm_values[c]), "seq": seq, "op": op, "ranks": list[object](named),
+                        "pending_ranks": len(named), "point_to_point": 1,
+                        "their_ops": [str(op_values[op_code[i]]) for i in rec],
+                        "their_seqs": [int(last.seq[i]) for i in rec],
+                        "symptom_comms": [d.comm_id for d in symptoms]}
+        out.append(HangDiagnosis("hang_hardware", int(comm_values[c]), seq, op, named, ev))
+    return out
 
 
 def _split_by(group: IntArray, n_groups: int) -> tuple[IntArray, IntArray]:

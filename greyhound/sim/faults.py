@@ -1,4 +1,4 @@
-"""Faults in virtual time: what is slow at a given moment, and how a hang freezes an iteration.
+"""Faults in virtual time: what is slow at a given moment, and which hang strikes when.
 
 Faults name hardware, not roles: ``rank`` is the GPU that initially hosts that rank (so a
 mitigation that moves the rank away from a throttled GPU leaves the GPU throttled), ``node`` a
@@ -60,18 +60,3 @@ def pending_hang(
         if f.kind in HANG_KINDS and i not in cleared and f.start_s < t1 and f.end_s > t0:
             return i
     return None
-
-
-def freeze(
-    enter: FloatArray, exit_: FloatArray, t_hang: float, delay: float, stuck: npt.NDArray[np.bool_]
-) -> None:
-    """Shift everything after ``t_hang`` by ``delay`` (``inf``: never happens), in place.
-
-    Ranks run until the hang strikes; calls already inside NCCL then wait (exit delayed), later
-    calls are not reached. ``stuck`` marks the hung collective's own records, which keep their
-    enter time: every member but a rank that never entered is inside it.
-    """
-    later = (enter >= t_hang) & ~stuck
-    waiting = ~later & (exit_ > t_hang)
-    enter[later] += delay
-    exit_[later | waiting | stuck] += delay

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from greyhound.sim import faults as flt
+from greyhound.sim import hang_cascade as hc
 from greyhound.sim import timeline as tl
 from greyhound.sim.events import CommTable, EventBlock, IterationTiming, Op
 from greyhound.sim.mitigation import Layout, Plan, apply
@@ -240,13 +241,17 @@ class ClusterModel:
         return tuple(tl.shifted(b, t0) for b in out)
 
     def _strike(self, hang: int, blocks: tuple[EventBlock, ...], t0: float) -> float | None:
-        """Freeze the records at the victim's first call after the hang starts; return the delay."""
+        """Hang the victim's first call after the fault starts, spread the hang to every rank
+        that then needs a stuck one (see :mod:`greyhound.sim.hang_cascade`); return the delay."""
         f = self.scenario.faults[hang]
         assert f.rank is not None
         victim = int(self.layout.rank_of_gpu()[f.rank])
         best: tuple[float, int, int] | None = None
+        # A mismatch is a collective's (another op, count or type than its peers); a send and a
+        # receive posted together would make "which of the two" ambiguous in the counters.
+        wanted = (Op.ALLREDUCE,) if f.kind == "hang_inconsistent" else tuple(Op)
         for i, b in enumerate(blocks):
-            idx = np.flatnonzero((b.rank == victim) & (b.enter >= f.start_s))
+            idx = np.flatnonzero((b.rank == victim) & (b.enter >= f.start_s) & np.isin(b.op, wanted))
             if len(idx):
                 j = int(idx[np.argmin(b.enter[idx])])
                 if best is None or b.enter[j] < best[0]:
@@ -254,25 +259,30 @@ class ClusterModel:
         if best is None:
             return None
         self._struck.add(hang)
-        t_hang, bi, j = best
-        vb = blocks[bi]
-        delay = f.end_s - t_hang
-        for i, b in enumerate(blocks):
-            same = b.comm == vb.comm[j]
-            if vb.op[j] == Op.ALLREDUCE:
-                stuck = same & (b.seq == vb.seq[j]) if i == bi else np.zeros(len(b), bool)
-            else:
-                own = (b.rank == victim) & (b.seq == vb.seq[j])
-                partner = (b.rank == vb.peer[j]) & (b.peer == victim) & (b.exit == vb.exit[j])
-                stuck = same & (own | partner)
-            flt.freeze(b.enter, b.exit, t_hang, delay, stuck)
+        _, bi, j = best
+        offsets = np.cumsum([0] + [len(b) for b in blocks])
+        at = int(offsets[bi]) + j
+        rank = np.concatenate([b.rank for b in blocks])
+        enter = np.concatenate([b.enter for b in blocks])
+        instance = hc.call_instances(blocks)
+        never_returns = np.zeros(len(rank), bool)
+        absent = np.zeros(len(rank), bool)
         if f.kind == "hang_not_entered":
-            vb.enter[j] += delay
+            absent[at] = True
         elif f.kind == "hang_inconsistent":
-            if vb.op[j] == Op.ALLREDUCE:
-                vb.op[j] = Op.ALLGATHER
-            else:
-                vb.nbytes[j] //= 2
+            never_returns[instance == instance[at]] = True
+        else:
+            never_returns[at] = True
+        sp = hc.spread(rank, instance, enter, self.job.world,
+                       never_returns=never_returns, absent=absent)
+        delay = f.end_s - best[0]
+        for i, b in enumerate(blocks):
+            part = slice(int(offsets[i]), int(offsets[i + 1]))
+            later, stuck = ~sp.reached[part], sp.stuck[part]
+            b.enter[later] += delay
+            b.exit[later | stuck] += delay
+        if f.kind == "hang_inconsistent":
+            blocks[bi].op[j] = Op.ALLGATHER
         return delay
 
     def _advance(self, runs: list[tl.BucketRun]) -> None:

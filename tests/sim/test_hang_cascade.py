@@ -1,0 +1,102 @@
+"""A simulated hang spreads like a real one, and what the counters then show is enough for CCL-D's
+diagnosis to name the kind and the rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from greyhound.core.hang_diagnosis import CommCounters, LastRecords, diagnose_hang
+from greyhound.sim.events import IterationTiming, Op
+from greyhound.sim.hang_cascade import spread
+from greyhound.sim.model import ClusterModel
+from tests.sim.helpers import job, scenario
+
+J = job(tp=2, dp=4, pp=4, gpus_per_node=4, microbatches=8, microbatch_compute_s=0.05,
+        dp_allreduce_bytes=1e8, pp_activation_bytes=1e7, optimizer_s=0.01,
+        link_latency_us=5.0, nvlink_latency_us=1.0)
+
+
+def test_a_hang_reaches_only_the_ranks_that_wait_for_a_stuck_one() -> None:
+    # Calls (instance: members): 0: ranks 0,1 | 1: ranks 1,2 | 2: ranks 3,4. Rank 0 never
+    # enters call 0, so rank 1 waits there and never reaches call 1, where rank 2 then waits;
+    # ranks 3 and 4 have nothing to do with them.
+    rank = np.array([0, 1, 1, 2, 3, 4])
+    inst = np.array([0, 0, 1, 1, 2, 2])
+    enter = np.array([1.0, 1.0, 2.0, 2.0, 5.0, 5.0])
+    absent = np.array([True, False, False, False, False, False])
+    sp = spread(rank, inst, enter, 5, never_returns=np.zeros(6, bool), absent=absent)
+    assert sp.reached.tolist() == [False, True, False, True, True, True]
+    assert sp.stuck.tolist() == [False, True, False, True, False, False]
+    assert sp.blocked_at[1] == 1.0 and sp.blocked_at[2] == 2.0
+    assert np.isinf(sp.blocked_at[[3, 4]]).all()
+
+
+def hung_iteration(kind: str, rank: int, start_s: float = 2.0) -> IterationTiming:
+    model = ClusterModel(scenario(J, [{"kind": kind, "rank": rank, "start_s": start_s}]))
+    t = 0.0
+    while True:
+        it = model.iteration(t)
+        if it.hung:
+            return it
+        t = it.end_s
+
+
+def agent_view(it: IterationTiming) -> tuple[CommCounters, LastRecords]:
+    """What the agents' counter rows say once the job is stuck: per (communicator, rank) the
+    calls entered and completed, and the last call entered (pending or not)."""
+    ev = it.events()
+    reached = np.isfinite(ev.enter)
+    stuck = reached & ~np.isfinite(ev.exit)
+    key = ev.comm * 100_000 + ev.rank
+    cols: dict[str, list[object]] = {k: [] for k in
+                                     ("comm", "rank", "ent", "comp", "seq", "op", "cnt", "en", "ex")}
+    for k in np.unique(key):
+        mine = np.flatnonzero(key == k)
+        done = mine[reached[mine]]
+        # no call reached in this iteration: the counters stand where the last iteration left them
+        i = int(done[np.argmax(ev.seq[done])]) if len(done) else int(mine[np.argmin(ev.seq[mine])])
+        n = int(ev.seq[i]) + 1 if len(done) else int(ev.seq[i])
+        cols["comm"].append(int(k // 100_000))
+        cols["rank"].append(int(k % 100_000))
+        cols["ent"].append(n)
+        cols["comp"].append(n - int(stuck[i]))
+        cols["seq"].append(n - 1)
+        cols["op"].append(Op(int(ev.op[i])).name.lower())
+        cols["cnt"].append(int(ev.count[i]))
+        cols["en"].append(float(ev.enter[i]) * 1e9 if len(done) else 0.0)
+        cols["ex"].append(-1.0 if stuck[i] else 1.0)
+    counters = CommCounters(cols["comm"], cols["rank"], cols["ent"], cols["comp"])
+    last = LastRecords(cols["comm"], cols["rank"], cols["seq"], np.array(cols["op"]),
+                       cols["cnt"], np.full(len(cols["op"]), 9), cols["en"], cols["ex"])
+    return counters, last
+
+
+@pytest.mark.parametrize("kind", ["hang_not_entered", "hang_inconsistent", "hang_hardware"])
+@pytest.mark.parametrize("victim", [5, 18, 30])
+def test_counters_after_a_simulated_hang_name_its_kind_and_rank(kind: str, victim: int) -> None:
+    it = hung_iteration(kind, victim)
+    ev = it.events()
+    mine = ev.rank == victim
+    hung_at = float(ev.enter[mine & ~np.isfinite(ev.exit)].min()) if kind != "hang_not_entered" \
+        else float(ev.enter[mine & np.isfinite(ev.enter)].max())
+    # Not a global freeze: some other rank still completes a call it entered after that moment.
+    later = ~mine & (ev.enter > hung_at) & np.isfinite(ev.exit)
+    assert later.any()
+    counters, last = agent_view(it)
+    found = diagnose_hang(counters, last, now_ns=int(1e15))
+    assert found, "no diagnosis"
+    assert {d.kind for d in found} == {kind}
+    assert all(d.ranks == [victim] for d in found)
+
+
+def test_a_pipeline_call_that_never_returns_names_its_pipeline() -> None:
+    """Rank 22's first call after 2.05 s is a receive. Its partner's send completed; every stage
+    of that pipeline then waits inside a send or receive, and without kernel-level progress
+    counters the diagnosis can narrow it to the pipeline communicator, not to one end."""
+    counters, last = agent_view(hung_iteration("hang_hardware", 22, start_s=2.05))
+    found = diagnose_hang(counters, last, now_ns=int(1e15))
+    assert [d.kind for d in found] == ["hang_hardware"]
+    d = found[0]
+    assert d.op in ("send", "recv") and d.evidence["point_to_point"] == 1
+    assert 22 in d.ranks and len(d.ranks) <= 4  # one rank per pipeline stage
