@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
+from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 
 from greyhound.agent.collector import Collector, RankIteration
@@ -31,13 +32,16 @@ from services.common.bus.contract import (
     RankInfo,
     Subjects,
     check_token,
+    split_columns,
 )
 from services.common.settings import Settings
 
 log = logging.getLogger(__name__)
 
 MAX_BACKLOG = 10_000  # unpublished messages kept while the bus is unreachable
-COLLECTIVE_ROWS = 20_000  # rows per CollectiveBatch: ~3 MB of JSON, under the 8 MB message limit
+# Rows per CollectiveBatch: ~0.5 MB of JSON, under NATS's default 1 MB max_payload. A server with
+# a smaller limit still gets everything: flush() halves a batch the server refuses as too large.
+COLLECTIVE_ROWS = 4_000
 _NODE = re.compile(r"node(\d+)$")
 
 
@@ -62,6 +66,7 @@ class NodeAgent:
         self.collectors: dict[str, Collector] = {}
         self.backlog: deque[tuple[str, Message]] = deque(maxlen=MAX_BACKLOG)
         self.published = 0
+        self.dropped = 0  # messages no server could take (a single row over max_payload)
 
     def _job_dirs(self) -> list[str]:
         if self.fixed_jobs is not None:
@@ -122,6 +127,17 @@ class NodeAgent:
             subject, msg = self.backlog[0]
             try:
                 await publish(self.js, subject, msg)
+            except MaxPayloadError:
+                # Over the server's max_payload: retrying as is would block every later message.
+                self.backlog.popleft()
+                halves = split_columns(msg)
+                if halves is None:
+                    self.dropped += 1
+                    log.error("dropped a %s message to %s: one row is over the server's "
+                              "max_payload", type(msg).__name__, subject)
+                else:
+                    self.backlog.extendleft((subject, h) for h in reversed(halves))
+                continue
             except Exception as exc:
                 log.warning("publish to %s failed (%s); %d messages waiting", subject, exc,
                             len(self.backlog))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -173,9 +173,11 @@ class IterationBatch(Message):
     end_ns: list[int]
     duration_s: list[float]
 
+    COLUMNS: ClassVar[tuple[str, ...]] = ("rank", "iteration", "end_ns", "duration_s")
+
     @model_validator(mode="after")
     def _columns(self) -> IterationBatch:
-        _same_lengths(self, ("rank", "iteration", "end_ns", "duration_s"))
+        _same_lengths(self, self.COLUMNS)
         return self
 
     def __len__(self) -> int:
@@ -206,11 +208,13 @@ class CounterBatch(Message):
     last_count: list[int]
     last_dtype: list[int]
 
+    COLUMNS: ClassVar[tuple[str, ...]] = (
+        "rank", "comm_id", "comm_rank", "nranks", "entered", "completed", "last_seq_entered",
+        "last_seq_completed", "inflight_s", "last_op", "last_count", "last_dtype")
+
     @model_validator(mode="after")
     def _columns(self) -> CounterBatch:
-        _same_lengths(self, ("rank", "comm_id", "comm_rank", "nranks", "entered", "completed",
-                             "last_seq_entered", "last_seq_completed", "inflight_s", "last_op",
-                             "last_count", "last_dtype"))
+        _same_lengths(self, self.COLUMNS)
         return self
 
 
@@ -289,11 +293,30 @@ class CollectiveBatch(Message):
     gpu_start_ns: list[int] = Field(description="0 when the call was not profiled")
     gpu_end_ns: list[int]
 
+    COLUMNS: ClassVar[tuple[str, ...]] = (
+        "rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count", "dtype", "peer",
+        "enter_ns", "exit_ns", "gpu_start_ns", "gpu_end_ns")
+
     @model_validator(mode="after")
     def _columns(self) -> CollectiveBatch:
-        _same_lengths(self, ("rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count",
-                             "dtype", "peer", "enter_ns", "exit_ns", "gpu_start_ns", "gpu_end_ns"))
+        _same_lengths(self, self.COLUMNS)
         return self
+
+
+def split_columns(msg: Message) -> tuple[Message, Message] | None:
+    """The two halves of a columnar batch, each with its own event id, or None when it cannot be
+    split (not columnar, or one row). A publisher whose message is over the server's size limit
+    sends the halves instead: the limit is the server's setting, not the contract's."""
+    if not isinstance(msg, IterationBatch | CounterBatch | CollectiveBatch):
+        return None
+    n = len(getattr(msg, msg.COLUMNS[0]))
+    if n < 2:
+        return None
+    half = n // 2
+    data = msg.model_dump(exclude={"event_id"})
+    lo = {**data, **{c: data[c][:half] for c in msg.COLUMNS}}
+    hi = {**data, **{c: data[c][half:] for c in msg.COLUMNS}}
+    return type(msg).model_validate(lo), type(msg).model_validate(hi)
 
 
 SuspicionKind = Literal["compute_slow", "comm_slow", "mixed_slow"]
