@@ -46,45 +46,84 @@ class Expect:
     ranks: set[int] = field(default_factory=set)
     nodes: set[int] = field(default_factory=set)
     link: tuple[int, int] | None = None
+    taxonomy: str = ""  # which of the six kinds this fault is scored under
+    allowed: set[int] = field(default_factory=set)  # compute faults: ranks any may name
+    max_named: int = 1  # hangs: how many ranks a diagnosis may name
+
+    def overlaps(self, other: Expect) -> bool:
+        inf = float("inf")
+        return self.start_s < (other.end_s or inf) and other.start_s < (self.end_s or inf)
 
 
 def expectations(sc: Scenario) -> list[Expect]:
+    """Compute faults are compute_slow and congested links comm_slow, unless the two overlap in
+    time: then each is only right as mixed_slow."""
+    out = _expectations(sc)
+    compute_ranks = {r for e in out if e.taxonomy == "compute_slow" for r in e.ranks}
+    for e in out:
+        e.allowed = compute_ranks
+        if e.fault == "hang_hardware":
+            e.max_named = sc.job.pp
+    links = [e for e in out if e.link is not None]
+    for e in out:
+        if e.taxonomy == "compute_slow" and any(e.overlaps(x) for x in links):
+            e.kinds, e.taxonomy = {"mixed_slow"}, "mixed_slow"
+    computes = [e for e in out if e.taxonomy == "mixed_slow" and e.link is None]
+    for e in links:
+        if any(e.overlaps(x) for x in computes):
+            e.kinds, e.taxonomy = {"mixed_slow"}, "mixed_slow"
+    return out
+
+
+def _expectations(sc: Scenario) -> list[Expect]:
     job = sc.job
     out: list[Expect] = []
     for f in sc.faults:
         end = None if f.duration_s is None else f.start_s + f.duration_s
         if f.kind == "gpu_slow":
             assert f.rank is not None
-            out.append(Expect(f.kind, f.start_s, end, {"compute_slow", "mixed_slow"},
-                              ranks={f.rank}))
+            out.append(Expect(f.kind, f.start_s, end, {"compute_slow"}, ranks={f.rank},
+                              taxonomy="compute_slow"))
         elif f.kind == "cpu_contention":
             assert f.node is not None
             node_ranks = set(range(f.node * job.gpus_per_node, (f.node + 1) * job.gpus_per_node))
-            out.append(Expect(f.kind, f.start_s, end, {"compute_slow", "mixed_slow"},
-                              ranks=node_ranks, nodes={f.node}))
+            out.append(Expect(f.kind, f.start_s, end, {"compute_slow"}, ranks=node_ranks,
+                              nodes={f.node}, taxonomy="compute_slow"))
         elif f.kind == "link_congestion":
             assert f.nodes is not None
             a, b = sorted(f.nodes)
-            out.append(Expect(f.kind, f.start_s, end, {"comm_slow", "mixed_slow"},
-                              nodes={a, b}, link=(a, b)))
+            out.append(Expect(f.kind, f.start_s, end, {"comm_slow"}, nodes={a, b}, link=(a, b),
+                              taxonomy="comm_slow"))
         else:
             assert f.rank is not None
-            out.append(Expect(f.kind, f.start_s, end, {f.kind}, ranks={f.rank}))
+            out.append(Expect(f.kind, f.start_s, end, {f.kind}, ranks={f.rank}, taxonomy=f.kind))
     return out
 
 
 def matches(e: Expect, inc: dict[str, Any]) -> tuple[bool, bool]:
-    """(right kind, right culprit) of one incident line for one expectation."""
+    """(right kind, right culprit) of one incident line for one expectation.
+
+    A congested link must be named as that node pair; a compute fault by its rank(s), naming no
+    rank that no compute fault touched; a hang by its rank (a pipeline send/receive that never
+    returns may name its pipeline, one rank per stage)."""
     kind_ok = inc["kind"] in e.kinds
     ranks, nodes = set(inc["ranks"]), set(inc["nodes"])
     links = {tuple(sorted(x)) for x in inc["links"]}
     if e.link is not None:
         culprit_ok = e.link in links or (not links and bool(nodes) and nodes <= e.nodes)
-    elif e.nodes and e.kinds & {"compute_slow"} and len(e.ranks) > 1:  # a whole node
-        culprit_ok = bool(ranks) and ranks <= e.ranks
+    elif e.fault in ("gpu_slow", "cpu_contention"):
+        culprit_ok = bool(ranks & e.ranks) and ranks <= e.allowed
     else:
-        culprit_ok = bool(ranks & e.ranks) and len(ranks) <= max(1, len(e.ranks)) * 8
+        culprit_ok = e.ranks <= ranks and len(ranks) <= e.max_named
     return kind_ok, culprit_ok
+
+
+@dataclass
+class FaultResult:
+    taxonomy: str
+    kind_ok: bool
+    culprit_ok: bool
+    localize_s: float | None
 
 
 @dataclass
@@ -97,10 +136,11 @@ class Row:
     false_incidents: int
     localize_s: list[float]
     wall_s: float
-    note: str = ""
+    detail: list[FaultResult] = field(default_factory=list)
 
 
-def run_one(path: Path, stack: Stack, base: str, speed: float | None, settle_s: float) -> Row:
+def run_one(path: Path, stack: Stack, base: str, speed: float | None, settle_s: float,
+            dump: Path | None = None) -> Row:
     sc = load_scenario(path)
     job = job_id_for(sc)
     t0 = time.monotonic()
@@ -117,15 +157,21 @@ def run_one(path: Path, stack: Stack, base: str, speed: float | None, settle_s: 
         r = httpx.get(f"{base}/v1/incidents", params={"job_id": job, "limit": 1000}, timeout=10)
         r.raise_for_status()
         lines = [incident_line(i, sim.virtual_at) for i in r.json()]
+        if dump is not None:  # the whole incidents (evidence, timeline) for a closer look
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / f"{sc.name}.json").write_text(json.dumps(r.json(), indent=1))
     finally:
         sim.close(remove=True)
     exp = expectations(sc)
     used: set[int] = set()
     kinds = culprits = 0
     times: list[float] = []
+    detail: list[FaultResult] = []
     for e in exp:
         best = None
         for i, inc in enumerate(lines):
+            if inc["detected_s"] < e.start_s - 2.0:  # an earlier episode's incident
+                continue
             k, c = matches(e, inc)
             if k and c:
                 best = i
@@ -133,19 +179,40 @@ def run_one(path: Path, stack: Stack, base: str, speed: float | None, settle_s: 
             if best is None and (k or c):
                 best = i
         if best is None:
+            detail.append(FaultResult(e.taxonomy, False, False, None))
             continue
         used.add(best)
         k, c = matches(e, lines[best])
         kinds += k
         culprits += c
         loc = lines[best]["localized_s"]
-        if k and c and loc is not None:
-            times.append(loc - e.start_s)
+        took = loc - e.start_s if k and c and loc is not None else None
+        if took is not None:
+            times.append(took)
+        detail.append(FaultResult(e.taxonomy, k, c, took))
     transient_ok = {i for i, inc in enumerate(lines) if inc["kind"] == "slowdown"
                     and any(x.end_s is not None and x.end_s - x.start_s < 10 for x in exp)}
     false = len([i for i in range(len(lines)) if i not in used and i not in transient_ok])
     return Row(sc.name, sc.job.world, len(exp), kinds, culprits, false, times,
-               time.monotonic() - t0)
+               time.monotonic() - t0, detail)
+
+
+KIND_ORDER = ("compute_slow", "comm_slow", "mixed_slow", "hang_not_entered", "hang_inconsistent",
+              "hang_hardware")
+
+
+def per_kind(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Faults scored under each of the six kinds: how many, right kind, right culprit, and the
+    virtual seconds from fault start to localisation (when both were right)."""
+    out: dict[str, dict[str, Any]] = {}
+    for k in KIND_ORDER:
+        res = [d for r in rows for d in r.detail if d.taxonomy == k]
+        took = [d.localize_s for d in res if d.localize_s is not None]
+        out[k] = {"faults": len(res), "kind_correct": sum(d.kind_ok for d in res),
+                  "culprit_correct": sum(d.culprit_ok for d in res),
+                  "median_localize_s": round(statistics.median(took), 2) if took else None,
+                  "max_localize_s": round(max(took), 2) if took else None}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang-floor", type=float, default=20.0,
                    help="hang threshold floor (s): above the validation pause in virtual time")
     p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--dump", type=Path, default=None,
+                   help="write each scenario's incidents (full JSON) into this directory")
     args = p.parse_args(argv)
     paths = args.paths or sorted(Path("scenarios/suite").glob("*.yaml"))
     if args.only:
@@ -177,13 +246,23 @@ def main(argv: list[str] | None = None) -> int:
         wait_api(base)
         for n, path in enumerate(paths, 1):
             print(f"[{n}/{len(paths)}] {path.stem} ...", file=sys.stderr, flush=True)
-            rows.append(run_one(path, stack, base, args.speed, args.settle))
+            rows.append(run_one(path, stack, base, args.speed, args.settle, args.dump))
     print(f"{'scenario':28} {'gpus':>5} {'faults':>6} {'kind':>5} {'culprit':>7} {'false':>5} "
           f"{'localise s':>10}")
     for r in rows:
         loc = f"{max(r.localize_s):.1f}" if r.localize_s else "-"
         print(f"{r.name:28} {r.gpus:5d} {r.faults:6d} {r.found_kind:5d} {r.found_culprit:7d} "
               f"{r.false_incidents:5d} {loc:>10}")
+    by_kind = per_kind(rows)
+    print(f"\n{'kind':20} {'faults':>6} {'kind':>5} {'culprit':>7} {'median s':>9} {'max s':>7}")
+    for k, v in by_kind.items():
+        med = "-" if v["median_localize_s"] is None else f"{v['median_localize_s']:.1f}"
+        mx = "-" if v["max_localize_s"] is None else f"{v['max_localize_s']:.1f}"
+        print(f"{k:20} {v['faults']:6d} {v['kind_correct']:5d} {v['culprit_correct']:7d} "
+              f"{med:>9} {mx:>7}")
+    healthy = [r for r in rows if r.faults == 0]
+    print(f"healthy runs: {len(healthy)}, incidents on them: "
+          f"{sum(r.false_incidents for r in healthy)}")
     faults = sum(r.faults for r in rows)
     times = [t for r in rows for t in r.localize_s]
     t256 = [t for r in rows if r.gpus >= 256 for t in r.localize_s]
@@ -194,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         "false_incidents": sum(r.false_incidents for r in rows),
         "median_localize_s": statistics.median(times) if times else None,
         "max_localize_s_256": max(t256) if t256 else None, "speed": args.speed,
+        "false_incidents_healthy": sum(r.false_incidents for r in healthy),
+        "by_kind": by_kind,
     }
     print("RESULT " + json.dumps(result))
     return 0
