@@ -127,7 +127,7 @@ def classify_slow(
     comm_rounds = np.bincount(inst_comm, minlength=n_comms)
     in_window = ~early | (comm_rounds[inst_comm] <= baseline_rounds)
     comm_c = group_median(inst_comm[in_window], comm_time[in_window], n_comms)
-    baseline = _comm_baseline(obs, comm_values, comm_code, comm_c, baseline_ns)
+    baseline = _comm_baseline(obs, comm_values, inst_comm, inst_first, comm_c, baseline_ns)
     if baseline_rounds > 0:
         dynamic = group_median(inst_comm[early], comm_time[early], n_comms)
         dynamic[comm_rounds <= baseline_rounds] = np.nan
@@ -150,8 +150,9 @@ def classify_slow(
     with np.errstate(divide="ignore", invalid="ignore"):
         typical = np.bincount(pair, weights=delay, minlength=n_pairs) / pair_rounds
         # residuals around the mean of k values shrink by sqrt((k-1)/k): undo that
-        k = pair_rounds[pair]
-        spread = (np.abs(delay - typical[pair]) * np.sqrt(k / (k - 1)))[valid & (k > 1)]
+        widen = np.where(pair_rounds > 1, np.sqrt(pair_rounds / (pair_rounds - 1)), np.nan)
+    residual = np.abs(delay - typical[pair]) * widen[pair]
+    spread = residual[valid & ~np.isnan(residual)]
     jitter = 1.4826 * float(np.median(spread)) if len(spread) else 0.0
     late_thr = max(min_late_ns, jitter_k * jitter)
     is_late = valid & (delay > late_thr)
@@ -236,14 +237,19 @@ def _gap_since_previous(rank: IntArray, n_ranks: int, enter: FloatArray, exit_: 
 def _comm_baseline(
     obs: CollectiveObservation,
     comm_values: IntArray,
-    comm_code: IntArray,
+    inst_comm: IntArray,
+    inst_first: IntArray,
     comm_c: FloatArray,
     baseline_ns: Mapping[int, float] | None,
 ) -> FloatArray:
-    """Lowest of the explicit baseline and the median of comparable communicators."""
+    """Lowest of the explicit baseline and the median of comparable communicators.
+
+    A communicator's op, bytes and algorithm are those of its first row, found among the first
+    rows of its instances.
+    """
     n_comms = len(comm_values)
-    first_row = np.zeros(n_comms, np.int64)
-    first_row[comm_code[::-1]] = np.arange(len(comm_code))[::-1]
+    first_row = np.full(n_comms, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(first_row, inst_comm, inst_first)
     _, op_code = codes(obs.op[first_row])
     _, algo_code = codes(np.asarray(obs.algo)[first_row])
     cluster, cluster_first = combine_codes(op_code, obs.nbytes[first_row], algo_code)

@@ -5,13 +5,14 @@ DP AllReduce groups of equally sized PP stages) should take the same time, so a 
 10% above its cluster's median is degraded. Ring and tree runs are kept in separate clusters, as
 CCL-D does, because NCCL picks the algorithm per call and the two have different costs.
 
-Also home of the sort-based group-by helpers the other localisation cores share: every reduction
-here is one argsort plus index arithmetic, never a Python loop over ranks.
+Also home of the group-by helpers the other localisation cores share: every reduction here is a
+lookup table or one sort plus index arithmetic, never a Python loop over ranks. At 10^5 rows a
+numpy call costs about as much as a pass over the data, so they avoid argsort (several times a
+plain sort), np.unique's inverse, and temporaries a table or a bincount makes unnecessary.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +25,19 @@ IntArray = NDArray[np.int64]
 FloatArray = NDArray[np.float64]
 
 
+# A value range up to this many times the element count is coded through a lookup table: a
+# table pass is cheaper than a sort until then, and only the table entries in use are touched.
+_TABLE_FACTOR = 32
+# Group sizes shared by this many groups or more are sorted as rows of one matrix.
+_MIN_ROWS_PER_SIZE = 16
+
+
 def codes(values: ArrayLike) -> tuple[NDArray[Any], IntArray]:
     """Distinct values (sorted) and, per element, the index of its value (a dense int code).
 
-    Integers within a small range are coded through a lookup table, others through one sort of
-    the values packed with their positions: both avoid np.unique's inverse and np.argsort, which
-    dominate at 10^5 rows (a plain sort is several times faster than an argsort).
+    Integers within a moderate range are coded through a lookup table, others through one sort
+    of the values packed with their positions: both avoid np.unique's inverse and np.argsort,
+    which dominate at 10^5 rows (a plain sort is several times faster than an argsort).
     """
     a = np.asarray(values).reshape(-1)
     if a.dtype.kind not in "iub" or a.size == 0:
@@ -38,17 +46,16 @@ def codes(values: ArrayLike) -> tuple[NDArray[Any], IntArray]:
     lo, hi = int(a.min()), int(a.max())
     if hi - lo >= 2**62:  # shifting into int64 could overflow
         order = np.argsort(a, kind="stable").astype(np.int64, copy=False)
-        uniq, inverse, _ = _runs_to_codes(a[order], order)
-        return uniq, inverse
-    shifted = a.astype(np.int64) - lo
-    if hi - lo < 4 * a.size + 1024:
-        present = np.zeros(hi - lo + 1, dtype=bool)
-        present[shifted] = True
-        lookup = np.cumsum(present, dtype=np.int64) - 1
-        return (np.flatnonzero(present) + lo).astype(a.dtype), lookup[shifted]
-    ordered, order = _sort_with_order(shifted, hi - lo)
-    uniq, inverse, _ = _runs_to_codes(ordered, order)
-    return (uniq + lo).astype(a.dtype), inverse
+        inverse, first = _runs_to_codes(a[order], order)
+        return a[first], inverse
+    if a.dtype.kind == "b":
+        shifted = a.astype(np.int64) - lo
+    else:
+        shifted = (a - a.dtype.type(lo)).astype(np.int64, copy=False)
+    code, distinct = _dense_codes(shifted, hi - lo)
+    if lo >= 2**63:  # a uint64 base beyond int64: add in uint64
+        return (distinct.astype(np.uint64) + np.uint64(lo)).astype(a.dtype), code
+    return (distinct + lo).astype(a.dtype), code
 
 
 def combine_codes(*columns: IntArray) -> tuple[IntArray, IntArray]:
@@ -62,43 +69,78 @@ def combine_codes(*columns: IntArray) -> tuple[IntArray, IntArray]:
 def combine_dense(columns: Sequence[IntArray], spans: Sequence[int]) -> tuple[IntArray, IntArray]:
     """combine_codes for columns that are already dense codes, column i in [0, spans[i]).
 
-    Rows are packed into one int64 key by mixed radix when that cannot overflow, which keeps this
-    a lookup table or a single sort; otherwise the columns are sorted lexicographically. The row
-    kept per code is its first occurrence.
+    Codes number the distinct rows in lexicographic order; the row kept per code is its first
+    occurrence. Columns are folded in pairwise, each pair through `_pair_key`.
     """
     n = len(columns[0])
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    if math.prod(spans) >= 2**62:
-        order = np.lexsort(tuple(reversed(columns))).astype(np.int64, copy=False)
-        stacked = np.stack([c[order] for c in columns])
-        new = np.ones(n, dtype=bool)
-        new[1:] = np.any(stacked[:, 1:] != stacked[:, :-1], axis=0)
-        out = np.empty(n, np.int64)
-        out[order] = np.cumsum(new) - 1
-        return out, order[new]
-    key = np.zeros(n, np.int64)
-    for c, span in zip(columns, spans, strict=True):
-        key = key * span + c
-    key_range = math.prod(spans)
-    if key_range < 4 * n + 1024:
-        present = np.zeros(key_range, dtype=bool)
-        present[key] = True
-        lookup = np.cumsum(present, dtype=np.int64) - 1
-        code = lookup[key]
-        first = np.full(int(lookup[-1]) + 1, n, np.int64)
-        np.minimum.at(first, code, np.arange(n))
-        return code, first
-    ordered, order = _sort_with_order(key, key_range - 1)
-    _, code, first = _runs_to_codes(ordered, order)
+    code, n_codes = columns[0].astype(np.int64, copy=False), spans[0]
+    if len(columns) == 1:
+        code, distinct = _dense_codes(code, n_codes - 1)
+        n_codes = len(distinct)
+    for column, span in zip(columns[1:], spans[1:], strict=True):
+        code, n_codes = _pair_codes(code, n_codes, column.astype(np.int64, copy=False), span)
+    first = np.full(n_codes, n, np.int64)
+    np.minimum.at(first, code, np.arange(n))
     return code, first
 
 
+def _pair_codes(a: IntArray, span_a: int, b: IntArray, span_b: int) -> tuple[IntArray, int]:
+    """Dense lexicographic codes of (a, b) pairs, and how many there are.
+
+    The plain key a * span_b + b is often far sparser than the data (every communicator times
+    every rank), so when it is too wide for a table each a gets only the range of b it uses.
+    """
+    if span_a * span_b >= 2**62:
+        order = np.lexsort((b, a)).astype(np.int64, copy=False)
+        a_sorted, b_sorted = a[order], b[order]
+        new = np.ones(len(a), dtype=bool)
+        new[1:] = (a_sorted[1:] != a_sorted[:-1]) | (b_sorted[1:] != b_sorted[:-1])
+        code = np.empty(len(a), np.int64)
+        code[order] = np.cumsum(new) - 1
+        return code, int(np.count_nonzero(new))
+    max_key = span_a * span_b - 1
+    table_limit = _TABLE_FACTOR * len(a) + 4096
+    if max_key < table_limit or span_a >= table_limit:  # a table, or else a sort, of the plain key
+        code, distinct = _dense_codes(a * span_b + b, max_key)
+        return code, len(distinct)
+    b_lo = np.full(span_a, span_b, np.int64)
+    np.minimum.at(b_lo, a, b)
+    b_hi = np.full(span_a, -1, np.int64)
+    np.maximum.at(b_hi, a, b)
+    width = np.maximum(b_hi - b_lo + 1, 0)
+    offset = np.zeros(span_a + 1, np.int64)
+    np.cumsum(width, out=offset[1:])
+    code, distinct = _dense_codes(offset[a] + (b - b_lo[a]), int(offset[-1]) - 1)
+    return code, len(distinct)
+
+
+def _dense_codes(key: IntArray, max_key: int) -> tuple[IntArray, IntArray]:
+    """Codes numbering non-negative int keys (at most max_key) in sorted order, and the keys."""
+    n = len(key)
+    if max_key < _TABLE_FACTOR * n + 4096:
+        present = np.zeros(max_key + 1, dtype=bool)
+        present[key] = True
+        distinct = np.flatnonzero(present)
+        lookup = np.empty(max_key + 1, np.int64)  # untouched entries cost nothing
+        lookup[distinct] = np.arange(len(distinct))
+        return lookup[key], distinct
+    ordered, order = _sort_with_order(key, max_key)
+    code, first = _runs_to_codes(ordered, order)
+    return code, key[first]
+
+
 def order_by_code(code: IntArray, n_codes: int) -> IntArray:
-    """The stable permutation that sorts dense codes in [0, n_codes): ties keep their order."""
+    """The stable permutation that sorts dense codes in [0, n_codes): ties keep their order.
+
+    Up to 2^16 codes numpy radix-sorts them as uint16; beyond, the packed sort is used.
+    """
     if len(code) == 0:
         return np.zeros(0, np.int64)
-    return _sort_with_order(code.astype(np.int64, copy=False), max(n_codes - 1, 0))[1]
+    if n_codes <= 1 << 16:
+        return np.argsort(code.astype(np.uint16), kind="stable").astype(np.int64, copy=False)
+    return _sort_with_order(code.astype(np.int64, copy=False), n_codes - 1)[1]
 
 
 def _sort_with_order(keys: IntArray, max_key: int) -> tuple[IntArray, IntArray]:
@@ -116,13 +158,13 @@ def _sort_with_order(keys: IntArray, max_key: int) -> tuple[IntArray, IntArray]:
     return packed >> bits, packed & ((1 << bits) - 1)
 
 
-def _runs_to_codes(ordered: NDArray[Any], order: IntArray) -> tuple[NDArray[Any], IntArray, IntArray]:
-    """From sorted values and their permutation: distinct values, per-element codes, first rows."""
+def _runs_to_codes(ordered: NDArray[Any], order: IntArray) -> tuple[IntArray, IntArray]:
+    """From sorted values and their permutation: per-element codes, and each code's first row."""
     new = np.ones(len(ordered), dtype=bool)
     new[1:] = ordered[1:] != ordered[:-1]
-    inverse = np.empty(len(ordered), np.int64)
-    inverse[order] = np.cumsum(new) - 1
-    return ordered[new], inverse, order[new]
+    code = np.empty(len(ordered), np.int64)
+    code[order] = np.cumsum(new, dtype=np.int64) - 1
+    return code, order[new]
 
 
 def order_within_groups(group: IntArray, values: FloatArray, n_groups: int) -> IntArray:
@@ -151,9 +193,10 @@ def group_quantile(group: IntArray, values: FloatArray, n_groups: int, q: float)
     out = np.full(n_groups, np.nan)
     if len(group) == 0:
         return out
-    v = values[order_within_groups(group, values, n_groups)]
     counts = np.bincount(group, minlength=n_groups)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    v = _sorted_within_groups(group, values, counts)
+    starts = np.zeros(n_groups, np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
     has = counts > 0
     pos = (counts[has] - 1) * q
     lo = np.floor(pos).astype(np.int64)
@@ -161,6 +204,33 @@ def group_quantile(group: IntArray, values: FloatArray, n_groups: int, q: float)
     hi = np.minimum(lo + 1, counts[has] - 1)
     out[has] = v[starts[has] + lo] * (1.0 - frac) + v[starts[has] + hi] * frac
     return out
+
+
+def _sorted_within_groups(group: IntArray, values: FloatArray, counts: IntArray) -> FloatArray:
+    """`values` ordered by group, each group's values ascending (exactly, not by a float key).
+
+    Groups usually come in a few sizes (every instance of a communicator has its members), so
+    the groups of one common size are sorted as the rows of one matrix, the others by one float
+    argsort; with no common size (or very many) the argsort does it all.
+    """
+    n_groups = len(counts)
+    n_per_size = np.bincount(counts)
+    bulk = np.flatnonzero(n_per_size >= _MIN_ROWS_PER_SIZE)
+    bulk = bulk[bulk > 1]
+    if len(bulk) == 0 or len(bulk) > 8:
+        return values[order_within_groups(group, values, n_groups)]
+    v = values[order_by_code(group, n_groups)]
+    row_size = np.repeat(counts, counts)
+    for size in bulk.tolist():
+        rows = np.flatnonzero(row_size == size)
+        block = v[rows].reshape(-1, size)
+        block.sort(axis=1)
+        v[rows] = block.reshape(-1)
+    rest = np.flatnonzero((row_size > 1) & (n_per_size[row_size] < _MIN_ROWS_PER_SIZE))
+    if len(rest):
+        rest_group = np.repeat(np.arange(n_groups), counts)[rest]
+        v[rest] = v[rest][order_within_groups(rest_group, v[rest], n_groups)]
+    return v
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -43,6 +43,19 @@ def test_combine_codes_number_rows_in_sorted_order_and_keep_first(high):
     assert np.array_equal(first, want_first)
 
 
+def test_combine_codes_where_each_first_value_uses_a_narrow_range_of_the_second():
+    # like (communicator, rank): the plain key is wide, the ranks of one communicator are close
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 2_000, 20_000)
+    b = a * 10_000 + rng.integers(0, 3, 20_000)
+    code, first = combine_codes(a, b)
+    _, want_first, want_code = np.unique(
+        np.stack((a, b), axis=1), axis=0, return_index=True, return_inverse=True
+    )
+    assert np.array_equal(code, want_code.reshape(-1))
+    assert np.array_equal(first, want_first)
+
+
 def test_combine_dense_falls_back_to_lexsort_when_the_radix_overflows():
     rng = np.random.default_rng(3)
     cols = [rng.integers(0, 3, 500) for _ in range(3)]
@@ -75,3 +88,17 @@ def test_group_quantile_ties_and_single_member_groups():
     q = group_quantile(group, values, 4, 0.25)
     assert q[0] == np.quantile([4.0, 1.0, 4.0, 1.0], 0.25)
     assert q[1] == 7.0 and q[2] == 3.0 and np.isnan(q[3])
+
+
+def test_group_quantile_matches_numpy_with_common_and_rare_group_sizes():
+    # many groups of 8 and of 5 (sorted as matrix rows), a few of 40 and single members (argsort)
+    rng = np.random.default_rng(6)
+    sizes = np.concatenate((np.full(300, 8), np.full(40, 5), np.full(3, 40), np.ones(10, np.int64)))
+    group = rng.permutation(np.repeat(np.arange(len(sizes)), sizes))
+    values = rng.integers(0, 6, len(group)).astype(np.float64)  # many ties
+    n_groups = len(sizes) + 2  # two empty groups
+    for q in (0.25, 0.5, 0.9):
+        got = group_quantile(group, values, n_groups, q)
+        want = [np.quantile(values[group == g], q) for g in range(len(sizes))]
+        assert np.allclose(got[: len(sizes)], want, rtol=0, atol=1e-12)
+        assert np.isnan(got[-2:]).all()
