@@ -146,7 +146,11 @@ def classify_slow(
     delay = np.nan_to_num(delay, nan=0.0)
     pair, pair_first = combine_dense((comm_code, rank_code), (n_comms, n_ranks))
     n_pairs = len(pair_first)
-    pair_rounds = np.bincount(pair, weights=valid, minlength=n_pairs)
+    # counts of sparse row sets come from their indices: a bincount weighted by a mask is a
+    # float pass over every row
+    first_rows = np.flatnonzero(~valid)
+    pair_rows = np.bincount(pair, minlength=n_pairs) - np.bincount(pair[first_rows], minlength=n_pairs)
+    pair_rounds = pair_rows.astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         typical = np.bincount(pair, weights=delay, minlength=n_pairs) / pair_rounds
         # residuals around the mean of k values shrink by sqrt((k-1)/k): undo that
@@ -155,9 +159,9 @@ def classify_slow(
     spread = residual[valid & ~np.isnan(residual)]
     jitter = 1.4826 * float(np.median(spread)) if len(spread) else 0.0
     late_thr = max(min_late_ns, jitter_k * jitter)
-    is_late = valid & (delay > late_thr)
-    pair_late = np.bincount(pair, weights=is_late, minlength=n_pairs)
-    pair_late_ns = np.bincount(pair, weights=np.where(is_late, delay, 0.0), minlength=n_pairs)
+    late_rows = np.flatnonzero(valid & (delay > late_thr))
+    pair_late = np.bincount(pair[late_rows], minlength=n_pairs).astype(np.float64)
+    pair_late_ns = np.bincount(pair[late_rows], weights=delay[late_rows], minlength=n_pairs)
     flagged = (pair_late >= min_late_rounds) & (pair_late >= min_late_share * pair_rounds)
     pair_rank = rank_code[pair_first]
     culprit = np.bincount(pair_rank[flagged], minlength=n_ranks) > 0
@@ -185,7 +189,7 @@ def classify_slow(
         kind = "none"
 
     culprit_idx = np.flatnonzero(culprit)
-    total_own = float(np.maximum(delay, 0.0)[is_late].sum())
+    total_own = float(np.maximum(delay[late_rows], 0.0).sum())
     total_excess = float(inst_excess[in_window].sum())
     evidence: Evidence = {
         "observations": n_rows,

@@ -26,8 +26,9 @@ FloatArray = NDArray[np.float64]
 
 
 # A value range up to this many times the element count is coded through a lookup table: a
-# table pass is cheaper than a sort until then, and only the table entries in use are touched.
-_TABLE_FACTOR = 32
+# table pass is cheaper than a sort until then, and only the table entries in use are touched
+# (at most 8 x 16 bytes of table per element when the keys are spread out).
+_TABLE_FACTOR = 16
 # Group sizes shared by this many groups or more are sorted as rows of one matrix.
 _MIN_ROWS_PER_SIZE = 16
 
