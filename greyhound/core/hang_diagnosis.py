@@ -37,6 +37,8 @@ P2P_OPS = ("send", "recv")
 class CommCounters:
     """One element per (communicator, member rank); a member with nothing recorded has entered=0.
 
+    `entered`/`completed` count collectives (their sequence numbers); a send or receive has none,
+    so `in_call` marks a member inside any call (a pipeline send/receive included).
     `progress` is an optional kernel-level progress count (sends + receives executed).
     """
 
@@ -45,16 +47,21 @@ class CommCounters:
     entered: IntArray
     completed: IntArray
     progress: IntArray | None = None
+    in_call: NDArray[np.bool_] | None = None
 
     def __post_init__(self) -> None:
         for name in ("comm_id", "rank", "entered", "completed"):
             object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64))
         if self.progress is not None:
             object.__setattr__(self, "progress", np.asarray(self.progress, dtype=np.int64))
+        if self.in_call is not None:
+            object.__setattr__(self, "in_call", np.asarray(self.in_call, dtype=bool))
         n = len(self.comm_id)
-        arrays = [self.rank, self.entered, self.completed]
+        arrays: list[NDArray[Any]] = [self.rank, self.entered, self.completed]
         if self.progress is not None:
             arrays.append(self.progress)
+        if self.in_call is not None:
+            arrays.append(self.in_call)
         if any(len(a) != n for a in arrays):
             raise ValueError("CommCounters arrays must have equal lengths")
 
@@ -114,7 +121,8 @@ def diagnose_hang(
     activity = np.full(n_comms, -np.inf)
     np.maximum.at(activity, r_comm, np.maximum(last.enter_ns, last.exit_ns))
     pending = counters.entered > counters.completed
-    has_pending = np.bincount(c_comm[pending], minlength=n_comms) > 0
+    busy = pending if counters.in_call is None else pending | counters.in_call
+    has_pending = np.bincount(c_comm[busy], minlength=n_comms) > 0
     stalled = has_pending & (now_ns - activity >= stall_ns)
     if not np.any(stalled):
         return []
@@ -145,9 +153,10 @@ def diagnose_hang(
     majority_rec[cell_comm[order][lead]] = stuck_rows[cell_first][order][lead]
     odd_record = at_stuck & (sig != majority_sig[r_comm])
 
-    # ranks pending in a stalled comm are busy there: their absence elsewhere is a symptom
-    # (a lagging rank is never pending in the communicator where it lags and is idle)
-    blocked_rank = counters.rank[pending & stalled[c_comm]]
+    # ranks inside any call are busy there: their absence elsewhere is a symptom (a lagging rank
+    # is never pending in the communicator where it lags and is idle). Not only stalled comms:
+    # a rank that joined the cascade late has waited less than the stall time.
+    blocked_rank = counters.rank[busy]
     p2p_comm = np.zeros(n_comms, bool)
     p2p_op = np.isin(op_values.astype(str), P2P_OPS)
     p2p_comm[r_comm[p2p_op[op_code]]] = True
@@ -231,8 +240,8 @@ def diagnose_hang(
         if len(lag_rows) == 0 and len(odd_rows) == 0:
             found.append(_hardware(counters, rows, base, int(comm_values[c]), seq, op))
     if not found:
-        found = _stuck_in_p2p(symptoms, counters, last, c_comm, r_comm, stalled & p2p_comm,
-                              op_values, op_code, comm_values)
+        found = _stuck_in_p2p(symptoms, counters.rank, busy, last, c_comm, r_comm,
+                              stalled & p2p_comm, op_values, op_code, comm_values)
     if not found:
         found = symptoms  # a cycle of communicators waiting on each other: report them all
     else:
@@ -265,7 +274,8 @@ def _at_seq(
 
 def _stuck_in_p2p(
     symptoms: list[HangDiagnosis],
-    counters: CommCounters,
+    rank: IntArray,
+    busy: NDArray[np.bool_],
     last: LastRecords,
     c_comm: IntArray,
     r_comm: IntArray,
@@ -280,9 +290,9 @@ def _stuck_in_p2p(
     out: list[HangDiagnosis] = []
     for c in np.flatnonzero(stalled_p2p):
         rows = np.flatnonzero(c_comm == c)
-        if len(rows) < 2 or not bool(np.all(counters.entered[rows] > counters.completed[rows])):
+        if len(rows) < 2 or not bool(np.all(busy[rows])):
             continue
-        named = sorted(int(r) for r in counters.rank[rows])
+        named = sorted(int(r) for r in rank[rows])
         rec = np.flatnonzero(r_comm == c)
         seq = int(last.seq[rec[0]]) if len(rec) else -1
         op = str(op_values[op_code[rec[0]]]) if len(rec) else "unknown"

@@ -98,13 +98,26 @@ class JobHangMonitor:
         return out
 
     def rows_for(self, findings: list[HangFinding], limit: int = 8192) -> dict[str, list[Any]]:
-        """The latest counter rows of the stalled communicators and of every other communicator
-        their waiting ranks belong to: what a diagnosis needs to tell a root cause (a rank that
-        never entered) from its cascade (peers stuck in the collective after it), columnar."""
+        """The latest counter rows a diagnosis needs to tell a root cause from its cascade: the
+        stalled communicators, every other communicator with a call in flight (the root's own
+        call may not be the longest wait: peers that entered the DP all-reduce early have waited
+        longer), and the other communicators of all their members (where a rank that never
+        entered is idle). Columnar; beyond ``limit`` rows the longest waits are kept."""
         stalled = {f.comm_id for f in findings}
-        ranks = {int(r) for f in findings for r in f.rows["rank"]}
-        rows = sorted(row for cid, comm in self.comms.items() for row in comm.rows.values()
-                      if cid in stalled or int(row[0]) in ranks)[:limit]
+        waits = {cid: max(float(r[8]) for r in comm.rows.values())
+                 for cid, comm in self.comms.items() if comm.rows}
+        busy = sorted((cid for cid, w in waits.items() if w > 0.0 and cid not in stalled),
+                      key=lambda cid: -waits[cid])
+        first = [*sorted(stalled), *busy]
+        ranks = {int(r) for cid in first if cid in self.comms for r in self.comms[cid].rows}
+        rest = [cid for cid, comm in self.comms.items()
+                if cid not in stalled and waits.get(cid, 0.0) <= 0.0]
+        picked: list[tuple[Any, ...]] = []
+        for cid in first:
+            picked += self.comms[cid].rows.values() if cid in self.comms else []
+        for cid in rest:
+            picked += [row for row in self.comms[cid].rows.values() if int(row[0]) in ranks]
+        rows = sorted(picked[:limit])
         return {f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}
 
     def state_dict(self) -> dict[str, Any]:

@@ -42,8 +42,11 @@ def diagnose_from_rows(rows: dict[str, list[Any]], *, now_ns: int,
     quiet_since = now_ns - stalled_s * 1e9
     enter_ns = np.where(inflight > 0, now_ns - inflight * 1e9, quiet_since)
     exit_ns = np.where(inflight > 0, -1.0, quiet_since)
+    # a send/receive moves the call counters but no collective sequence number
+    in_call = (np.asarray(rows["entered"], dtype=np.int64)
+               > np.asarray(rows["completed"], dtype=np.int64)) | (inflight > 0)
     counters = CommCounters(comm_id=comm, rank=np.asarray(rows["rank"]), entered=entered,
-                            completed=completed)
+                            completed=completed, in_call=in_call)
     last = LastRecords(
         comm_id=comm, rank=np.asarray(rows["rank"]), seq=entered - 1,
         op=np.array([op_name(int(o)) for o in rows["last_op"]]),

@@ -44,29 +44,36 @@ def hung_iteration(kind: str, rank: int, start_s: float = 2.0) -> IterationTimin
 
 def agent_view(it: IterationTiming) -> tuple[CommCounters, LastRecords]:
     """What the agents' counter rows say once the job is stuck: per (communicator, rank) the
-    calls entered and completed, and the last call entered (pending or not)."""
+    collective sequence numbers entered and completed (a send or receive has none, as in the
+    hook), whether a call is in flight, and the last call entered (pending or not)."""
     ev = it.events()
     reached = np.isfinite(ev.enter)
     stuck = reached & ~np.isfinite(ev.exit)
     key = ev.comm * 100_000 + ev.rank
     cols: dict[str, list[object]] = {k: [] for k in
-                                     ("comm", "rank", "ent", "comp", "seq", "op", "cnt", "en", "ex")}
+                                     ("comm", "rank", "ent", "comp", "seq", "op", "cnt", "en", "ex",
+                                      "busy")}
     for k in np.unique(key):
         mine = np.flatnonzero(key == k)
         done = mine[reached[mine]]
         # no call reached in this iteration: the counters stand where the last iteration left them
         i = int(done[np.argmax(ev.seq[done])]) if len(done) else int(mine[np.argmin(ev.seq[mine])])
         n = int(ev.seq[i]) + 1 if len(done) else int(ev.seq[i])
+        p2p = int(ev.op[i]) in (Op.SEND, Op.RECV)
         cols["comm"].append(int(k // 100_000))
         cols["rank"].append(int(k % 100_000))
+        cols["busy"].append(bool(stuck[i]))
+        if p2p:
+            n = 0
         cols["ent"].append(n)
-        cols["comp"].append(n - int(stuck[i]))
+        cols["comp"].append(n - int(stuck[i] and not p2p))
         cols["seq"].append(n - 1)
         cols["op"].append(Op(int(ev.op[i])).name.lower())
         cols["cnt"].append(int(ev.count[i]))
         cols["en"].append(float(ev.enter[i]) * 1e9 if len(done) else 0.0)
         cols["ex"].append(-1.0 if stuck[i] else 1.0)
-    counters = CommCounters(cols["comm"], cols["rank"], cols["ent"], cols["comp"])
+    counters = CommCounters(cols["comm"], cols["rank"], cols["ent"], cols["comp"],
+                            in_call=np.array(cols["busy"], dtype=bool))
     last = LastRecords(cols["comm"], cols["rank"], cols["seq"], np.array(cols["op"]),
                        cols["cnt"], np.full(len(cols["op"]), 9), cols["en"], cols["ex"])
     return counters, last
