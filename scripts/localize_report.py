@@ -136,6 +136,7 @@ class Row:
     false_incidents: int
     localize_s: list[float]
     wall_s: float
+    speed: float  # virtual seconds per wall second the run achieved (the target is --speed)
     detail: list[FaultResult] = field(default_factory=list)
 
 
@@ -146,7 +147,7 @@ def run_one(path: Path, stack: Stack, base: str, speed: float | None, settle_s: 
     t0 = time.monotonic()
     sim = LiveSimulation(sc, Path(stack.settings.shm_dir), job, speed=speed)
     try:
-        sim.run(should_stop=lambda: bool(stack.dead()))
+        progress = sim.run(should_stop=lambda: bool(stack.dead()))
         if stack.dead():
             raise RuntimeError(f"service(s) {stack.dead()} exited during {sc.name}; see "
                                f"{stack.settings.data_dir}/logs")
@@ -194,7 +195,7 @@ def run_one(path: Path, stack: Stack, base: str, speed: float | None, settle_s: 
                     and any(x.end_s is not None and x.end_s - x.start_s < 10 for x in exp)}
     false = len([i for i in range(len(lines)) if i not in used and i not in transient_ok])
     return Row(sc.name, sc.job.world, len(exp), kinds, culprits, false, times,
-               time.monotonic() - t0, detail)
+               time.monotonic() - t0, progress.speed, detail)
 
 
 KIND_ORDER = ("compute_slow", "comm_slow", "mixed_slow", "hang_not_entered", "hang_inconsistent",
@@ -248,11 +249,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{n}/{len(paths)}] {path.stem} ...", file=sys.stderr, flush=True)
             rows.append(run_one(path, stack, base, args.speed, args.settle, args.dump))
     print(f"{'scenario':28} {'gpus':>5} {'faults':>6} {'kind':>5} {'culprit':>7} {'false':>5} "
-          f"{'localise s':>10}")
+          f"{'localise s':>10} {'speed':>6}")
     for r in rows:
         loc = f"{max(r.localize_s):.1f}" if r.localize_s else "-"
         print(f"{r.name:28} {r.gpus:5d} {r.faults:6d} {r.found_kind:5d} {r.found_culprit:7d} "
-              f"{r.false_incidents:5d} {loc:>10}")
+              f"{r.false_incidents:5d} {loc:>10} {r.speed:6.2f}")
     by_kind = per_kind(rows)
     print(f"\n{'kind':20} {'faults':>6} {'kind':>5} {'culprit':>7} {'median s':>9} {'max s':>7}")
     for k, v in by_kind.items():
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "false_incidents": sum(r.false_incidents for r in rows),
         "median_localize_s": statistics.median(times) if times else None,
         "max_localize_s_256": max(t256) if t256 else None, "speed": args.speed,
+        "min_achieved_speed_256": min((r.speed for r in rows if r.gpus >= 256), default=None),
         "false_incidents_healthy": sum(r.false_incidents for r in healthy),
         "by_kind": by_kind,
     }

@@ -289,7 +289,11 @@ class Validator:
 
 
 def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> dict[str, Any]:
-    """The confirmed GPUs (with node, host, local device) and links (as node pairs)."""
+    """The confirmed GPUs (with node, host, local device) and links (as node pairs).
+
+    ``ranks`` names the slow GPUs' ranks; a link's end ranks are in ``link_ranks`` and join
+    ``ranks`` only when no GPU is slow, so a mixed incident does not blame every rank that
+    shares the congested link. ``slow_ranks`` holds both."""
     info = {r.rank: r for r in ranks}
 
     def node(rank: int) -> int | str:
@@ -304,7 +308,7 @@ def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> dict[str, Any]:
     slow = sorted({*v.gpus, *(r for link in v.links for r in link)})
     nodes = sorted({node(r) for r in slow}, key=lambda n: (isinstance(n, str), str(n).zfill(12)))
     return {"gpus": gpus, "links": links, "link_ranks": [list(x) for x in v.links],
-            "slow_ranks": slow, "ranks": slow, "nodes": nodes}
+            "slow_ranks": slow, "ranks": sorted(set(v.gpus)) or slow, "nodes": nodes}
 
 
 def _jsonable(value: Any) -> Any:

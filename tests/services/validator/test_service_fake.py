@@ -46,6 +46,7 @@ async def test_slow_gpu_and_slow_link_are_confirmed(mini_stack: MiniStack, tmp_p
     assert inc.culprit["link_ranks"] == [[1, 2]], inc.evidence["validation"]
     assert inc.culprit["links"] == [[host, host]]  # the fake job's host name has no node number
     assert inc.culprit["slow_ranks"] == [1, 2]
+    assert inc.culprit["ranks"] == [2]  # the GPU; the link's other end is not blamed
     assert [e.stage for e in inc.timeline][-1] == "validated" and inc.status == "validated"
     v = inc.evidence["validation"]
     assert v["p2p_rounds"] == 3 and len(v["p2p_s"]) == 6  # ring (2 rounds) + tree's new links
