@@ -116,3 +116,35 @@ def test_rows_for_a_finding_include_the_waiting_ranks_other_communicators() -> N
     pairs = set(zip(rows["comm_id"], rows["rank"], strict=True))
     assert {(7, r) for r in range(4)} <= pairs
     assert {(9, 0), (9, 1), (9, 2)} <= pairs and (9, 5) not in pairs
+
+
+def test_rows_for_a_finding_include_every_communicator_with_a_call_in_flight() -> None:
+    """The root's call need not be the longest wait: the hang event must also carry calls still
+    under the threshold (a rank that joined the cascade late) and their members' other rows."""
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    late = _sample([done] * 2, [0.0, 0.0], comm=11)
+    late["rank"] = [6, 8]
+    elsewhere = _sample([done] * 2, [0.0, 0.0], comm=12)
+    elsewhere["rank"] = [8, 9]
+    untouched = _sample([done] * 2, [0.0, 0.0], comm=13)
+    untouched["rank"] = [20, 21]
+    found = []
+    for k in range(1, 40):
+        t = 10.0 + k / 10
+        mon.observe_counters(t, _sample([done] * 4, [k / 10, k / 10, 0.0, k / 10]))
+        late["inflight_s"] = [0.0, min(k / 10, 0.5)]  # rank 8 waits, well under the threshold
+        late["entered"] = [done, done + 1]
+        mon.observe_counters(t, late)
+        mon.observe_counters(t, elsewhere)
+        mon.observe_counters(t, untouched)
+        found = mon.check(t)
+        if found:
+            break
+    assert [f.comm_id for f in found] == [7]
+    pairs = set(zip(mon.rows_for(found)["comm_id"], mon.rows_for(found)["rank"], strict=True))
+    assert {(11, 6), (11, 8), (12, 8)} <= pairs
+    assert not {(12, 9), (13, 20), (13, 21)} & pairs  # no member in any call in flight
+    # past the row limit, the longest waits stay
+    few = mon.rows_for(found, limit=4)
+    assert set(few["comm_id"]) == {7}
