@@ -88,6 +88,28 @@ class HookControl:
         s["state"] = int(state)
 
 
+def write_records(ring: _Mapping, records: np.ndarray) -> int:
+    """Put RECORD_DTYPE rows into a mapped ring as the hook does: what does not fit is dropped
+    and counted, and each slot's stamp is set only after its body, so a reader never takes a
+    half-written record. Returns how many were written."""
+    hdr = ring.hdr
+    head = int(hdr["head"])
+    free = ring.capacity - (head - int(hdr["consumed"]))
+    keep = records[: max(free, 0)]
+    if len(keep) < len(records):
+        hdr["dropped"] += len(records) - len(keep)
+    if len(keep) == 0:
+        return 0
+    idx = np.arange(head, head + len(keep), dtype=np.uint64)
+    slots = (idx & np.uint64(ring.capacity - 1)).astype(np.int64)
+    body = keep.copy()
+    body["stamp"] = 0
+    ring.records[slots] = body
+    ring.records["stamp"][slots] = idx + np.uint64(1)
+    hdr["head"] = head + len(keep)
+    return len(keep)
+
+
 class RingWriter:
     """Creates the ring file (temporary name, then rename) and appends records to it."""
 
@@ -148,21 +170,8 @@ class RingWriter:
             if records.dtype.names != RECORD_DTYPE.names:
                 raise TypeError("records must have RECORD_DTYPE fields")
             records = records.astype(RECORD_DTYPE)  # e.g. np.concatenate drops the padding
-        hdr = self._map.hdr
-        head = int(hdr["head"])
-        free = self._map.capacity - (head - int(hdr["consumed"]))
-        keep = records[: max(free, 0)].copy()
-        if len(keep) < len(records):
-            hdr["dropped"] += len(records) - len(keep)
         self._count(records)
-        if len(keep) == 0:
-            return
-        idx = np.arange(head, head + len(keep), dtype=np.uint64)
-        keep["stamp"] = 0
-        slots = (idx & np.uint64(self._map.capacity - 1)).astype(np.int64)
-        self._map.records[slots] = keep
-        self._map.records["stamp"][slots] = idx + np.uint64(1)  # complete only after the body
-        hdr["head"] = head + len(keep)
+        write_records(self._map, records)
 
     def _row(self, comm_id: int, rank: int, nranks: int) -> np.ndarray | None:
         t = self._table

@@ -19,7 +19,7 @@ import numpy as np
 
 from greyhound import hookabi
 from greyhound.hookabi import _Mapping  # the hook-side writer shares the reader's mapping
-from greyhound.hookabi_writer import HookControl
+from greyhound.hookabi_writer import HookControl, write_records
 from greyhound.sim.records import comm_kind
 
 _P2P = (int(hookabi.Op.SEND), int(hookabi.Op.RECV))
@@ -145,21 +145,7 @@ class SimRing:
         self.advance(np.empty(0, hookabi.RECORD_DTYPE), None)
 
     def _write(self, records: np.ndarray) -> None:
-        hdr = self._map.hdr
-        head = int(hdr["head"])
-        free = self.capacity - (head - int(hdr["consumed"]))
-        keep = records[: max(free, 0)]
-        if len(keep) < len(records):
-            hdr["dropped"] += len(records) - len(keep)
-        if len(keep) == 0:
-            return
-        idx = np.arange(head, head + len(keep), dtype=np.uint64)
-        slots = (idx & np.uint64(self.capacity - 1)).astype(np.int64)
-        body = keep.copy()
-        body["stamp"] = 0
-        self._map.records[slots] = body
-        self._map.records["stamp"][slots] = idx + np.uint64(1)  # complete only after the body
-        hdr["head"] = head + len(keep)
+        write_records(self._map, records)
 
     def _count(self, records: np.ndarray) -> None:
         table = self._map.comm_table
