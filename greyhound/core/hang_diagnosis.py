@@ -31,6 +31,7 @@ from greyhound.core.localize import Evidence, FloatArray, IntArray, codes, combi
 
 HangKind = Literal["hang_not_entered", "hang_inconsistent", "hang_hardware"]
 P2P_OPS = ("send", "recv")
+SYMPTOMS_LISTED = 256  # communicator ids of cascaded symptoms kept in a diagnosis's evidence
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -156,7 +157,10 @@ def diagnose_hang(
     # ranks inside any call are busy there: their absence elsewhere is a symptom (a lagging rank
     # is never pending in the communicator where it lags and is idle). Not only stalled comms:
     # a rank that joined the cascade late has waited less than the stall time.
-    blocked_rank = counters.rank[busy]
+    # one lookup per rank, not a set search per stalled communicator: in a job-wide cascade
+    # nearly every communicator is stalled
+    rank_values, rank_code = codes(counters.rank)
+    rank_busy = np.bincount(rank_code[busy], minlength=len(rank_values)) > 0
     p2p_comm = np.zeros(n_comms, bool)
     p2p_op = np.isin(op_values.astype(str), P2P_OPS)
     p2p_comm[r_comm[p2p_op[op_code]]] = True
@@ -167,7 +171,8 @@ def diagnose_hang(
     rec_order, rec_start = _split_by(r_comm, n_comms)
     found: list[HangDiagnosis] = []
     symptoms: list[HangDiagnosis] = []
-    for c in np.flatnonzero(stalled & ~p2p_comm):
+
+    def visit(c: int) -> None:
         rows = counter_order[counter_start[c] : counter_start[c + 1]]
         rec = majority_rec[c]
         op = str(op_values[op_code[rec]]) if rec >= 0 else "unknown"
@@ -188,7 +193,7 @@ def diagnose_hang(
         idle_lag = lag_rows[~pending[lag_rows]]
         stuck_lag = lag_rows[pending[lag_rows]]
         if len(idle_lag):
-            blocked = np.isin(counters.rank[idle_lag], blocked_rank)
+            blocked = rank_busy[rank_code[idle_lag]]
             root = idle_lag[~blocked] if not bool(np.all(blocked)) else idle_lag
             missing = int(counters.entered[root].min())
             ev: Evidence = {
@@ -239,14 +244,33 @@ def diagnose_hang(
             found.append(HangDiagnosis("hang_inconsistent", int(comm_values[c]), seq, op, odd_ranks, odd_ev))
         if len(lag_rows) == 0 and len(odd_rows) == 0:
             found.append(_hardware(counters, rows, base, int(comm_values[c]), seq, op))
+
+    # Most stalled communicators of a job-wide cascade are pure symptoms (every missing member
+    # is busy elsewhere, nothing else odd): classified in bulk, examined one by one only when
+    # nothing else explains the hang.
+    idle_lag_row = lagging & ~pending
+    n_idle = np.bincount(c_comm[idle_lag_row], minlength=n_comms)
+    n_free = np.bincount(c_comm[idle_lag_row & ~rank_busy[rank_code]], minlength=n_comms)
+    n_stuck = np.bincount(c_comm[lagging & pending], minlength=n_comms)
+    n_odd = np.bincount(r_comm[odd_record], minlength=n_comms)
+    candidates = stalled & ~p2p_comm
+    pure = candidates & (n_idle > 0) & (n_free == 0) & (n_stuck == 0) & (n_odd == 0)
+    for c in np.flatnonzero(candidates & ~pure):
+        visit(int(c))
     if not found:
-        found = _stuck_in_p2p(symptoms, counters.rank, busy, last, c_comm, r_comm,
+        for c in np.flatnonzero(pure):
+            visit(int(c))
+        symptom_ids = [d.comm_id for d in symptoms]
+    else:
+        symptom_ids = [d.comm_id for d in symptoms] + [int(comm_values[c]) for c in np.flatnonzero(pure)]
+    if not found:
+        found = _stuck_in_p2p(symptom_ids, counters.rank, busy, last, c_comm, r_comm,
                               stalled & p2p_comm, op_values, op_code, comm_values)
     if not found:
         found = symptoms  # a cycle of communicators waiting on each other: report them all
     else:
         for d in found:
-            d.evidence["symptom_comms"] = [s.comm_id for s in symptoms]
+            d.evidence["symptom_comms"] = list[object](symptom_ids[:SYMPTOMS_LISTED])
     return found
 
 
@@ -273,7 +297,7 @@ def _at_seq(
 
 
 def _stuck_in_p2p(
-    symptoms: list[HangDiagnosis],
+    symptom_ids: list[int],
     rank: IntArray,
     busy: NDArray[np.bool_],
     last: LastRecords,
@@ -300,7 +324,7 @@ def _stuck_in_p2p(
                         "pending_ranks": len(named), "point_to_point": 1,
                         "their_ops": [str(op_values[op_code[i]]) for i in rec],
                         "their_seqs": [int(last.seq[i]) for i in rec],
-                        "symptom_comms": [d.comm_id for d in symptoms]}
+                        "symptom_comms": list[object](symptom_ids[:SYMPTOMS_LISTED])}
         out.append(HangDiagnosis("hang_hardware", int(comm_values[c]), seq, op, named, ev))
     return out
 

@@ -154,3 +154,37 @@ def test_random_single_faults_find_their_root():
         assert diags, (tp, dp, fault, rank, step)
         assert {d.kind for d in diags} == {kinds[fault]}, (tp, dp, fault, rank, step, diags)
         assert {r for d in diags for r in d.ranks} == {rank}, (tp, dp, fault, rank, step, diags)
+
+
+def _cascade(n=256, tp=8, root=43, root_waits=False):
+    """Every TP group misses its member with root's TP index, who waits in the DP all-reduce
+    that root never entered (unless root_waits: then nobody is idle, a cycle)."""
+    ranks = np.arange(n)
+    tp_comm, dp_comm = ranks // tp, DP_BASE + ranks % tp
+    comm, rank = np.concatenate((tp_comm, dp_comm)), np.concatenate((ranks, ranks))
+    entered = np.concatenate((np.full(n, 21), np.full(n, 10)))
+    completed = np.concatenate((np.full(n, 20), np.full(n, 10)))
+    lag = dp_comm == dp_comm[root]
+    entered[:n][lag] = 20
+    entered[n:][lag & ((ranks != root) | root_waits)] = 11
+    exit_ = np.where(entered > completed, -1.0, 1.1 * S)
+    counters = CommCounters(comm, rank, entered, completed)
+    last = LastRecords(comm, rank, entered - 1, np.array(["AllReduce"] * 2 * n), np.full(2 * n, 1 << 20),
+                       np.full(2 * n, 7), np.full(2 * n, 1.0 * S), exit_)
+    return counters, last, 70 * S
+
+
+def test_job_wide_cascade_names_only_the_root():
+    diags = diagnose_hang(*_cascade()[:2], now_ns=_cascade()[2])
+    assert {(d.kind, tuple(d.ranks)) for d in diags} == {("hang_not_entered", (43,))}
+    # the 31 other TP groups were recognised as symptoms, in bulk
+    assert len(diags[0].evidence["symptom_comms"]) >= 31
+
+
+def test_cascade_without_an_idle_rank_reports_the_waiting_groups():
+    counters, last, now = _cascade(root_waits=True)
+    diags = diagnose_hang(counters, last, now_ns=now)
+    # every member of root's DP all-reduce is inside it and none returns: without progress
+    # counters that is all that can be said, and it is said as not localised
+    assert [(d.kind, d.comm_id, len(d.ranks)) for d in diags] == [("hang_hardware", DP_BASE + 3, 32)]
+    assert diags[0].evidence["localized"] == 0
