@@ -9,7 +9,7 @@ the suspicion is closed as transient rather than acted upon.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -127,6 +127,48 @@ def judge_links(
     }
     ratios = {(int(a), int(b)): float(s) for (a, b), s in zip(links, score, strict=True)}
     return LinkVerdict(slow_links, ratios, evidence)
+
+
+def judge_links_by_class(
+    times_s: Mapping[tuple[int, int], Sequence[float]],
+    link_class: Mapping[tuple[int, int], str],
+    *,
+    reference: Collection[tuple[int, int]] = (),
+    threshold: float = 0.15,
+) -> LinkVerdict:
+    """Like :func:`judge_links`, but a link is only compared with links of its own class.
+
+    An NVLink hop and a network hop differ by an order of magnitude when both are healthy, so a
+    median over both says nothing. Within a class, the median can be the congested link itself
+    when every tested hop of that class crosses it (a suspect group spanning two nodes): links of
+    a comparable healthy group (``reference``) give each class its healthy time. Only the
+    non-reference links are judged.
+    """
+    suspects = [k for k in times_s if k not in reference]
+    if not suspects:
+        return LinkVerdict([], {}, {"links_tested": 0})
+    slow: list[tuple[int, int]] = []
+    ratios: dict[tuple[int, int], float] = {}
+    slow_ratio: dict[tuple[int, int], float] = {}
+    evidence: Evidence = {"links_tested": len(suspects), "reference_links": len(times_s) - len(suspects),
+                          "threshold": threshold}
+    for cls in sorted({link_class[k] for k in suspects}):
+        mine = {k: times_s[k] for k in suspects if link_class[k] == cls}
+        refs = [times_s[k] for k in reference if k in times_s and link_class.get(k) == cls]
+        base = [float(x) for x in np.median(np.asarray(refs, dtype=np.float64), axis=0)] if refs else None
+        v = judge_links(mine, threshold=threshold, baseline_s=base)
+        slow += v.slow_links
+        ratios.update(v.ratios)
+        slow_ratio.update({k: v.ratios[k] for k in v.slow_links})
+        evidence[f"{cls}_links_tested"] = len(mine)
+        evidence[f"{cls}_median_link_s"] = v.evidence["median_link_s"]
+        if base is not None:
+            evidence[f"{cls}_reference_link_s"] = list[object](base)
+    slow.sort(key=lambda k: -slow_ratio[k])
+    evidence["slow_links"] = [list(k) for k in slow]
+    evidence["slow_ratios"] = [slow_ratio[k] for k in slow]
+    evidence["max_ratio"] = max(ratios.values())
+    return LinkVerdict(slow, ratios, evidence)
 
 
 def combine_verdicts(gemm: GemmVerdict | None, links: LinkVerdict | None) -> ValidationVerdict:

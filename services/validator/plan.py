@@ -121,6 +121,33 @@ def suspect_comms(kind: str, comm_ids: Iterable[int], suspects: Iterable[int],
     return sorted(out)
 
 
+def reference_comms(suspect: Iterable[int], groups: Mapping[int, list[int]],
+                    node_of_rank: Mapping[int, object]) -> list[int]:
+    """One comparable healthy communicator per suspect one: the same size, not suspected,
+    spanning as many nodes, and sharing no node with any suspect (so no congested hop), else
+    the fewest shared nodes. Its links give each class of link (NVLink, network) a healthy
+    time; disjoint from the suspects, its rounds run alongside theirs (no extra round)."""
+    chosen = {u64(c) for c in suspect}
+
+    def nodes(cid: int) -> set[object]:
+        return {node_of_rank.get(r, f"rank{r}") for r in groups[cid]}
+
+    bad: set[object] = set().union(*(nodes(c) for c in chosen if c in groups))
+    out: list[int] = []
+    for cid in sorted(chosen):
+        if cid not in groups:
+            continue
+        size, span = len(groups[cid]), len(nodes(cid))
+        peers = [c for c in sorted(groups) if c not in chosen and len(groups[c]) == size
+                 and len(nodes(c)) == span]
+        if not peers:
+            continue
+        best = min(peers, key=lambda c: len(nodes(c) & bad))
+        chosen.add(best)
+        out.append(best)
+    return out
+
+
 def transfer_rounds(comm_ids: Iterable[int], groups: Mapping[int, list[int]]) -> list[list[Transfer]]:
     """Ring and binary-tree rounds of every communicator, packed so that rounds of disjoint
     communicators run together; each link (unordered pair of ranks) is checked once."""

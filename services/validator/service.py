@@ -17,7 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from greyhound.core.verdict import ValidationVerdict, combine_verdicts, judge_gemm, judge_links
+from greyhound.core.verdict import (
+    ValidationVerdict,
+    combine_verdicts,
+    judge_gemm,
+    judge_links_by_class,
+)
 from services.common.bus.client import Consumer, TransientError, publish
 from services.common.bus.contract import (
     BenchItem,
@@ -40,6 +45,7 @@ from services.validator.plan import (
     gemm_ranks,
     members,
     pause_plan,
+    reference_comms,
     suspect_comms,
     transfer_rounds,
 )
@@ -128,9 +134,12 @@ class Validator:
         groups = members(comms)
         gpus = gemm_ranks(s.ranks, [*s.comm_ids, *s.slow_groups], groups, comms)
         links = suspect_comms(s.kind, [*s.comm_ids, *s.slow_groups], s.ranks, groups, comms)
-        rounds = transfer_rounds(links, groups)
+        node_of = {r.rank: (r.node if r.node is not None else r.host) for r in ranks}
+        refs = reference_comms(links, groups, node_of) if links else []
+        rounds = transfer_rounds([*links, *refs], groups)
+        judged = {frozenset(t.link) for rnd in transfer_rounds(links, groups) for t in rnd}
         run = Run(evidence={"pause_seq": plan.seq, "gemm_ranks": gpus, "p2p_comms": links,
-                            "p2p_rounds": len(rounds)})
+                            "p2p_reference_comms": refs, "p2p_rounds": len(rounds)})
         t0 = time.monotonic()
         try:
             await self._pause(s.job_id, agents, plan.comm_of_rank, plan.seq)
@@ -144,8 +153,13 @@ class Validator:
             await self._resume(s.job_id, agents)
             run.pause_s = time.monotonic() - t0
         thr = self.config.threshold
-        run.verdict = combine_verdicts(judge_gemm(gemm, threshold=thr) if gemm else None,
-                                       judge_links(p2p, threshold=thr) if p2p else None)
+        link_class = {k: "nvlink" if k[0] in node_of and k[1] in node_of
+                      and node_of[k[0]] == node_of[k[1]] else "network" for k in p2p}
+        reference = [k for k in p2p if frozenset(k) not in judged]
+        run.verdict = combine_verdicts(
+            judge_gemm(gemm, threshold=thr) if gemm else None,
+            judge_links_by_class(p2p, link_class, reference=reference, threshold=thr)
+            if p2p else None)
         run.evidence.update({"gemm_s": {str(k): v for k, v in gemm.items()},
                              "p2p_s": {f"{a}-{b}": v for (a, b), v in p2p.items()}})
         log.info("job %s: validation %s in %.2fs (gpus %s, links %s)", s.job_id,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from greyhound.core.verdict import combine_verdicts, judge_gemm, judge_links
+from greyhound.core.verdict import combine_verdicts, judge_gemm, judge_links, judge_links_by_class
 
 SIZES = [16, 32, 64]  # MB, each measured 3 times
 
@@ -80,3 +80,31 @@ def test_combined_verdicts():
     assert v.kind == "transient" and v.gpus == [] and v.links == []
     assert combine_verdicts(None, None).kind == "transient"
     assert v.evidence["gemm_checked"] == 1 and "p2p_max_ratio" in v.evidence
+
+
+def test_links_compared_within_their_class_against_a_healthy_reference():
+    """mixed-s16's check: a DP group over nodes 0 and 1 whose every network hop crosses the
+    congested pair (4x), next to NVLink hops 40x faster. Pooled, nothing stands out; by class
+    with a healthy group's network hops as reference, the eight congested hops do."""
+    rng = np.random.default_rng(3)
+    seq = np.array([1.0, 1, 1, 2, 2, 2, 4, 4, 4])
+
+    def t(base):
+        return [float(x) for x in base * seq * (1 + rng.normal(0, 0.01, len(seq)))]
+
+    nv, net = 0.135e-3, 1.35e-3
+    suspect_nv = {(0, 2): t(nv), (1, 3): t(nv), (4, 6): t(nv), (5, 7): t(nv)}
+    suspect_net = {k: t(4 * net) for k in [(2, 4), (3, 5), (4, 0), (5, 1), (6, 0), (6, 2), (7, 1), (7, 3)]}
+    ref = {(8, 10): t(nv), (10, 12): t(net), (12, 14): t(nv), (14, 8): t(net)}
+    times = {**suspect_nv, **suspect_net, **ref}
+    cls = {k: "nvlink" if k[0] // 4 == k[1] // 4 else "network" for k in times}
+    pooled = judge_links({**suspect_nv, **suspect_net})
+    assert pooled.slow_links == []  # the congested hops are the median: the old blind spot
+    v = judge_links_by_class(times, cls, reference=list(ref))
+    assert sorted(v.slow_links) == sorted(suspect_net)
+    assert all(3.5 < v.ratios[k] < 4.5 for k in suspect_net)
+    assert v.evidence["reference_links"] == 4 and v.evidence["links_tested"] == 12
+    # without a reference, a class is judged on its own median (nothing to say here)
+    assert judge_links_by_class(times, cls).slow_links == []
+    healthy = {**suspect_nv, **{k: t(net) for k in suspect_net}, **ref}
+    assert judge_links_by_class(healthy, cls, reference=list(ref)).slow_links == []

@@ -10,6 +10,7 @@ from services.validator.plan import (
     members,
     pack_rounds,
     pause_plan,
+    reference_comms,
     suspect_comms,
     transfer_rounds,
     u64,
@@ -89,3 +90,17 @@ def test_disjoint_groups_share_rounds() -> None:
     both = transfer_rounds([200, 201], members(comms))
     assert len(both) == len(one) and sum(map(len, both)) == 2 * sum(map(len, one))
     assert pack_rounds([]) == []
+
+
+def test_reference_comm_is_a_healthy_look_alike_on_other_nodes() -> None:
+    # s16-like: TP2 x DP4 x PP2, 4 GPUs a node. DP groups of stage 0 span nodes 0-1, of stage 1
+    # nodes 2-3; TP groups stay in one node.
+    groups = {100: [0, 2, 4, 6], 101: [1, 3, 5, 7], 102: [8, 10, 12, 14], 103: [9, 11, 13, 15],
+              1: [0, 1], 2: [8, 9]}
+    node = {r: r // 4 for r in range(16)}
+    assert reference_comms([100, 101], groups, node) == [102, 103]
+    assert reference_comms([100], groups, node) == [102]  # not 101: it shares nodes 0 and 1
+    assert reference_comms([1], groups, node) == [2]
+    assert reference_comms([100, 101, 102, 103], groups, node) == []  # nothing left to compare
+    # the reference runs alongside the suspect's rounds: no extra round
+    assert len(transfer_rounds([100, 102], groups)) == len(transfer_rounds([100], groups))
