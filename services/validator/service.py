@@ -318,7 +318,11 @@ def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> dict[str, Any]:
 
     gpus = [{"rank": g, "node": node(g), "host": info[g].host if g in info else None,
              "device": info[g].device if g in info else None} for g in v.gpus]
-    links = [[node(a), node(b)] for a, b in v.links]
+    links: list[list[int | str]] = []  # node pairs, each once (many rank pairs share one)
+    for a, b in v.links:
+        pair = sorted((node(a), node(b)), key=lambda n: (isinstance(n, str), str(n).zfill(12)))
+        if pair not in links:
+            links.append(pair)
     slow = sorted({*v.gpus, *(r for link in v.links for r in link)})
     nodes = sorted({node(r) for r in slow}, key=lambda n: (isinstance(n, str), str(n).zfill(12)))
     return {"gpus": gpus, "links": links, "link_ranks": [list(x) for x in v.links],
