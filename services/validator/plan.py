@@ -123,10 +123,11 @@ def suspect_comms(kind: str, comm_ids: Iterable[int], suspects: Iterable[int],
 
 def reference_comms(suspect: Iterable[int], groups: Mapping[int, list[int]],
                     node_of_rank: Mapping[int, object]) -> list[int]:
-    """One comparable healthy communicator per suspect one: the same size, not suspected,
-    spanning as many nodes, and sharing no node with any suspect (so no congested hop), else
-    the fewest shared nodes. Its links give each class of link (NVLink, network) a healthy
-    time; disjoint from the suspects, its rounds run alongside theirs (no extra round)."""
+    """A comparable healthy communicator for each shape of suspect one (its size and how many
+    nodes it spans): not suspected, and sharing no node with any suspect (so no congested hop),
+    else the fewest shared nodes. Its links give each class of link (NVLink, network) a healthy
+    time; disjoint from the suspects, its rounds run alongside theirs (no extra round). One per
+    shape, not per suspect: every extra transfer lengthens the pause."""
     chosen = {u64(c) for c in suspect}
 
     def nodes(cid: int) -> set[object]:
@@ -134,10 +135,14 @@ def reference_comms(suspect: Iterable[int], groups: Mapping[int, list[int]],
 
     bad: set[object] = set().union(*(nodes(c) for c in chosen if c in groups))
     out: list[int] = []
+    shapes: set[tuple[int, int]] = set()
     for cid in sorted(chosen):
         if cid not in groups:
             continue
         size, span = len(groups[cid]), len(nodes(cid))
+        if (size, span) in shapes:
+            continue
+        shapes.add((size, span))
         peers = [c for c in sorted(groups) if c not in chosen and len(groups[c]) == size
                  and len(nodes(c)) == span]
         if not peers:
