@@ -257,12 +257,11 @@ def diagnose_hang(
     pure = candidates & (n_idle > 0) & (n_free == 0) & (n_stuck == 0) & (n_odd == 0)
     for c in np.flatnonzero(candidates & ~pure):
         visit(int(c))
+    unvisited = [int(comm_values[c]) for c in np.flatnonzero(pure)] if found else []
     if not found:
         for c in np.flatnonzero(pure):
             visit(int(c))
-        symptom_ids = [d.comm_id for d in symptoms]
-    else:
-        symptom_ids = [d.comm_id for d in symptoms] + [int(comm_values[c]) for c in np.flatnonzero(pure)]
+    symptom_ids = [d.comm_id for d in symptoms] + unvisited
     if not found:
         found = _stuck_in_p2p(symptom_ids, counters.rank, busy, last, c_comm, r_comm,
                               stalled & p2p_comm, op_values, op_code, comm_values)

@@ -29,7 +29,7 @@ class HangFinding:
     stalled_s: float
     threshold_s: float
     inflight_ranks: tuple[int, ...]
-    rows: dict[str, list[Any]]  # the communicator's latest counter rows, columnar
+    members: tuple[int, ...]  # every rank with a counter row on the communicator
 
 
 @dataclass
@@ -90,11 +90,9 @@ class JobHangMonitor:
             if not waits or max(waits.values()) <= threshold:
                 continue
             comm.alarmed = True
-            rows = sorted(comm.rows.values())
             out.append(HangFinding(
                 comm_id=comm_id, stalled_s=max(waits.values()), threshold_s=threshold,
-                inflight_ranks=tuple(sorted(waits)),
-                rows={f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}))
+                inflight_ranks=tuple(sorted(waits)), members=tuple(sorted(comm.rows))))
         return out
 
     def rows_for(self, findings: list[HangFinding], limit: int = 8192) -> dict[str, list[Any]]:

@@ -153,6 +153,14 @@ def reference_comms(suspect: Iterable[int], groups: Mapping[int, list[int]],
     return out
 
 
+def link_classes(links: Iterable[tuple[int, int]], node_of_rank: Mapping[int, object]
+                 ) -> dict[tuple[int, int], str]:
+    """"nvlink" for a hop inside one node, "network" otherwise (or when a node is unknown):
+    links are only compared within their class."""
+    return {(a, b): "nvlink" if a in node_of_rank and b in node_of_rank
+            and node_of_rank[a] == node_of_rank[b] else "network" for a, b in links}
+
+
 def transfer_rounds(comm_ids: Iterable[int], groups: Mapping[int, list[int]]) -> list[list[Transfer]]:
     """Ring and binary-tree rounds of every communicator, packed so that rounds of disjoint
     communicators run together; each link (unordered pair of ranks) is checked once."""

@@ -43,6 +43,7 @@ from services.validator.plan import (
     CommView,
     Transfer,
     gemm_ranks,
+    link_classes,
     members,
     pause_plan,
     reference_comms,
@@ -136,8 +137,10 @@ class Validator:
         links = suspect_comms(s.kind, [*s.comm_ids, *s.slow_groups], s.ranks, groups, comms)
         node_of = {r.rank: (r.node if r.node is not None else r.host) for r in ranks}
         refs = reference_comms(links, groups, node_of) if links else []
+        # suspects first: a link both groups have is checked once, and judged as a suspect's
         rounds = transfer_rounds([*links, *refs], groups)
-        judged = {frozenset(t.link) for rnd in transfer_rounds(links, groups) for t in rnd}
+        ref_ids = set(refs)
+        reference = [t.link for rnd in rounds for t in rnd if t.comm_id in ref_ids]
         run = Run(evidence={"pause_seq": plan.seq, "gemm_ranks": gpus, "p2p_comms": links,
                             "p2p_reference_comms": refs, "p2p_rounds": len(rounds)})
         t0 = time.monotonic()
@@ -153,13 +156,10 @@ class Validator:
             await self._resume(s.job_id, agents)
             run.pause_s = time.monotonic() - t0
         thr = self.config.threshold
-        link_class = {k: "nvlink" if k[0] in node_of and k[1] in node_of
-                      and node_of[k[0]] == node_of[k[1]] else "network" for k in p2p}
-        reference = [k for k in p2p if frozenset(k) not in judged]
         run.verdict = combine_verdicts(
             judge_gemm(gemm, threshold=thr) if gemm else None,
-            judge_links_by_class(p2p, link_class, reference=reference, threshold=thr)
-            if p2p else None)
+            judge_links_by_class(p2p, link_classes(p2p, node_of), reference=reference,
+                                 threshold=thr) if p2p else None)
         run.evidence.update({"gemm_s": {str(k): v for k, v in gemm.items()},
                              "p2p_s": {f"{a}-{b}": v for (a, b), v in p2p.items()}})
         log.info("job %s: validation %s in %.2fs (gpus %s, links %s)", s.job_id,
@@ -320,13 +320,18 @@ def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> dict[str, Any]:
              "device": info[g].device if g in info else None} for g in v.gpus]
     links: list[list[int | str]] = []  # node pairs, each once (many rank pairs share one)
     for a, b in v.links:
-        pair = sorted((node(a), node(b)), key=lambda n: (isinstance(n, str), str(n).zfill(12)))
+        pair = sorted((node(a), node(b)), key=_node_order)
         if pair not in links:
             links.append(pair)
     slow = sorted({*v.gpus, *(r for link in v.links for r in link)})
-    nodes = sorted({node(r) for r in slow}, key=lambda n: (isinstance(n, str), str(n).zfill(12)))
+    nodes = sorted({node(r) for r in slow}, key=_node_order)
     return {"gpus": gpus, "links": links, "link_ranks": [list(x) for x in v.links],
             "slow_ranks": slow, "ranks": sorted(set(v.gpus)) or slow, "nodes": nodes}
+
+
+def _node_order(n: int | str) -> tuple[bool, str]:
+    """Node numbers in numeric order, then host names."""
+    return isinstance(n, str), str(n).zfill(12)
 
 
 def _jsonable(value: Any) -> Any:

@@ -44,7 +44,7 @@ def test_stall_inside_nccl_alarms_once_after_threshold() -> None:
     t, a = alarms[0]
     assert a.comm_id == 7 and a.inflight_ranks == (0, 1, 3)
     assert 3.0 <= a.stalled_s <= 3.3 and a.threshold_s == 3.0
-    assert a.rows["rank"] == [0, 1, 2, 3]
+    assert a.members == (0, 1, 2, 3)
 
 
 def test_long_phase_outside_nccl_never_alarms() -> None:

@@ -7,6 +7,7 @@ import pytest
 from services.validator.plan import (
     CommView,
     gemm_ranks,
+    link_classes,
     members,
     pack_rounds,
     pause_plan,
@@ -104,3 +105,9 @@ def test_reference_comm_is_a_healthy_look_alike_on_other_nodes() -> None:
     assert reference_comms([100, 101, 102, 103], groups, node) == []  # nothing left to compare
     # the reference runs alongside the suspect's rounds: no extra round
     assert len(transfer_rounds([100, 102], groups)) == len(transfer_rounds([100], groups))
+
+
+def test_link_classes_by_node() -> None:
+    node = {0: 0, 1: 0, 2: 1}
+    assert link_classes([(0, 1), (1, 2), (2, 9)], node) == {
+        (0, 1): "nvlink", (1, 2): "network", (2, 9): "network"}  # rank 9's node is unknown
