@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAGIC = 0x31474E4952484721
 HEADER_BYTES = 4096
 DEFAULT_RECORDS = 65536
@@ -174,8 +174,15 @@ COMM_DTYPE = _struct(
         ("recv_count", ("<u8", (MAX_PEERS,)), 864),
         ("last_count", "<u8", 1376),
         ("last_dtype", "<u4", 1384),
+        ("gpu_marks", "<u4", 1388),
+        ("gpu_calls_done", "<u8", 1392),
+        ("gpu_seq_done", "<u8", 1400),
+        ("gpu_pending_ns", "<u8", 1408),
+        ("gpu_pending_seq", "<u8", 1416),
+        ("gpu_pending_op", "<u4", 1424),
+        ("gpu_marks_lost", "<u8", 1432),
     ],
-    1392,
+    1440,
 )
 
 BENCH_SLOT_DTYPE = _struct(
@@ -190,6 +197,7 @@ BENCH_SLOT_DTYPE = _struct(
         ("result", "<i4", 40),
         ("n_done", "<u4", 44),
         ("total_ns", "<u8", 48),
+        ("drain_ns", "<u8", 56),
         ("durations_ns", ("<u8", (BENCH_MAX_REPEAT,)), 64),
     ],
     576,

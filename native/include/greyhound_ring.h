@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #define GH_RING_MAGIC 0x31474e4952484721ULL /* "!GHRING1" little-endian */
-#define GH_LAYOUT_VERSION 2u
+#define GH_LAYOUT_VERSION 3u
 #define GH_HEADER_BYTES 4096u
 #define GH_DEFAULT_RECORDS 65536u
 #define GH_MAX_COMMS 64
@@ -144,8 +144,17 @@ struct gh_comm_entry {
   uint64_t recv_count[GH_MAX_PEERS];  /*  864 */
   uint64_t last_count;                /* 1376 count of the newest call entered (v2) */
   uint32_t last_dtype;                /* 1384 its ncclDataType_t (v2): ranks compare at one seq */
-  uint32_t pad_e;                     /* 1388 */
-};                                    /* 1392 bytes */
+  /* GPU-side completion marks (v3). NCCL calls are asynchronous: the host fields above say what
+   * was enqueued, these say what the GPU finished. Written only by the hook's poller thread. */
+  uint32_t gpu_marks;                 /* 1388 1: marks are recorded for this comm; 0: host-only */
+  uint64_t gpu_calls_done;            /* 1392 data-path calls (numbered as calls_entered) done on the GPU */
+  uint64_t gpu_seq_done;              /* 1400 collective seq of the newest collective done on the GPU */
+  uint64_t gpu_pending_ns;            /* 1408 host enqueue time of the oldest call not done on the GPU, 0 none */
+  uint64_t gpu_pending_seq;           /* 1416 that call's collective seq (0 for send/recv) */
+  uint32_t gpu_pending_op;            /* 1424 that call's enum gh_op, 0 none */
+  uint32_t pad_g;                     /* 1428 */
+  uint64_t gpu_marks_lost;            /* 1432 calls enqueued without a mark (capture, mark pool full) */
+};                                    /* 1440 bytes */
 
 struct gh_bench_slot {
   uint64_t req_id;   /*  0 agent-chosen, nonzero */
@@ -158,7 +167,7 @@ struct gh_bench_slot {
   int32_t result;    /* 40 ncclResult_t or cublasStatus_t of the first failure */
   uint32_t n_done;   /* 44 durations written */
   uint64_t total_ns; /* 48 */
-  uint64_t pad;      /* 56 */
+  uint64_t drain_ns; /* 56 (v3) time spent waiting for the rank's queued GPU work before measuring */
   uint64_t durations_ns[GH_BENCH_MAX_REPEAT]; /* 64 */
 };                                            /* 576 bytes */
 
@@ -177,7 +186,7 @@ struct gh_control {
 #ifndef __cplusplus
 _Static_assert(sizeof(struct gh_ring_header) == 384, "header layout");
 _Static_assert(sizeof(struct gh_record) == 128, "record layout");
-_Static_assert(sizeof(struct gh_comm_entry) == 1392, "comm layout");
+_Static_assert(sizeof(struct gh_comm_entry) == 1440, "comm layout");
 _Static_assert(sizeof(struct gh_bench_slot) == 576, "bench slot layout");
 _Static_assert(sizeof(struct gh_control) == 9280, "control layout");
 #endif
