@@ -180,9 +180,11 @@ COMM_DTYPE = _struct(
         ("gpu_pending_ns", "<u8", 1408),
         ("gpu_pending_seq", "<u8", 1416),
         ("gpu_pending_op", "<u4", 1424),
-        ("gpu_marks_lost", "<u8", 1432),
+        ("gpu_pending_dtype", "<u4", 1428),
+        ("gpu_pending_count", "<u8", 1432),
+        ("gpu_marks_lost", "<u8", 1440),
     ],
-    1440,
+    1448,
 )
 
 BENCH_SLOT_DTYPE = _struct(

@@ -152,9 +152,10 @@ struct gh_comm_entry {
   uint64_t gpu_pending_ns;            /* 1408 host enqueue time of the oldest call not done on the GPU, 0 none */
   uint64_t gpu_pending_seq;           /* 1416 that call's collective seq (0 for send/recv) */
   uint32_t gpu_pending_op;            /* 1424 that call's enum gh_op, 0 none */
-  uint32_t pad_g;                     /* 1428 */
-  uint64_t gpu_marks_lost;            /* 1432 calls enqueued without a mark (capture, mark pool full) */
-};                                    /* 1440 bytes */
+  uint32_t gpu_pending_dtype;         /* 1428 its ncclDataType_t ... */
+  uint64_t gpu_pending_count;         /* 1432 ... and count: ranks compare the call each one is stuck in */
+  uint64_t gpu_marks_lost;            /* 1440 calls enqueued without a mark (capture, mark pool full) */
+};                                    /* 1448 bytes */
 
 struct gh_bench_slot {
   uint64_t req_id;   /*  0 agent-chosen, nonzero */
@@ -186,7 +187,7 @@ struct gh_control {
 #ifndef __cplusplus
 _Static_assert(sizeof(struct gh_ring_header) == 384, "header layout");
 _Static_assert(sizeof(struct gh_record) == 128, "record layout");
-_Static_assert(sizeof(struct gh_comm_entry) == 1440, "comm layout");
+_Static_assert(sizeof(struct gh_comm_entry) == 1448, "comm layout");
 _Static_assert(sizeof(struct gh_bench_slot) == 576, "bench slot layout");
 _Static_assert(sizeof(struct gh_control) == 9280, "control layout");
 #endif
