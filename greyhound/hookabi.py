@@ -274,6 +274,7 @@ class BenchResult:
     state: BenchState
     result: int  # ncclResult_t / cublasStatus_t of the first failure, 0 when fine
     durations_ns: tuple[int, ...]
+    drain_ns: int = 0  # time the rank waited for its queued GPU work before measuring
 
     @property
     def ok(self) -> bool:
@@ -412,6 +413,7 @@ class Control:
             state=state,
             result=int(slot["result"]),
             durations_ns=tuple(int(d) for d in slot["durations_ns"][:n]),
+            drain_ns=int(slot["drain_ns"]),
         )
         slot["state"] = int(BenchState.EMPTY)
         return out

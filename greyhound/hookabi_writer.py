@@ -74,7 +74,7 @@ class HookControl:
         return sorted(out, key=lambda t: t[0])
 
     def answer(self, req_id: int, state: BenchState, durations_ns: list[int],
-               result: int = 0) -> None:
+               result: int = 0, drain_ns: int = 0) -> None:
         slots = self._ctl["slots"]
         hit = np.flatnonzero(slots["req_id"] == req_id)
         if hit.size == 0:
@@ -85,6 +85,7 @@ class HookControl:
         s["n_done"] = n
         s["total_ns"] = int(sum(durations_ns[:n]))
         s["result"] = result
+        s["drain_ns"] = drain_ns
         s["state"] = int(state)
 
 
