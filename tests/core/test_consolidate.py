@@ -122,3 +122,27 @@ def test_bad_input_is_a_value_error(kwargs: dict[str, Any], message: str) -> Non
     args: dict[str, Any] = {"stragglers": {2: 1.5}, "microbatches": 4} | kwargs
     with pytest.raises(ValueError, match=message):
         plan_consolidation(FIG12, args.pop("stragglers"), **args)
+
+
+def test_swaps_realise_the_layout_for_random_jobs_and_layouts() -> None:
+    """Whatever the starting layout, the swaps turn it into the plan's layout, every straggler
+    ends in one of the plan's cells, and no cell holds more stragglers than it has GPUs."""
+    rng = np.random.default_rng(5)
+    for _ in range(25):
+        tp, dp, pp = (int(x) for x in rng.integers((1, 1, 2), (3, 3, 5)))
+        shape = ParallelShape(tp=tp, dp=dp, pp=pp)
+        start = rng.permutation(shape.world)
+        k = int(rng.integers(1, shape.world))
+        stragglers = {int(g): 1.5 for g in rng.choice(shape.world, size=k, replace=False)}
+        plan = plan_consolidation(shape, stragglers, microbatches=4, gpu_of_rank=start)
+        layout = start.copy()
+        rank_of = np.argsort(layout)
+        for a, b in plan.swaps:
+            rank_of[[a, b]] = rank_of[[b, a]]
+        layout[rank_of] = np.arange(shape.world)
+        assert layout.tolist() == list(plan.gpu_of_rank)
+        stage, dp, _ = shape.coords(rank_of[list(stragglers)])
+        cells = list(zip(stage.tolist(), dp.tolist(), strict=True))
+        assert set(cells) == set(plan.cells)
+        assert max(cells.count(c) for c in set(cells)) <= shape.tp
+        assert plan.after_s <= plan.before_s + 1e-12
