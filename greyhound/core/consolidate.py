@@ -209,11 +209,11 @@ def _place(
         return target
     claimed: set[int] = set()
     wanted: list[int] = []
+    staying = {int(rank_of_gpu[g]) for j, g in enumerate(gpus) if cells[j] == current[j]}
     for i in movers:
         stage, dp = divmod(int(cells[i]), shape.dp)
         ranks = [shape.rank(stage, dp, t) for t in range(shape.tp)]
         # Prefer a rank a healthy GPU holds; a straggler that leaves this cell also frees its rank.
-        staying = {int(rank_of_gpu[g]) for j, g in enumerate(gpus) if cells[j] == current[j]}
         free = [r for r in ranks if r not in claimed and r not in staying]
         free.sort(key=lambda r: bool(straggler[layout[r]]))
         claimed.add(free[0])

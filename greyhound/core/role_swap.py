@@ -74,7 +74,7 @@ def link_loads(
         dp_ba = np.count_nonzero((dp_src == b) & (dp_dst == a)) if shape.dp > 1 else 0
         # Activations go forward and gradients of activations come back: both directions alike.
         pp_n = np.count_nonzero(((pp_src == a) & (pp_dst == b)) | ((pp_src == b) & (pp_dst == a)))
-        out[(a, b)] = LinkLoad(max(dp_ab, dp_ba) * per_edge_dp, pp_n * per_edge_pp)
+        out[(a, b)] = LinkLoad(float(max(dp_ab, dp_ba) * per_edge_dp), float(pp_n * per_edge_pp))
     return out
 
 
@@ -97,7 +97,7 @@ def plan_role_swap(
 
     def score(lay: IntArray) -> tuple[float, dict[Link, LinkLoad]]:
         loads = link_loads(shape, gpus_per_node, lay, traffic, links)
-        return sum((factor[k] - 1.0) * (v.dp_bytes + v.pp_bytes) for k, v in loads.items()), loads
+        return float(sum((factor[k] - 1.0) * (v.dp_bytes + v.pp_bytes) for k, v in loads.items())), loads
 
     start_score, start_loads = score(layout)
     current, current_score, pairs = layout.copy(), start_score, []

@@ -141,8 +141,8 @@ def test_swaps_realise_the_layout_for_random_jobs_and_layouts() -> None:
             rank_of[[a, b]] = rank_of[[b, a]]
         layout[rank_of] = np.arange(shape.world)
         assert layout.tolist() == list(plan.gpu_of_rank)
-        stage, dp, _ = shape.coords(rank_of[list(stragglers)])
-        cells = list(zip(stage.tolist(), dp.tolist(), strict=True))
+        stage, group, _ = shape.coords(rank_of[list(stragglers)])
+        cells = list(zip(stage.tolist(), group.tolist(), strict=True))
         assert set(cells) == set(plan.cells)
         assert max(cells.count(c) for c in set(cells)) <= shape.tp
         assert plan.after_s <= plan.before_s + 1e-12
