@@ -181,11 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     det.set_defaults(func=None, passthrough="detect")
     sim = sub.add_parser("sim", help="the cluster simulator", add_help=False)
     sim.set_defaults(func=None, passthrough="sim")
+    plan = sub.add_parser("plan", help="mitigation plans, offline (plan microbatch ...)",
+                          add_help=False)
+    plan.set_defaults(func=None, passthrough="plan")
     return p
 
 
 def _passthrough(argv: Sequence[str]) -> int | None:
-    """``detect`` and ``sim`` own their argument parsing; hand them the rest of the line."""
+    """``detect``, ``sim`` and ``plan`` own their argument parsing; hand them the rest of the line."""
     if argv and argv[0] == "detect":
         from greyhound.detect_cli import main as detect_main
 
@@ -194,6 +197,10 @@ def _passthrough(argv: Sequence[str]) -> int | None:
         from greyhound.sim.cli import main as sim_main
 
         return sim_main(list(argv[1:]))
+    if argv and argv[0] == "plan":
+        from greyhound.plan_cli import main as plan_main
+
+        return plan_main(list(argv[1:]))
     return None
 
 
