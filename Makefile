@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: venv native demo test lint clean
 
@@ -10,6 +11,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+# The tests also need the optional PyTorch integration (a CPU build, pinned in pyproject.toml).
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,torch]'
 	touch $@
 
 venv: $(STAMP)
@@ -24,7 +30,7 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: venv native lint
+test: $(TEST_STAMP) native lint
 	$(MAKE) -s -C native test asan tsan
 	$(BIN)/pytest -q
 
