@@ -102,6 +102,8 @@ class RankStream:
 
 @dataclass
 class CounterRows:
+    """The columns of a CounterBatch (see its docstring for what each one means)."""
+
     rank: list[int] = field(default_factory=list)
     comm_id: list[int] = field(default_factory=list)
     comm_rank: list[int] = field(default_factory=list)
@@ -114,6 +116,46 @@ class CounterRows:
     last_op: list[int] = field(default_factory=list)
     last_count: list[int] = field(default_factory=list)
     last_dtype: list[int] = field(default_factory=list)
+    gpu_marks: list[int] = field(default_factory=list)
+    gpu_completed: list[int] = field(default_factory=list)
+    gpu_seq_completed: list[int] = field(default_factory=list)
+    gpu_pending_s: list[float] = field(default_factory=list)
+    gpu_pending_seq: list[int] = field(default_factory=list)
+    gpu_pending_op: list[int] = field(default_factory=list)
+    gpu_pending_count: list[int] = field(default_factory=list)
+    gpu_pending_dtype: list[int] = field(default_factory=list)
+
+    def add(self, rank: int, c: np.void, now_mono_ns: int) -> None:
+        """One communicator entry of a rank's ring. Ages are taken against the agent's
+        monotonic clock, the clock the hook stamps host times with (same machine)."""
+        self.rank.append(rank)
+        self.comm_id.append(int(c["comm_id"]))
+        self.comm_rank.append(int(c["rank"]))
+        self.nranks.append(int(c["nranks"]))
+        self.entered.append(int(c["calls_entered"]))
+        self.completed.append(int(c["calls_completed"]))
+        self.last_seq_entered.append(int(c["last_seq_entered"]))
+        self.last_seq_completed.append(int(c["last_seq_completed"]))
+        self.inflight_s.append(_age_s(now_mono_ns, int(c["inflight_enter_ns"])))
+        self.last_op.append(int(c["last_op"]))
+        self.last_count.append(int(c["last_count"]))
+        self.last_dtype.append(int(c["last_dtype"]))
+        marks = int(c["gpu_marks"]) != 0
+        self.gpu_marks.append(int(marks))
+        # Without marks the GPU fields are unused: published as zeros, never as stale values.
+        pending_ns = int(c["gpu_pending_ns"]) if marks else 0
+        self.gpu_completed.append(int(c["gpu_calls_done"]) if marks else 0)
+        self.gpu_seq_completed.append(int(c["gpu_seq_done"]) if marks else 0)
+        self.gpu_pending_s.append(_age_s(now_mono_ns, pending_ns))
+        self.gpu_pending_seq.append(int(c["gpu_pending_seq"]) if pending_ns else 0)
+        self.gpu_pending_op.append(int(c["gpu_pending_op"]) if pending_ns else 0)
+        self.gpu_pending_count.append(int(c["gpu_pending_count"]) if pending_ns else 0)
+        self.gpu_pending_dtype.append(int(c["gpu_pending_dtype"]) if pending_ns else 0)
+
+
+def _age_s(now_ns: int, since_ns: int) -> float:
+    """Seconds since a host timestamp; 0 for the hook's "none" (0)."""
+    return max(0.0, (now_ns - since_ns) / 1e9) if since_ns else 0.0
 
 
 @dataclass
@@ -221,22 +263,8 @@ class Collector:
         for stream in self.streams.values():
             if stream.ended:
                 continue
-            comms = stream.reader.comms()
-            for c in comms:
-                cid = int(c["comm_id"])
-                rows.rank.append(stream.rank)
-                rows.comm_id.append(cid)
-                rows.comm_rank.append(int(c["rank"]))
-                rows.nranks.append(int(c["nranks"]))
-                rows.entered.append(int(c["calls_entered"]))
-                rows.completed.append(int(c["calls_completed"]))
-                rows.last_seq_entered.append(int(c["last_seq_entered"]))
-                rows.last_seq_completed.append(int(c["last_seq_completed"]))
-                t0 = int(c["inflight_enter_ns"])
-                rows.inflight_s.append(max(0.0, (now_mono_ns - t0) / 1e9) if t0 else 0.0)
-                rows.last_op.append(int(c["last_op"]))
-                rows.last_count.append(int(c["last_count"]))
-                rows.last_dtype.append(int(c["last_dtype"]))
+            for c in stream.reader.comms():
+                rows.add(stream.rank, c, now_mono_ns)
         return rows
 
     def close(self) -> None:
