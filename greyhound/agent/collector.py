@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from greyhound.core.period import IterationSegmenter
-from greyhound.hookabi import RECORD_DTYPE, Op, RingReader, list_rings
+from greyhound.hookabi import RECORD_DTYPE, Flag, Op, RingReader, list_rings
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,9 @@ class CollectiveRows:
         return len(self.rank)
 
     def add(self, rank: int, recs: np.ndarray, wall_offset_ns: int) -> None:
-        """Append one rank's records; an unprofiled call keeps GPU times 0 (not shifted)."""
+        """Append one rank's records. GPU times count only with the hook's GPU_DONE flag; a call
+        not timed on the GPU (unprofiled, captured in a graph, timing lost) has them 0, not
+        shifted, which is how the analyzer knows to leave it out."""
         n = len(recs)
         self.rank.extend([rank] * n)
         self.comm_id.extend(recs["comm_id"].tolist())
@@ -194,9 +196,10 @@ class CollectiveRows:
         off = np.int64(wall_offset_ns)
         self.enter_ns.extend((recs["enter_ns"].astype(np.int64) + off).tolist())
         self.exit_ns.extend((recs["return_ns"].astype(np.int64) + off).tolist())
+        timed = (recs["flags"] & np.uint32(Flag.GPU_DONE)) != 0
         for src, dst in (("gpu_start_ns", self.gpu_start_ns), ("gpu_end_ns", self.gpu_end_ns)):
             t = recs[src].astype(np.int64)
-            dst.extend(np.where(t > 0, t + off, 0).tolist())
+            dst.extend(np.where(timed & (t > 0), t + off, 0).tolist())
 
     def chunks(self, size: int) -> list[CollectiveRows]:
         """Consecutive slices of at most ``size`` rows (bus messages have a size limit)."""

@@ -1,5 +1,6 @@
 """The collector reads the GPU completion marks of layout 3 from a real ring file and publishes
-them as CounterBatch columns; a communicator without marks publishes zeros there."""
+them as CounterBatch columns; a communicator without marks publishes zeros there. Profiled
+records keep GPU times only where the hook marked them GPU_DONE."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from greyhound.agent.collector import Collector
+from greyhound.agent.collector import CollectiveRows, Collector
 from greyhound.core.job_hangs import COUNTER_FIELDS, JobHangMonitor
-from greyhound.hookabi import COMM_DTYPE, HEADER_DTYPE, MAX_COMMS, RECORD_DTYPE, Op, RingWriter
+from greyhound.hookabi import COMM_DTYPE, HEADER_DTYPE, MAX_COMMS, RECORD_DTYPE, Flag, Op, RingWriter
 from services.common.bus.contract import CounterBatch
 
 JOB = "gpumarks"
@@ -79,3 +80,16 @@ def test_gpu_fields_of_a_ring_become_counter_columns(tmp_path: Path) -> None:
     mon.observe_counters(100.0, {f: getattr(batch, f) for f in COUNTER_FIELDS})
     (found,) = mon.check(100.0)
     assert found.comm_id == MARKED and found.basis == "gpu" and found.stalled_s > 5.0
+
+
+def test_profiled_rows_keep_gpu_times_only_where_the_gpu_timed_them() -> None:
+    recs = _calls(MARKED, 3)
+    recs["enter_ns"] = [100, 200, 300]
+    recs["return_ns"] = [101, 201, 301]
+    recs["gpu_start_ns"] = [150, 250, 350]
+    recs["gpu_end_ns"] = [160, 260, 360]
+    recs["flags"] = [Flag.PROFILED | Flag.GPU_DONE, Flag.PROFILED | Flag.GPU_LOST, Flag.CAPTURED]
+    rows = CollectiveRows()
+    rows.add(3, recs, wall_offset_ns=1_000)
+    assert rows.enter_ns == [1100, 1200, 1300]
+    assert rows.gpu_start_ns == [1150, 0, 0] and rows.gpu_end_ns == [1160, 0, 0]
