@@ -59,8 +59,9 @@ class RankStream:
     def writer_gone(self) -> bool:
         """True when the rank's process ran on this host and no longer exists.
 
-        A dead job is a fail-stop, not a hang: its last call stays "inside NCCL" in the ring
-        forever, so its counters must stop being reported. The check needs the agent to see the
+        A dead job is a fail-stop, not a hang: its last call stays pending in the ring forever
+        (not done on the GPU, or "inside NCCL" without GPU marks), so its counters must stop
+        being reported. The check needs the agent to see the
         training processes' PIDs (same PID namespace: ``pid: host`` in containers); rings from
         other hosts (the simulator's) are never judged.
         """
