@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from greyhound.core.period import IterationSegmenter
-from greyhound.hookabi import RECORD_DTYPE, Flag, Op, RingReader, list_rings
+from greyhound.hookabi import RECORD_DTYPE, CommState, Flag, Op, RingReader, list_rings
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,11 @@ class CounterRows:
         self.last_dtype.append(int(c["last_dtype"]))
         marks = int(c["gpu_marks"]) != 0
         self.gpu_marks.append(int(marks))
-        # Without marks the GPU fields are unused: published as zeros, never as stale values.
-        pending_ns = int(c["gpu_pending_ns"]) if marks else 0
+        # Without marks the GPU fields are unused: published as zeros, never as stale values. A
+        # destroyed or aborted communicator completes nothing more: what it left pending was
+        # abandoned, not hung.
+        live = int(c["state"]) == CommState.ACTIVE
+        pending_ns = int(c["gpu_pending_ns"]) if marks and live else 0
         self.gpu_completed.append(int(c["gpu_calls_done"]) if marks else 0)
         self.gpu_seq_completed.append(int(c["gpu_seq_done"]) if marks else 0)
         self.gpu_pending_s.append(_age_s(now_mono_ns, pending_ns))

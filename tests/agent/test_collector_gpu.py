@@ -11,11 +11,20 @@ import numpy as np
 
 from greyhound.agent.collector import CollectiveRows, Collector
 from greyhound.core.job_hangs import COUNTER_FIELDS, JobHangMonitor
-from greyhound.hookabi import COMM_DTYPE, HEADER_DTYPE, MAX_COMMS, RECORD_DTYPE, Flag, Op, RingWriter
+from greyhound.hookabi import (
+    COMM_DTYPE,
+    HEADER_DTYPE,
+    MAX_COMMS,
+    RECORD_DTYPE,
+    CommState,
+    Flag,
+    Op,
+    RingWriter,
+)
 from services.common.bus.contract import CounterBatch
 
 JOB = "gpumarks"
-MARKED, HOST_ONLY = 0x1234, (1 << 64) - 5
+MARKED, HOST_ONLY, GONE = 0x1234, (1 << 64) - 5, 0x77
 
 
 def _calls(comm: int, n: int) -> np.ndarray:
@@ -42,7 +51,7 @@ def test_gpu_fields_of_a_ring_become_counter_columns(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     writer = RingWriter(shm / JOB / "rank-3.ring", job=JOB, rank=3, host="h", pid=0, device=0,
                         capacity=64)
-    writer.append(np.concatenate((_calls(MARKED, 12), _calls(HOST_ONLY, 5))))
+    writer.append(np.concatenate((_calls(MARKED, 12), _calls(HOST_ONLY, 5), _calls(GONE, 2))))
     now = time.monotonic_ns()
     table = _comm_table(writer.path)
     marked = int(np.flatnonzero(table["comm_id"] == MARKED)[0])
@@ -54,6 +63,8 @@ def test_gpu_fields_of_a_ring_become_counter_columns(tmp_path: Path) -> None:
     h = table[host_only]
     h["gpu_marks"], h["gpu_seq_done"], h["gpu_pending_ns"] = 0, 4, now - 9_000_000_000
     h["inflight_enter_ns"] = now - 2_000_000_000
+    g = table[int(np.flatnonzero(table["comm_id"] == GONE)[0])]
+    g["gpu_marks"], g["gpu_pending_ns"], g["state"] = 1, now - 9_000_000_000, CommState.DESTROYED
     table.flush()
     del table
 
@@ -63,8 +74,9 @@ def test_gpu_fields_of_a_ring_become_counter_columns(tmp_path: Path) -> None:
     col.close()
     writer.close()
     at = {cid: i for i, cid in enumerate(rows.comm_id)}
-    m, o = at[MARKED], at[HOST_ONLY]
-    assert rows.rank == [3, 3] and rows.last_seq_entered[m] == 12 and rows.inflight_s[m] == 0.0
+    m, o, d = at[MARKED], at[HOST_ONLY], at[GONE]
+    assert rows.gpu_marks[d] == 1 and rows.gpu_pending_s[d] == 0.0  # destroyed: abandoned
+    assert rows.rank == [3, 3, 3] and rows.last_seq_entered[m] == 12 and rows.inflight_s[m] == 0.0
     assert rows.gpu_marks[m] == 1 and rows.gpu_completed[m] == 9
     assert rows.gpu_seq_completed[m] == 9 and rows.gpu_pending_seq[m] == 10
     assert abs(rows.gpu_pending_s[m] - 6.0) < 1e-6
