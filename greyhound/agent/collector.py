@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from greyhound.core.period import IterationSegmenter
-from greyhound.hookabi import RECORD_DTYPE, Op, RingReader, list_rings
+from greyhound.hookabi import RECORD_DTYPE, CommState, Flag, Op, RingReader, list_rings
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,9 @@ class RankStream:
     def writer_gone(self) -> bool:
         """True when the rank's process ran on this host and no longer exists.
 
-        A dead job is a fail-stop, not a hang: its last call stays "inside NCCL" in the ring
-        forever, so its counters must stop being reported. The check needs the agent to see the
+        A dead job is a fail-stop, not a hang: its last call stays pending in the ring forever
+        (not done on the GPU, or "inside NCCL" without GPU marks), so its counters must stop
+        being reported. The check needs the agent to see the
         training processes' PIDs (same PID namespace: ``pid: host`` in containers); rings from
         other hosts (the simulator's) are never judged.
         """
@@ -102,6 +103,8 @@ class RankStream:
 
 @dataclass
 class CounterRows:
+    """The columns of a CounterBatch (see its docstring for what each one means)."""
+
     rank: list[int] = field(default_factory=list)
     comm_id: list[int] = field(default_factory=list)
     comm_rank: list[int] = field(default_factory=list)
@@ -114,6 +117,49 @@ class CounterRows:
     last_op: list[int] = field(default_factory=list)
     last_count: list[int] = field(default_factory=list)
     last_dtype: list[int] = field(default_factory=list)
+    gpu_marks: list[int] = field(default_factory=list)
+    gpu_completed: list[int] = field(default_factory=list)
+    gpu_seq_completed: list[int] = field(default_factory=list)
+    gpu_pending_s: list[float] = field(default_factory=list)
+    gpu_pending_seq: list[int] = field(default_factory=list)
+    gpu_pending_op: list[int] = field(default_factory=list)
+    gpu_pending_count: list[int] = field(default_factory=list)
+    gpu_pending_dtype: list[int] = field(default_factory=list)
+
+    def add(self, rank: int, c: np.void, now_mono_ns: int) -> None:
+        """One communicator entry of a rank's ring. Ages are taken against the agent's
+        monotonic clock, the clock the hook stamps host times with (same machine)."""
+        self.rank.append(rank)
+        self.comm_id.append(int(c["comm_id"]))
+        self.comm_rank.append(int(c["rank"]))
+        self.nranks.append(int(c["nranks"]))
+        self.entered.append(int(c["calls_entered"]))
+        self.completed.append(int(c["calls_completed"]))
+        self.last_seq_entered.append(int(c["last_seq_entered"]))
+        self.last_seq_completed.append(int(c["last_seq_completed"]))
+        self.inflight_s.append(_age_s(now_mono_ns, int(c["inflight_enter_ns"])))
+        self.last_op.append(int(c["last_op"]))
+        self.last_count.append(int(c["last_count"]))
+        self.last_dtype.append(int(c["last_dtype"]))
+        marks = int(c["gpu_marks"]) != 0
+        self.gpu_marks.append(int(marks))
+        # Without marks the GPU fields are unused: published as zeros, never as stale values. A
+        # destroyed or aborted communicator completes nothing more: what it left pending was
+        # abandoned, not hung.
+        live = int(c["state"]) == CommState.ACTIVE
+        pending_ns = int(c["gpu_pending_ns"]) if marks and live else 0
+        self.gpu_completed.append(int(c["gpu_calls_done"]) if marks else 0)
+        self.gpu_seq_completed.append(int(c["gpu_seq_done"]) if marks else 0)
+        self.gpu_pending_s.append(_age_s(now_mono_ns, pending_ns))
+        self.gpu_pending_seq.append(int(c["gpu_pending_seq"]) if pending_ns else 0)
+        self.gpu_pending_op.append(int(c["gpu_pending_op"]) if pending_ns else 0)
+        self.gpu_pending_count.append(int(c["gpu_pending_count"]) if pending_ns else 0)
+        self.gpu_pending_dtype.append(int(c["gpu_pending_dtype"]) if pending_ns else 0)
+
+
+def _age_s(now_ns: int, since_ns: int) -> float:
+    """Seconds since a host timestamp; 0 for the hook's "none" (0)."""
+    return max(0.0, (now_ns - since_ns) / 1e9) if since_ns else 0.0
 
 
 @dataclass
@@ -138,7 +184,9 @@ class CollectiveRows:
         return len(self.rank)
 
     def add(self, rank: int, recs: np.ndarray, wall_offset_ns: int) -> None:
-        """Append one rank's records; an unprofiled call keeps GPU times 0 (not shifted)."""
+        """Append one rank's records. GPU times count only with the hook's GPU_DONE flag; a call
+        not timed on the GPU (unprofiled, captured in a graph, timing lost) has them 0, not
+        shifted, which is how the analyzer knows to leave it out."""
         n = len(recs)
         self.rank.extend([rank] * n)
         self.comm_id.extend(recs["comm_id"].tolist())
@@ -152,9 +200,10 @@ class CollectiveRows:
         off = np.int64(wall_offset_ns)
         self.enter_ns.extend((recs["enter_ns"].astype(np.int64) + off).tolist())
         self.exit_ns.extend((recs["return_ns"].astype(np.int64) + off).tolist())
+        timed = (recs["flags"] & np.uint32(Flag.GPU_DONE)) != 0
         for src, dst in (("gpu_start_ns", self.gpu_start_ns), ("gpu_end_ns", self.gpu_end_ns)):
             t = recs[src].astype(np.int64)
-            dst.extend(np.where(t > 0, t + off, 0).tolist())
+            dst.extend(np.where(timed & (t > 0), t + off, 0).tolist())
 
     def chunks(self, size: int) -> list[CollectiveRows]:
         """Consecutive slices of at most ``size`` rows (bus messages have a size limit)."""
@@ -221,22 +270,8 @@ class Collector:
         for stream in self.streams.values():
             if stream.ended:
                 continue
-            comms = stream.reader.comms()
-            for c in comms:
-                cid = int(c["comm_id"])
-                rows.rank.append(stream.rank)
-                rows.comm_id.append(cid)
-                rows.comm_rank.append(int(c["rank"]))
-                rows.nranks.append(int(c["nranks"]))
-                rows.entered.append(int(c["calls_entered"]))
-                rows.completed.append(int(c["calls_completed"]))
-                rows.last_seq_entered.append(int(c["last_seq_entered"]))
-                rows.last_seq_completed.append(int(c["last_seq_completed"]))
-                t0 = int(c["inflight_enter_ns"])
-                rows.inflight_s.append(max(0.0, (now_mono_ns - t0) / 1e9) if t0 else 0.0)
-                rows.last_op.append(int(c["last_op"]))
-                rows.last_count.append(int(c["last_count"]))
-                rows.last_dtype.append(int(c["last_dtype"]))
+            for c in stream.reader.comms():
+                rows.add(stream.rank, c, now_mono_ns)
         return rows
 
     def close(self) -> None:

@@ -232,7 +232,8 @@ class AgentControl:
                 res = self._control(s).result(req_id)
                 if res is not None:
                     done[i] = BenchOutcome(item=it, state=_STATES[res.state],
-                                           durations_ns=list(res.durations_ns))
+                                           durations_ns=list(res.durations_ns),
+                                           drain_ns=res.drain_ns)
             if len(done) == len(submitted) or self._clock() >= deadline:
                 break
             await asyncio.sleep(POLL_S)

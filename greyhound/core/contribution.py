@@ -1,10 +1,12 @@
 """CCL-D's contribution factor: is a slow job slow in compute, in communication, or both, and where.
 
 Synchronous training hides a compute straggler inside the collectives: every rank waits for it in
-NCCL, so per-rank durations look alike. What gives it away is *when each rank enters* a
-collective. Arrival alone still blames victims, because delay propagates: ranks that waited for a
-straggler in their TP group, or sat in a slow all-reduce, reach their next collective late too.
-So a rank's own delay is its *gap*, the time from leaving its previous collective to entering
+NCCL, so per-rank durations look alike. What gives it away is *when each rank arrives* at a
+collective: when its GPU reaches it (NCCL calls are asynchronous, so the host's entry into the
+call says nothing; the callers pass GPU start and end times wherever the hook timed the call).
+Arrival alone still blames victims, because delay propagates: ranks that waited for a straggler
+in their TP group, or sat in a slow all-reduce, reach their next collective late too. So a rank's
+own delay is its *gap*, the time from the completion of its previous collective to its arrival at
 this one (same clock, so no clock synchronisation is needed), compared with the gaps of the other
 members of the same collective instance. Each instance (comm, seq) also has a communication time
 C = completion - last arrival, the collective itself once everyone is there; it is the smallest
@@ -45,8 +47,12 @@ SlowKind = Literal["compute_slow", "comm_slow", "mixed_slow", "none"]
 class CollectiveObservation:
     """One element per rank per collective instance, as the hook records it while profiling.
 
-    Times are nanoseconds on each rank's own clock: ranks' clocks may be offset from each other,
-    since only differences on one rank are used. `algo` defaults to one algorithm for all.
+    ``enter_ns``/``exit_ns`` are the rank's arrival at the call and its completion (GPU start and
+    end where timed). Times are nanoseconds on each rank's own clock: ranks' clocks may be offset
+    from each other, since only differences on one rank are used. `algo` defaults to one
+    algorithm for all. ``gap_known`` is False where the rank's previous call is missing from the
+    observation (its timing was dropped), so the gap before this one would span it: such a gap
+    is not used; default all True.
     """
 
     comm_id: IntArray
@@ -57,6 +63,7 @@ class CollectiveObservation:
     op: NDArray[Any]
     nbytes: IntArray
     algo: NDArray[Any] | None = None
+    gap_known: NDArray[np.bool_] | None = None
 
     def __post_init__(self) -> None:
         for name in ("comm_id", "seq", "rank", "nbytes"):
@@ -67,7 +74,10 @@ class CollectiveObservation:
         algo = np.zeros(len(self.comm_id), np.int64) if self.algo is None else self.algo
         object.__setattr__(self, "algo", np.asarray(algo))
         n = len(self.comm_id)
-        arrays = (self.seq, self.rank, self.enter_ns, self.exit_ns, self.op, self.nbytes, algo)
+        known = np.ones(n, bool) if self.gap_known is None else self.gap_known
+        object.__setattr__(self, "gap_known", np.asarray(known, dtype=bool))
+        arrays = (self.seq, self.rank, self.enter_ns, self.exit_ns, self.op, self.nbytes, algo,
+                  known)
         if any(len(a) != n for a in arrays):
             raise ValueError("CollectiveObservation arrays must have equal lengths")
 
@@ -140,6 +150,7 @@ def classify_slow(
     # reference is the instance's lower quartile (the shorter gap in a pair): stragglers cannot
     # drag it up unless they are most of the group. Jitter is each rank's own spread over time.
     gap = _gap_since_previous(rank_code, n_ranks, obs.enter_ns, obs.exit_ns)
+    gap[~np.asarray(obs.gap_known)] = np.nan
     valid = ~np.isnan(gap)
     ref = group_quantile(inst[valid], gap[valid], n_inst, on_time_quantile)
     delay = np.where(valid, gap - ref[inst], 0.0)
@@ -148,8 +159,8 @@ def classify_slow(
     n_pairs = len(pair_first)
     # counts of sparse row sets come from their indices: a bincount weighted by a mask is a
     # float pass over every row
-    first_rows = np.flatnonzero(~valid)
-    pair_rows = np.bincount(pair, minlength=n_pairs) - np.bincount(pair[first_rows], minlength=n_pairs)
+    gapless = np.flatnonzero(~valid)  # first rows of each rank, and rows after a missing call
+    pair_rows = np.bincount(pair, minlength=n_pairs) - np.bincount(pair[gapless], minlength=n_pairs)
     pair_rounds = pair_rows.astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         typical = np.bincount(pair, weights=delay, minlength=n_pairs) / pair_rounds
@@ -217,7 +228,7 @@ def classify_slow(
 
 
 def _gap_since_previous(rank: IntArray, n_ranks: int, enter: FloatArray, exit_: FloatArray) -> FloatArray:
-    """Per row, time since the same rank left its previous collective (NaN for its first).
+    """Per row, time since the same rank's previous collective completed (NaN for its first).
 
     Collectives that overlap (an asynchronous all-reduce still running) give a gap of zero, the
     same for every peer, so they neither accuse nor excuse anyone. Rows usually arrive in time

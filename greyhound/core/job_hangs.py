@@ -1,26 +1,58 @@
 """Hang watching for one job, from the agents' counter samples.
 
-A communicator is suspected hung when one of its members has been inside a single NCCL call for
-longer than the job's adaptive threshold (HangPolicy), as CCL-D calls a hang "communication
-lasting longer than a threshold". Measuring the call's own time inside NCCL, as the hook reports
-it, rather than the wall time since the counters last moved, means that long phases without NCCL
-(checkpoint saves, evaluation loops) never alarm, and that a simulated job held back by its
-consumer is not mistaken for a hung one (its calls' virtual time stands still). Long waits inside
-a collective that end normally (a barrier while rank 0 writes a checkpoint) are learned: the next
-one of that length does not alarm. Samples that stop arriving (the job ended, its agent went
-away) stop the watch rather than raise a hang: that is a fail-stop, not a hang.
+A communicator is suspected hung when one of its members has a call that was enqueued and has
+not completed on the GPU for longer than the job's adaptive threshold (HangPolicy), as CCL-D
+calls a hang "communication lasting longer than a threshold". NCCL calls are asynchronous: the
+host enqueues a collective and returns within microseconds, and a hung collective spins on the
+GPU while the host blocks later in a synchronisation outside NCCL. So the wait that counts is
+the age of the oldest call pending on the GPU (``gpu_pending_s``), never host time inside a
+call; only a process without GPU completion marks (``gpu_marks`` = 0, e.g. no CUDA runtime,
+where NCCL calls block the host) falls back to the host's ``inflight_s``, and each finding says
+which basis it used.
+
+Measuring a call's own pending time rather than the wall time since the counters last moved
+means that long phases without NCCL work (checkpoint saves, evaluation loops: nothing is pending
+on the GPU) never alarm, and that a simulated job held back by its consumer is not mistaken for a
+hung one (its calls' virtual time stands still). Long waits inside a collective that end
+normally (peers pending in a barrier while rank 0 writes a checkpoint) are learned: the next one
+of that length does not alarm. Samples that stop arriving (the job ended, its agent went away)
+stop the watch rather than raise a hang: that is a fail-stop, not a hang.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from greyhound.core.hang import HangPolicy
 
 COUNTER_FIELDS = ("rank", "comm_id", "comm_rank", "nranks", "entered", "completed",
                   "last_seq_entered", "last_seq_completed", "inflight_s", "last_op",
-                  "last_count", "last_dtype")
+                  "last_count", "last_dtype", "gpu_marks", "gpu_completed", "gpu_seq_completed",
+                  "gpu_pending_s", "gpu_pending_seq", "gpu_pending_op", "gpu_pending_count",
+                  "gpu_pending_dtype")
+_RANK, _COMM = COUNTER_FIELDS.index("rank"), COUNTER_FIELDS.index("comm_id")
+_COMPLETED, _INFLIGHT = COUNTER_FIELDS.index("completed"), COUNTER_FIELDS.index("inflight_s")
+_MARKS = COUNTER_FIELDS.index("gpu_marks")
+_GPU_COMPLETED = COUNTER_FIELDS.index("gpu_completed")
+_GPU_PENDING = COUNTER_FIELDS.index("gpu_pending_s")
+
+WaitBasis = Literal["gpu", "host", "mixed"]
+
+
+def row_wait_s(row: tuple[Any, ...]) -> float:
+    """How long the row's rank has been waiting on its communicator: the age of its oldest call
+    not done on the GPU, or, without GPU marks, its host thread's time inside NCCL."""
+    return float(row[_GPU_PENDING] if row[_MARKS] else row[_INFLIGHT])
+
+
+def _row_progress(row: tuple[Any, ...]) -> int:
+    return int(row[_GPU_COMPLETED] if row[_MARKS] else row[_COMPLETED])
+
+
+def wait_basis(rows: list[tuple[Any, ...]]) -> WaitBasis:
+    marked = sum(1 for r in rows if r[_MARKS])
+    return "gpu" if marked == len(rows) else "host" if marked == 0 else "mixed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,16 +60,17 @@ class HangFinding:
     comm_id: int
     stalled_s: float
     threshold_s: float
-    inflight_ranks: tuple[int, ...]
+    waiting_ranks: tuple[int, ...]  # members with a call pending (GPU) or inside NCCL (host)
     members: tuple[int, ...]  # every rank with a counter row on the communicator
+    basis: WaitBasis  # where the waits were read: GPU completion marks, host, or both
 
 
 @dataclass
 class _Comm:
     rows: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # rank -> latest row
     sampled_s: float = 0.0
-    completed: int = -1
-    longest_wait_s: float = 0.0  # longest time inside NCCL seen since completed last moved
+    progress: int = -1  # calls done, summed over members (on the GPU where marks exist)
+    longest_wait_s: float = 0.0  # longest wait seen since the last wait that ended
     alarmed: bool = False
 
 
@@ -60,25 +93,31 @@ class JobHangMonitor:
         rows = list(zip(*(columns[f] for f in COUNTER_FIELDS), strict=True))
         touched: set[int] = set()
         for row in rows:
-            comm_id = int(row[1])
+            comm_id = int(row[_COMM])
             comm = self.comms.get(comm_id)
             if comm is None:
                 comm = self.comms[comm_id] = _Comm()
-            comm.rows[int(row[0])] = row
+            comm.rows[int(row[_RANK])] = row
             comm.sampled_s = max(comm.sampled_s, sampled_s)
             touched.add(comm_id)
         for comm_id in touched:
             comm = self.comms[comm_id]
-            completed = sum(int(r[5]) for r in comm.rows.values())
-            waiting = max(float(r[8]) for r in comm.rows.values())
-            if completed > comm.completed:
-                if comm.completed >= 0 and (
+            progress = sum(_row_progress(r) for r in comm.rows.values())
+            waiting = max(row_wait_s(r) for r in comm.rows.values())
+            if progress > comm.progress:
+                # A wait ended when calls completed and the longest waiter is no longer waiting
+                # that long. (Progress alone is not enough on the GPU: calls on another stream
+                # may complete while the oldest pending one stays stuck.)
+                ended = comm.progress < 0 or waiting < comm.longest_wait_s
+                if comm.progress >= 0 and ended and (
                         comm.alarmed or comm.longest_wait_s > self.multiple * self.policy.typical_s()):
                     # It came back: whatever that was, the job survives waits this long.
                     self.policy.observe_recovered_pause(comm.longest_wait_s)
-                comm.completed, comm.longest_wait_s, comm.alarmed = completed, waiting, False
-            else:
-                comm.longest_wait_s = max(comm.longest_wait_s, waiting)
+                comm.progress = progress
+                if ended:
+                    comm.longest_wait_s, comm.alarmed = waiting, False
+                    continue
+            comm.longest_wait_s = max(comm.longest_wait_s, waiting)
 
     def check(self, now_s: float) -> list[HangFinding]:
         out: list[HangFinding] = []
@@ -86,23 +125,24 @@ class JobHangMonitor:
         for comm_id, comm in self.comms.items():
             if comm.alarmed or now_s - comm.sampled_s > self.stale_s:
                 continue
-            waits = {r: float(row[8]) for r, row in comm.rows.items() if float(row[8]) > 0.0}
+            waits = {r: row_wait_s(row) for r, row in comm.rows.items() if row_wait_s(row) > 0.0}
             if not waits or max(waits.values()) <= threshold:
                 continue
             comm.alarmed = True
             out.append(HangFinding(
                 comm_id=comm_id, stalled_s=max(waits.values()), threshold_s=threshold,
-                inflight_ranks=tuple(sorted(waits)), members=tuple(sorted(comm.rows))))
+                waiting_ranks=tuple(sorted(waits)), members=tuple(sorted(comm.rows)),
+                basis=wait_basis(list(comm.rows.values()))))
         return out
 
     def rows_for(self, findings: list[HangFinding], limit: int = 8192) -> dict[str, list[Any]]:
         """The latest counter rows a diagnosis needs to tell a root cause from its cascade: the
-        stalled communicators, every other communicator with a call in flight (the root's own
+        stalled communicators, every other communicator with a call pending (the root's own
         call may not be the longest wait: peers that entered the DP all-reduce early have waited
         longer), and the other communicators of all their members (where a rank that never
         entered is idle). Columnar; beyond ``limit`` rows the longest waits are kept."""
         stalled = {f.comm_id for f in findings}
-        waits = {cid: max(float(r[8]) for r in comm.rows.values())
+        waits = {cid: max(row_wait_s(r) for r in comm.rows.values())
                  for cid, comm in self.comms.items() if comm.rows}
         busy = sorted((cid for cid, w in waits.items() if w > 0.0 and cid not in stalled),
                       key=lambda cid: -waits[cid])
@@ -114,7 +154,7 @@ class JobHangMonitor:
         for cid in first:
             picked += self.comms[cid].rows.values() if cid in self.comms else []
         for cid in rest:
-            picked += [row for row in self.comms[cid].rows.values() if int(row[0]) in ranks]
+            picked += [row for row in self.comms[cid].rows.values() if int(row[_RANK]) in ranks]
         rows = sorted(picked[:limit])
         return {f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}
 
@@ -122,7 +162,7 @@ class JobHangMonitor:
         """What a restarted tracker needs: the learned iteration times and long phases.
 
         The per-communicator watches are not kept: the next samples rebuild them, and a call
-        already stuck inside NCCL reports its own time there, so a hang is still raised.
+        already stuck reports its own pending time, so a hang is still raised.
         """
         policy = self.policy
         return {"floor_s": self.floor_s, "multiple": self.multiple, "stale_s": self.stale_s,

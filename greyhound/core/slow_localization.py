@@ -46,8 +46,12 @@ NodeLabel = int | str
 class ProfiledCalls:
     """Every call the ranks completed in the window, one element per rank per call.
 
-    ``comm_id`` is signed 64-bit (the cores' int64); times are ns on each rank's own clock;
-    ``p2p`` marks sends and receives, whose ``seq`` is not a collective instance.
+    ``comm_id`` is signed 64-bit (the cores' int64); ``p2p`` marks sends and receives, whose
+    ``seq`` is not a collective instance. ``enter_ns``/``exit_ns`` are each call's arrival and
+    completion, ns on each rank's own clock: GPU start and end where the hook timed the call
+    (see core.gpu_timeline), host times only for a host-only rank. ``gap_known`` is False where
+    the rank's previous call is missing (its timing was dropped, or its instance incomplete), so
+    the gap before this call is not the rank's own delay; None: all known.
     """
 
     rank: IntArray
@@ -60,6 +64,7 @@ class ProfiledCalls:
     p2p: NDArray[np.bool_]
     enter_ns: FloatArray
     exit_ns: FloatArray
+    gap_known: NDArray[np.bool_] | None = None
 
     def __post_init__(self) -> None:
         for name in ("rank", "comm_id", "comm_rank", "nranks", "seq", "nbytes"):
@@ -69,6 +74,8 @@ class ProfiledCalls:
         object.__setattr__(self, "op", np.asarray(self.op))
         object.__setattr__(self, "p2p", np.asarray(self.p2p, dtype=bool))
         n = len(self.rank)
+        known = np.ones(n, bool) if self.gap_known is None else self.gap_known
+        object.__setattr__(self, "gap_known", np.asarray(known, dtype=bool))
         if any(len(getattr(self, f)) != n for f in self.__slots__):
             raise ValueError("ProfiledCalls arrays must have equal lengths")
 
@@ -77,6 +84,20 @@ class ProfiledCalls:
 
     def take(self, keep: NDArray[np.bool_]) -> ProfiledCalls:
         return ProfiledCalls(**{f: getattr(self, f)[keep] for f in self.__slots__})
+
+    def known_gaps(self) -> NDArray[np.bool_]:
+        return np.asarray(self.gap_known, dtype=bool)
+
+    def drop(self, keep: NDArray[np.bool_]) -> ProfiledCalls:
+        """The rows in ``keep``; a kept row whose rank's previous call (by arrival) is dropped
+        loses its gap, which would otherwise span the dropped call."""
+        order = np.lexsort((self.enter_ns, self.rank))
+        same = self.rank[order][1:] == self.rank[order][:-1]
+        known = self.known_gaps().copy()
+        known[order[1:]] &= ~same | keep[order[:-1]]
+        columns: dict[str, Any] = {f: getattr(self, f)[keep] for f in self.__slots__}
+        columns["gap_known"] = known[keep]
+        return ProfiledCalls(**columns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +148,7 @@ def observation(calls: ProfiledCalls) -> CollectiveObservation:
     return CollectiveObservation(comm_id=comm, seq=seq, rank=calls.rank,
                                  enter_ns=calls.enter_ns, exit_ns=calls.exit_ns,
                                  op=op.astype(str), nbytes=nbytes,
-                                 algo=np.zeros(n, np.int64))
+                                 algo=np.zeros(n, np.int64), gap_known=calls.known_gaps())
 
 
 def group_timings(calls: ProfiledCalls) -> GroupTimings:
@@ -177,7 +198,7 @@ def localize_slow(calls: ProfiledCalls, *, node_of_rank: Mapping[int, NodeLabel]
     ``before_s``/``after_s`` are the detection's iteration times: the job is still slow when
     the profiled iteration time has kept at least ``still_slow_share`` of that increase.
     """
-    calls = calls.take(complete_instances(calls))
+    calls = calls.drop(complete_instances(calls))
     suspicion = classify_slow(observation(calls), comm_threshold=threshold)
     groups = find_slow_groups(group_timings(calls), threshold=threshold)
     iteration = iteration_time_s(calls)
@@ -239,21 +260,27 @@ def _slow_outside_nccl(calls: ProfiledCalls, threshold: float, min_share: float 
     communicator they belong to (by ``threshold`` relative and ``min_share`` absolute).
 
     Waiting happens inside NCCL calls, so the share outside them is each rank's own work; peers
-    of one communicator (a DP group: one rank per stage position) do the same work.
+    of one communicator (a DP group: one rank per stage position) do the same work. On the GPU
+    timeline that is the time the GPU spends between collectives. Spans across a missing call
+    (``gap_known`` False) count neither as the rank's work nor as its time.
     """
     if len(calls) == 0:
         return [], {}
     order = np.lexsort((calls.enter_ns, calls.rank))
     rank, enter, exit_ = calls.rank[order], calls.enter_ns[order], calls.exit_ns[order]
     same = rank[1:] == rank[:-1]
-    gaps = np.where(same, np.maximum(enter[1:] - exit_[:-1], 0.0), 0.0)
+    spans = np.where(same, np.maximum(enter[1:] - exit_[:-1], 0.0), 0.0)
+    known = calls.known_gaps()[order][1:]
     rank_values, rank_code = codes(rank)
-    own = np.bincount(rank_code[1:], weights=gaps, minlength=len(rank_values))
+    own = np.bincount(rank_code[1:], weights=np.where(known, spans, 0.0),
+                      minlength=len(rank_values))
+    unknown = np.bincount(rank_code[1:], weights=np.where(known, 0.0, spans),
+                          minlength=len(rank_values))
     lo = np.full(len(rank_values), np.inf)
     hi = np.full(len(rank_values), -np.inf)
     np.minimum.at(lo, rank_code, enter)
     np.maximum.at(hi, rank_code, exit_)
-    share = own / np.maximum(hi - lo, 1.0)
+    share = own / np.maximum(hi - lo - unknown, 1.0)
     share_of = dict(zip(rank_values.tolist(), share.tolist(), strict=True))
     flagged: set[int] = set()
     for members in _members(calls).values():

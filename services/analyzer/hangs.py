@@ -1,5 +1,6 @@
 """From a tracker hang event to CCL-D's diagnosis: the adapter between the counter rows the agents
-sampled and the pure ``diagnose_hang`` core."""
+sampled and the pure cores (``diagnosis_inputs`` reads them on the GPU timeline where the hook
+recorded completion marks, ``diagnose_hang`` names the cause)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from greyhound.core.hang_diagnosis import CommCounters, HangDiagnosis, LastRecords, diagnose_hang
+from greyhound.core.hang_counters import SampledCounters, diagnosis_inputs
+from greyhound.core.hang_diagnosis import HangDiagnosis, diagnose_hang
 from greyhound.hookabi import Op
 
 _U64 = 1 << 64
@@ -31,26 +33,36 @@ def op_name(code: int) -> str:
 
 def diagnose_from_rows(rows: dict[str, list[Any]], *, now_ns: int,
                        stalled_s: float) -> list[HangDiagnosis]:
-    """``rows``: one communicator's latest counter rows (columnar, COUNTER_FIELDS)."""
+    """``rows``: the latest counter rows of the stalled communicators and their members' others
+    (columnar, COUNTER_FIELDS). Rows from before GPU completion marks existed have no GPU
+    columns: they are read as host-only rows. Each diagnosis's evidence says which basis its
+    rows had."""
     n = len(rows.get("rank", []))
     if n == 0:
         return []
-    comm = np.array([signed64(int(c)) for c in rows["comm_id"]], dtype=np.int64)
-    inflight = np.asarray(rows["inflight_s"], dtype=np.float64)
-    entered = np.asarray(rows["last_seq_entered"], dtype=np.int64)
-    completed = np.asarray(rows["last_seq_completed"], dtype=np.int64)
-    quiet_since = now_ns - stalled_s * 1e9
-    enter_ns = np.where(inflight > 0, now_ns - inflight * 1e9, quiet_since)
-    exit_ns = np.where(inflight > 0, -1.0, quiet_since)
-    # a send/receive moves the call counters but no collective sequence number
-    in_call = (np.asarray(rows["entered"], dtype=np.int64)
-               > np.asarray(rows["completed"], dtype=np.int64)) | (inflight > 0)
-    counters = CommCounters(comm_id=comm, rank=np.asarray(rows["rank"]), entered=entered,
-                            completed=completed, in_call=in_call)
-    last = LastRecords(
-        comm_id=comm, rank=np.asarray(rows["rank"]), seq=entered - 1,
-        op=np.array([op_name(int(o)) for o in rows["last_op"]]),
-        count=np.asarray(rows["last_count"]), dtype=np.asarray(rows["last_dtype"]),
-        enter_ns=enter_ns, exit_ns=exit_ns)
+
+    def col(name: str, default: int = 0) -> np.ndarray:
+        return np.asarray(rows.get(name, [default] * n))
+
+    sample = SampledCounters(
+        comm_id=np.array([signed64(int(c)) for c in rows["comm_id"]], dtype=np.int64),
+        rank=col("rank"), calls_entered=col("entered"), calls_completed=col("completed"),
+        seq_entered=col("last_seq_entered"), seq_completed=col("last_seq_completed"),
+        inflight_s=col("inflight_s"), last_op=_op_names(col("last_op")),
+        last_count=col("last_count"), last_dtype=col("last_dtype"),
+        gpu_marks=col("gpu_marks") != 0, gpu_seq_completed=col("gpu_seq_completed"),
+        gpu_pending_s=col("gpu_pending_s"), gpu_pending_seq=col("gpu_pending_seq"),
+        gpu_pending_op=_op_names(col("gpu_pending_op")),
+        gpu_pending_count=col("gpu_pending_count"), gpu_pending_dtype=col("gpu_pending_dtype"))
+    counters, last = diagnosis_inputs(sample, now_ns=now_ns, stalled_s=stalled_s)
     stall_ns = max(1, int(stalled_s * 1e9 * 0.5))
-    return diagnose_hang(counters, last, now_ns=now_ns, stall_ns=stall_ns)
+    found = diagnose_hang(counters, last, now_ns=now_ns, stall_ns=stall_ns)
+    basis = sample.basis()
+    for d in found:
+        d.evidence["basis"] = basis
+    return found
+
+
+def _op_names(op_codes: np.ndarray) -> np.ndarray:
+    names = {int(o): op_name(int(o)) for o in np.unique(op_codes)}
+    return np.array([names[int(o)] for o in op_codes.tolist()], dtype=str)

@@ -4,6 +4,12 @@ Agents send a row per completed call only while a job is profiled, but the durab
 sees every job's batches (and, after a restart, old ones): a batch is dropped on its subject's
 job token before it is even decoded unless that job has an open window, and a window takes only
 batches published after it opened.
+
+Calls are timed on the GPU (NCCL is asynchronous: host enter/exit only say when the call was
+enqueued): a row's arrival is its GPU start and its completion its GPU end. Rows the hook could
+not time are excluded, and a rank with no GPU-timed row at all is used on host time
+(core.gpu_timeline); the window says which in its ``timing`` summary, and its readiness rule
+counts only the rows it will use.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import numpy as np
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from greyhound.core.gpu_timeline import Timeline, choose_timeline
 from greyhound.core.slow_localization import ProfiledCalls, complete_instances
 from greyhound.hookabi import Op
 from services.analyzer.hangs import op_name, signed64
@@ -27,7 +34,7 @@ from services.common.bus.streams import ANALYZER_COLLECTIVES, ConsumerSpec
 DTYPE_BYTES = np.array([1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1], dtype=np.int64)
 P2P_OPS = (int(Op.SEND), int(Op.RECV))
 _COLUMNS = ("rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count", "dtype", "enter_ns",
-            "exit_ns")
+            "exit_ns", "gpu_start_ns", "gpu_end_ns")
 
 
 @dataclass(frozen=True)
@@ -62,22 +69,34 @@ class ProfileBuffer:
         return len(self.columns["rank"])
 
     def calls(self) -> ProfiledCalls:
+        return self.window()[0]
+
+    def window(self) -> tuple[ProfiledCalls, Timeline]:
+        """The calls the localisation uses, on the timeline chosen per rank, and that choice."""
         c = {k: np.asarray(v, dtype=np.int64) for k, v in self.columns.items() if k != "comm_id"}
+        timeline = choose_timeline(c["rank"], c["enter_ns"], c["exit_ns"], c["gpu_start_ns"],
+                                   c["gpu_end_ns"])
+        keep = timeline.keep
+        c = {k: v[keep] for k, v in c.items()}
         op, dtype = c["op"], c["dtype"]
         known = (dtype >= 0) & (dtype < len(DTYPE_BYTES))
         size = np.where(known, DTYPE_BYTES[np.where(known, dtype, 0)], 1)
         names = {int(o): op_name(int(o)) for o in np.unique(op)}
+        enter, exit_ = timeline.enter_ns[keep], timeline.exit_ns[keep]
         # wall ns since the epoch lose ~256 ns as float64; relative to the window they do not
-        base = int(c["enter_ns"].min(initial=0))
-        return ProfiledCalls(
-            rank=c["rank"],
-            comm_id=np.array([signed64(x) for x in self.columns["comm_id"]], dtype=np.int64),
-            comm_rank=c["comm_rank"], nranks=c["nranks"], seq=c["seq"],
+        base = int(enter.min(initial=0))
+        comm_ids = np.array([signed64(x) for x in self.columns["comm_id"]], dtype=np.int64)
+        calls = ProfiledCalls(
+            rank=c["rank"], comm_id=comm_ids[keep], comm_rank=c["comm_rank"],
+            nranks=c["nranks"], seq=c["seq"],
             op=np.array([names[int(o)] for o in op.tolist()], dtype=str), nbytes=c["count"] * size,
-            p2p=np.isin(op, P2P_OPS), enter_ns=(c["enter_ns"] - base).astype(np.float64),
-            exit_ns=(c["exit_ns"] - base).astype(np.float64))
+            p2p=np.isin(op, P2P_OPS), enter_ns=(enter - base).astype(np.float64),
+            exit_ns=(exit_ - base).astype(np.float64), gap_known=timeline.gap_known[keep])
+        return calls, timeline
 
     def ready(self, rule: WindowRule) -> bool:
+        """Judged on the rows the localisation will use: once a rank has GPU-timed rows, its
+        untimed ones (enqueued before profiling began, captured in a graph) do not count."""
         if len(self) == 0:
             return False
         calls = self.calls()

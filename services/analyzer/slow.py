@@ -62,8 +62,9 @@ class SlowLocalizer:
 
     async def _run(self, incident_id: str, det: DetectionEvent) -> None:
         try:
-            loc, window = await self._profile(det)
-            announce = await self._record(incident_id, det, loc, window)
+            loc, window, timing = await self._profile(det)
+            announce = await self._record(incident_id, det, loc, {"window": window,
+                                                                   "timing": timing})
             for subject, msg in announce:
                 await publish(self.ctx.js, subject, msg)
         except asyncio.CancelledError:
@@ -71,7 +72,10 @@ class SlowLocalizer:
         except Exception:  # one failed localisation must not take the analyzer down
             log.exception("localisation of job %s failed", det.job_id)
 
-    async def _profile(self, det: DetectionEvent) -> tuple[SlowLocalization, dict[str, Any]]:
+    async def _profile(self, det: DetectionEvent
+                       ) -> tuple[SlowLocalization, dict[str, Any], dict[str, object]]:
+        """Profile the job until the window is ready; the localisation, the window's facts, and
+        which clock its calls were timed on (GPU, host, or both)."""
         async with self.ctx.db()() as session:
             ranks: Sequence[Rank] = await repo.job_ranks(session, det.job_id)
         agents = sorted({r.agent_id for r in ranks})
@@ -89,10 +93,10 @@ class SlowLocalizer:
             await self._set_mode(det.job_id, agents, "monitor")
         window = {"agents": len(agents), "agents_answered": answered, "batches": buf.batches,
                   "rows": len(buf), "wall_s": round(time.monotonic() - t0, 3)}
-        calls = buf.calls()
+        calls, timeline = buf.window()
         loc = await asyncio.to_thread(localize_slow, calls, node_of_rank=node_of_rank,
                                       before_s=det.before_s, after_s=det.after_s)
-        return loc, window
+        return loc, window, timeline.summary()
 
     async def _set_mode(self, job: str, agents: list[str], mode: str) -> int:
         """Ask every agent; an agent that does not answer costs its ranks' rows, not the window."""
@@ -113,8 +117,8 @@ class SlowLocalizer:
         return ok
 
     async def _record(self, incident_id: str, det: DetectionEvent, loc: SlowLocalization,
-                      window: dict[str, Any]) -> list[tuple[str, Any]]:
-        evidence = {**_unsigned_evidence(loc.evidence), "window": window}
+                      facts: dict[str, Any]) -> list[tuple[str, Any]]:
+        evidence = {**_unsigned_evidence(loc.evidence), **facts}
         async with self.ctx.db()() as session:
             incident = await repo.get_incident_for_update(session, incident_id)
             if incident is None:

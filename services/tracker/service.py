@@ -142,18 +142,23 @@ class Tracker:
         """One event per job and check: a hang stalls many communicators at once (the cascade),
         and only the diagnosis over all of them can tell the cause from its symptoms."""
         worst = max(found, key=lambda f: f.stalled_s)
-        waiting = sorted({r for f in found for r in f.inflight_ranks})
+        waiting = sorted({r for f in found for r in f.waiting_ranks})
+        bases = {f.basis for f in found}
+        basis = bases.pop() if len(bases) == 1 else "mixed"
         event = DetectionEvent(
             job_id=job, kind="hang", ranks=waiting[:256], first_iteration=-1,
             detected_iteration=-1, before_s=0.0, after_s=worst.stalled_s,
             detected_ns=time.time_ns(), comm_id=worst.comm_id, stalled_s=worst.stalled_s,
             threshold_s=worst.threshold_s, method="hang-watch",
             evidence={"counters": mon.rows_for(found),
-                      "stalled_comms": [f.comm_id for f in found][:1024]})
+                      "stalled_comms": [f.comm_id for f in found][:1024],
+                      "wait_basis": basis})
         await publish(self.ctx.js, Subjects.detection(job), event)
         self.detections += 1
-        log.warning("job %s: %d communicator(s) stalled up to %.1fs (threshold %.1fs); inside "
-                    "NCCL: %s", job, len(found), worst.stalled_s, worst.threshold_s, waiting[:8])
+        where = {"gpu": "pending on the GPU", "host": "inside NCCL (host-only)"}.get(
+            basis, "pending on the GPU or inside NCCL")
+        log.warning("job %s: %d communicator(s) stalled up to %.1fs (threshold %.1fs); %s: %s",
+                    job, len(found), worst.stalled_s, worst.threshold_s, where, waiting[:8])
 
     async def _hello(self, msg: AgentHello) -> None:
         if self.ctx.sessions is None:

@@ -4,6 +4,13 @@ Adapter: decode the Suspicion -> ask the job's agents for status -> pause every 
 iteration boundary -> GEMM and P2P benchmarks on the paused job -> resume (always) -> judge with
 the pure verdict core -> update the incident, commit, then announce it. The job is held only
 between the pause and the resume; that span is measured and kept as evidence (``pause_s``).
+
+The host parks at an NCCL boundary while GPU work it already enqueued keeps running (NCCL is
+asynchronous), so each rank first waits for its queued GPU work to drain, then times the
+benchmarks on the GPU. The wait is not part of any duration; each rank's total is kept as
+evidence (``drain_s``). What it can still do is start the two ends of a transfer at different
+moments: the end that starts first waits for its peer inside its timed kernel. So a transfer's
+time is its best repeat (back-to-back repeats start together), as a GEMM's is.
 """
 
 from __future__ import annotations
@@ -144,17 +151,19 @@ class Validator:
         run = Run(evidence={"pause_seq": plan.seq, "gemm_ranks": gpus, "p2p_comms": links,
                             "p2p_reference_comms": refs, "p2p_rounds": len(rounds)})
         t0 = time.monotonic()
+        drain: dict[int, float] = {}
         try:
             await self._pause(s.job_id, agents, plan.comm_of_rank, plan.seq)
             run.evidence["paused_after_s"] = await self._wait_paused(s.job_id, agents, t0)
-            gemm = await self._gemm(s.job_id, agents, gpus)
-            p2p = await self._p2p(s.job_id, agents, rounds)
+            gemm = await self._gemm(s.job_id, agents, gpus, drain)
+            p2p = await self._p2p(s.job_id, agents, rounds, drain)
         except ValidationFailed as exc:
             run.failure = str(exc)
             return run
         finally:
             await self._resume(s.job_id, agents)
             run.pause_s = time.monotonic() - t0
+            run.evidence["drain_s"] = {str(r): round(v, 6) for r, v in sorted(drain.items())}
         thr = self.config.threshold
         run.verdict = combine_verdicts(
             judge_gemm(gemm, threshold=thr) if gemm else None,
@@ -212,8 +221,10 @@ class Validator:
             except Exception:  # keep resuming the others; the agent logs its side
                 log.exception("job %s: resume on agent %s failed", job, agent)
 
-    async def _bench(self, job: str, agents: dict[str, list[int]], items: list[BenchItem]
-                     ) -> list[BenchOutcome]:
+    async def _bench(self, job: str, agents: dict[str, list[int]], items: list[BenchItem],
+                     drain: dict[int, float]) -> list[BenchOutcome]:
+        """Run ``items`` on their ranks' agents; each rank's wait for its queued GPU work is
+        added to ``drain`` (seconds), whether or not every benchmark got done."""
         agent_of = {r: a for a, rs in agents.items() for r in rs}
         per: dict[str, list[BenchItem]] = defaultdict(list)
         for it in items:
@@ -223,23 +234,28 @@ class Validator:
                                         bench=its, timeout_s=self.config.bench_timeout_s))
             for a, its in per.items()))
         out = [o for reply in replies for o in reply.results]
-        bad = [o for o in out if o.state != "done"]
+        for o in out:
+            drain[o.item.rank] = drain.get(o.item.rank, 0.0) + o.drain_ns / 1e9
+        bad = [o for o in out if o.state != "done" or not o.durations_ns]
         if bad:
+            what = bad[0].state if bad[0].state != "done" else "done without a timing"
             raise ValidationFailed(f"{len(bad)} benchmark(s) not done, e.g. rank {bad[0].item.rank} "
-                                   f"{bad[0].item.kind}: {bad[0].state}")
+                                   f"{bad[0].item.kind}: {what}")
         return out
 
-    async def _gemm(self, job: str, agents: dict[str, list[int]], ranks: list[int]
-                    ) -> dict[int, float]:
+    async def _gemm(self, job: str, agents: dict[str, list[int]], ranks: list[int],
+                    drain: dict[int, float]) -> dict[int, float]:
         """Best-of-repeats GEMM time per GPU: interference only ever adds time."""
         c = self.config
         items = [BenchItem(rank=r, kind="gemm", size=c.gemm_n, repeat=c.gemm_repeat) for r in ranks]
-        outs = await self._bench(job, agents, items) if items else []
+        outs = await self._bench(job, agents, items, drain) if items else []
         return {o.item.rank: min(o.durations_ns) / 1e9 for o in outs}
 
-    async def _p2p(self, job: str, agents: dict[str, list[int]], rounds: list[list[Transfer]]
-                   ) -> dict[tuple[int, int], list[float]]:
-        """Each link's times (every size, every repeat); a transfer lasts until both ends end."""
+    async def _p2p(self, job: str, agents: dict[str, list[int]], rounds: list[list[Transfer]],
+                   drain: dict[int, float]) -> dict[tuple[int, int], list[float]]:
+        """Each link's time per size: a transfer lasts until both ends end (the longer of the
+        two GPU times of one repeat), and the best repeat counts, since the first may hold one
+        end's wait for the other (interference, like a late peer, only ever adds time)."""
         c = self.config
         times: dict[tuple[int, int], list[float]] = {}
         for transfers in rounds:
@@ -250,7 +266,7 @@ class Validator:
                                            comm_id=t.comm_id, peer=t.dst_comm_rank))
                     items.append(BenchItem(rank=t.dst, kind="recv", size=size, repeat=c.p2p_repeat,
                                            comm_id=t.comm_id, peer=t.src_comm_rank))
-            outs = await self._bench(job, agents, items)
+            outs = await self._bench(job, agents, items, drain)
             for t in transfers:
                 seq: list[float] = []
                 for size in c.p2p_sizes:
@@ -258,8 +274,8 @@ class Validator:
                                 and o.item.size == size and o.item.peer == t.dst_comm_rank)
                     recv = next(o for o in outs if o.item.rank == t.dst and o.item.kind == "recv"
                                 and o.item.size == size and o.item.peer == t.src_comm_rank)
-                    seq.extend(max(a, b) / 1e9 for a, b in zip(send.durations_ns,
-                                                               recv.durations_ns, strict=True))
+                    seq.append(min(max(a, b) for a, b in zip(send.durations_ns,
+                                                             recv.durations_ns, strict=True)) / 1e9)
                 times[t.link] = seq
         return times
 

@@ -42,7 +42,7 @@ def test_stall_inside_nccl_alarms_once_after_threshold() -> None:
         alarms += [(t, a) for a in mon.check(t)]
     assert len(alarms) == 1
     t, a = alarms[0]
-    assert a.comm_id == 7 and a.inflight_ranks == (0, 1, 3)
+    assert a.comm_id == 7 and a.waiting_ranks == (0, 1, 3)
     assert 3.0 <= a.stalled_s <= 3.3 and a.threshold_s == 3.0
     assert a.members == (0, 1, 2, 3)
 
@@ -148,3 +148,100 @@ def test_rows_for_a_finding_include_every_communicator_with_a_call_in_flight() -
     # past the row limit, the longest waits stay
     few = mon.rows_for(found, limit=4)
     assert set(few["comm_id"]) == {7}
+
+
+def _gpu_sample(done: list[int], pending: list[float], comm: int = 7,
+                inflight: list[float] | None = None) -> dict[str, list[Any]]:
+    """Rows of an asynchronous job with GPU completion marks: hosts have returned from every
+    call (inflight 0 unless given), the GPU has ``done`` calls done and its oldest pending call
+    is ``pending`` seconds old (0: nothing pending)."""
+    n = len(done)
+    cols = _sample(done, [0.0] * n, comm)
+    cols["entered"] = cols["completed"] = [d + 2 for d in done]  # the hosts ran ahead
+    cols["inflight_s"] = inflight or [0.0] * n
+    cols["gpu_marks"] = [1] * n
+    cols["gpu_completed"] = done
+    cols["gpu_pending_s"] = pending
+    cols["gpu_pending_op"] = [1 if p > 0 else 0 for p in pending]
+    return cols
+
+
+def _warm_gpu(mon: JobHangMonitor, seconds: int) -> int:
+    done = 0
+    for t in range(seconds * 10):
+        mon.observe_iteration(0.1)
+        done += 1
+        mon.observe_counters(t / 10, _gpu_sample([done] * 4, [0.08, 0.05, 0.09, 0.0]))
+        assert mon.check(t / 10) == []
+    return done
+
+
+def test_call_pending_on_the_gpu_alarms_while_no_host_is_inside_nccl() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm_gpu(mon, 10)
+    alarms = []
+    for k in range(1, 80):
+        t = 10.0 + k / 10
+        # Rank 2 never enqueued; the others' GPUs wait in the collective, their hosts blocked
+        # in a synchronisation outside NCCL.
+        mon.observe_counters(t, _gpu_sample([done] * 4, [k / 10, k / 10, 0.0, k / 10]))
+        alarms += mon.check(t)
+    assert len(alarms) == 1
+    (a,) = alarms
+    assert a.comm_id == 7 and a.waiting_ranks == (0, 1, 3) and a.basis == "gpu"
+    assert 3.0 <= a.stalled_s <= 3.3 and a.threshold_s == 3.0
+
+
+def test_host_time_inside_a_call_is_ignored_where_gpu_marks_exist() -> None:
+    """A host thread long inside an NCCL call says nothing about the GPU: with marks and
+    nothing pending, no alarm."""
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm_gpu(mon, 10)
+    for k in range(1, 80):
+        t = 10.0 + k / 10
+        mon.observe_counters(t, _gpu_sample([done] * 4, [0.0] * 4, inflight=[k / 10] * 4))
+        assert mon.check(t) == []
+
+
+def test_checkpoint_with_nothing_pending_on_the_gpu_never_alarms() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm_gpu(mon, 10)
+    for k in range(1, 100):
+        t = 10.0 + k / 10
+        mon.observe_counters(t, _gpu_sample([done] * 4, [0.0] * 4))
+        assert mon.check(t) == []
+
+
+def test_a_long_gpu_wait_that_ended_is_learned_and_one_that_did_not_is_not() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm_gpu(mon, 10)
+    t = 10.0
+    for k in range(1, 41):  # peers' barrier pends 4 s on their GPUs while rank 0 saves
+        t = 10.0 + k / 10
+        mon.observe_counters(t, _gpu_sample([done] * 4, [0.0, k / 10, k / 10, k / 10]))
+        mon.check(t)
+    # calls on another stream complete while the barrier is still the oldest pending call:
+    # the wait has not ended, nothing is learned
+    mon.observe_counters(t + 0.1, _gpu_sample([done + 1] * 4, [0.0, 4.1, 4.1, 4.1]))
+    assert mon.policy.threshold_s() == 3.0
+    mon.observe_counters(t + 0.2, _gpu_sample([done + 2] * 4, [0.0] * 4))  # it completed
+    assert mon.policy.threshold_s() >= 1.5 * 4.1
+    for k in range(1, 41):  # the next checkpoint's barrier of the same length: no alarm
+        t2 = t + 1 + k / 10
+        mon.observe_counters(t2, _gpu_sample([done + 2] * 4, [0.0, k / 10, k / 10, k / 10]))
+        assert mon.check(t2) == []
+
+
+def test_rows_without_marks_fall_back_to_host_time_and_say_so() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    found = []
+    for k in range(1, 40):
+        t = 10.0 + k / 10
+        host = _sample([done] * 4, [k / 10, k / 10, 0.0, k / 10])
+        host["gpu_pending_s"] = [99.0] * 4  # never read without marks
+        mon.observe_counters(t, host)
+        mon.observe_counters(t, _gpu_sample([done] * 2, [k / 10, k / 10], comm=8))
+        found += mon.check(t)
+    assert {(f.comm_id, f.basis) for f in found} == {(7, "host"), (8, "gpu")}
+    assert all(3.0 <= f.stalled_s <= 3.3 for f in found)

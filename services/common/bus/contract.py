@@ -187,9 +187,19 @@ class IterationBatch(Message):
 class CounterBatch(Message):
     """CCL-D style per-communicator counters of each rank, sampled by the agent (columnar).
 
-    ``inflight_s`` is how long the call now inside NCCL has been there (0 when none): a rank stuck
-    inside a collective that every peer entered is the hardware-hang suspect. ``last_*`` describe
-    the rank's newest collective on that communicator, so ranks can be compared at one sequence.
+    NCCL calls are asynchronous, so the columns come in two sets. Host side: ``entered`` /
+    ``last_seq_entered`` and ``last_*`` say what the host enqueued (``last_*`` describe its
+    newest call, which may be past the one the GPU is stuck in); ``completed`` /
+    ``last_seq_completed`` move at host return, microseconds later; ``inflight_s`` is how long a
+    host thread has been inside the NCCL API (normally microseconds, 0 when none). GPU side,
+    from the hook's completion marks: ``gpu_marks`` is 1 when they are recorded for this
+    communicator (0: a host-only process, whose readers fall back to the host columns);
+    ``gpu_completed`` counts calls done on the GPU (numbered as ``entered``) and
+    ``gpu_seq_completed`` is the newest collective done there; ``gpu_pending_s`` is the age of
+    the oldest call enqueued and not done on the GPU (0 when none), and ``gpu_pending_seq`` /
+    ``_op`` / ``_count`` / ``_dtype`` describe that call (seq 0 for a send or receive), so ranks
+    stuck at one sequence compare what each one is stuck in. A hung collective shows as a large
+    ``gpu_pending_s`` while every host has left NCCL.
     """
 
     kind: Literal["counters"] = "counters"
@@ -207,10 +217,20 @@ class CounterBatch(Message):
     last_op: list[int]
     last_count: list[int]
     last_dtype: list[int]
+    gpu_marks: list[int]
+    gpu_completed: list[int]
+    gpu_seq_completed: list[int]
+    gpu_pending_s: list[float]
+    gpu_pending_seq: list[int]
+    gpu_pending_op: list[int]
+    gpu_pending_count: list[int]
+    gpu_pending_dtype: list[int]
 
     COLUMNS: ClassVar[tuple[str, ...]] = (
         "rank", "comm_id", "comm_rank", "nranks", "entered", "completed", "last_seq_entered",
-        "last_seq_completed", "inflight_s", "last_op", "last_count", "last_dtype")
+        "last_seq_completed", "inflight_s", "last_op", "last_count", "last_dtype", "gpu_marks",
+        "gpu_completed", "gpu_seq_completed", "gpu_pending_s", "gpu_pending_seq",
+        "gpu_pending_op", "gpu_pending_count", "gpu_pending_dtype")
 
     @model_validator(mode="after")
     def _columns(self) -> CounterBatch:
@@ -395,7 +415,9 @@ class BenchOutcome(BaseModel):
 
     item: BenchItem
     state: Literal["done", "unsupported", "failed", "timeout"]
-    durations_ns: list[int] = Field(default_factory=list)
+    durations_ns: list[int] = Field(default_factory=list, description="GPU time of each repeat")
+    drain_ns: int = Field(default=0, ge=0, description=(
+        "how long the paused rank waited for its queued GPU work before measuring"))
 
 
 class ControlReply(BaseModel):

@@ -1,5 +1,7 @@
 """The analyzer's localisation on a real nats-server and Postgres, with stand-in agents that
-answer set_mode and, in profile mode, publish the collectives of a 4-rank job."""
+answer set_mode and, in profile mode, publish the collectives of a 4-rank job: timed on the GPU
+(hosts enqueue together, the late rank's GPU arrives late) or, for a host-only job, on host
+time."""
 
 from __future__ import annotations
 
@@ -36,9 +38,11 @@ AGENTS = ("node-a", "node-b")
 
 def collectives(job: str, agent: str, ranks: list[int], *, iters: int, iter_ms: float,
                 late_rank: int | None, late_ms: float, seed: int,
-                comm_ms: float = 0.5) -> CollectiveBatch:
-    """One all-reduce per iteration on one 4-rank communicator; the late rank enters late and
-    everyone leaves together, as NCCL ranks do."""
+                comm_ms: float = 0.5, gpu: bool = False) -> CollectiveBatch:
+    """One all-reduce per iteration on one 4-rank communicator; the late rank arrives late and
+    everyone completes together, as NCCL ranks do. With ``gpu``, arrival and completion are GPU
+    times and every host enqueues the call at the same instant (NCCL is asynchronous); without,
+    a host-only job whose host enter/exit are the arrival and completion."""
     rng = np.random.default_rng(seed)
     cols: dict[str, list[int]] = {k: [] for k in (
         "rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count", "dtype", "peer",
@@ -50,11 +54,13 @@ def collectives(job: str, agent: str, ranks: list[int], *, iters: int, iter_ms: 
                    for r in range(4)}
         exit_ns = start + int(max(compute.values()) + comm_ms * 1e6)
         for r in ranks:
-            enter = start + int(compute[r])
+            arrive = start + int(compute[r])
+            host = (start + 1000, start + 21_000) if gpu else (arrive, exit_ns)
             for key, value in (("rank", r), ("comm_id", COMM), ("comm_rank", r), ("nranks", 4),
                                ("seq", it + 1), ("op", 1), ("count", 1 << 18), ("dtype", 7),
-                               ("peer", -1), ("enter_ns", enter), ("exit_ns", exit_ns),
-                               ("gpu_start_ns", 0), ("gpu_end_ns", 0)):
+                               ("peer", -1), ("enter_ns", host[0]), ("exit_ns", host[1]),
+                               ("gpu_start_ns", arrive if gpu else 0),
+                               ("gpu_end_ns", exit_ns if gpu else 0)):
                 cols[key].append(value)
     return CollectiveBatch(job_id=job, agent_id=agent, **cols)
 
@@ -129,10 +135,24 @@ async def run_case(ctx: ServiceContext, *, before_s: float, after_s: float,
     return incident, [Suspicion.model_validate_json(m.data) for m in msgs], agents.modes
 
 
+async def test_late_gpu_is_localized_while_every_host_enters_together(
+        ctx: ServiceContext) -> None:
+    incident, suspicions, modes = await run_case(
+        ctx, before_s=0.031, after_s=0.051, iters=40, iter_ms=55.0, late_rank=2, late_ms=20.0,
+        gpu=True)
+    assert modes == ["profile", "profile", "monitor", "monitor"]
+    assert incident["kind"] == "compute_slow", incident["evidence"]
+    assert incident["culprit"]["compute_ranks"] == [2]
+    assert incident["evidence"]["localization"]["timing"] == {
+        "basis": "gpu", "gpu_rows": 160, "host_only_rows": 0, "excluded_rows": 0}
+    assert suspicions[0].ranks == [2] and suspicions[0].evidence["timing"]["basis"] == "gpu"
+
+
 async def test_late_rank_is_localized_as_compute(ctx: ServiceContext) -> None:
     incident, suspicions, modes = await run_case(
         ctx, before_s=0.031, after_s=0.051, iters=40, iter_ms=55.0, late_rank=2, late_ms=20.0)
     assert modes == ["profile", "profile", "monitor", "monitor"]
+    assert incident["evidence"]["localization"]["timing"]["basis"] == "host"
     assert incident["kind"] == "compute_slow"
     assert incident["culprit"]["compute_ranks"] == [2]
     assert incident["culprit"]["nodes"] == ["host1"]

@@ -1,0 +1,74 @@
+"""The tracker's hang watch over a real nats-server: counters of an asynchronous job, where every
+host has left NCCL and the collective sits pending on the GPUs, raise a hang event that says its
+wait was read on the GPU and carries the GPU columns the analyzer diagnoses from."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from services.common.bus.contract import CounterBatch, DetectionEvent, Subjects
+from services.common.bus.streams import EVENTS
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+from services.tracker.service import Tracker
+
+
+@pytest.fixture()
+async def ctx(nats_url: str) -> AsyncIterator[ServiceContext]:
+    settings = Settings(nats_url=nats_url, hang_floor_s=2.0)
+    c = await start_service("hang-watch-test", settings, need_db=False,
+                            backends=Backends(nats_url=nats_url, database_url=""))
+    yield c
+    await c.close()
+
+
+def _counters(job: str, pending_s: float, *, marks: int = 1) -> CounterBatch:
+    n = 4
+    cols: dict[str, list[Any]] = {c: [0] * n for c in CounterBatch.COLUMNS}
+    cols.update(rank=list(range(n)), comm_id=[(1 << 64) - 7] * n, comm_rank=list(range(n)),
+                nranks=[n] * n, entered=[12, 12, 9, 12], completed=[12, 12, 9, 12],
+                last_seq_entered=[12, 12, 9, 12], last_seq_completed=[12, 12, 9, 12],
+                inflight_s=[0.0] * n, last_op=[1] * n, gpu_marks=[marks] * n,
+                gpu_completed=[9] * n, gpu_seq_completed=[9] * n,
+                gpu_pending_s=[pending_s, pending_s, 0.0, pending_s],
+                gpu_pending_seq=[10, 10, 0, 10], gpu_pending_op=[1, 1, 0, 1])
+    return CounterBatch(job_id=job, agent_id="a0", sampled_ns=time.time_ns(), **cols)
+
+
+async def _events(ctx: ServiceContext, job: str) -> list[DetectionEvent]:
+    sub = await ctx.js.pull_subscribe(Subjects.detection(job), stream=EVENTS)
+    out: list[DetectionEvent] = []
+    try:
+        while True:
+            out += [DetectionEvent.model_validate_json(m.data)
+                    for m in await sub.fetch(10, timeout=0.5)]
+    except TimeoutError:
+        pass
+    await sub.unsubscribe()
+    return out
+
+
+async def test_collective_pending_on_the_gpu_is_a_hang_with_no_host_inside_nccl(
+        ctx: ServiceContext) -> None:
+    job = f"gpuhang-{uuid.uuid4().hex[:6]}"
+    tracker = Tracker(ctx)
+    await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 0.5))
+    assert await _events(ctx, job) == []  # pending, but under the 2 s floor
+    await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 5.0))
+    (event,) = await _events(ctx, job)
+    assert event.kind == "hang" and event.ranks == [0, 1, 3] and event.stalled_s == 5.0
+    assert event.evidence["wait_basis"] == "gpu"
+    rows = event.evidence["counters"]
+    assert rows["gpu_pending_seq"] == [10, 10, 0, 10] and rows["inflight_s"] == [0.0] * 4
+
+
+async def test_without_gpu_marks_only_host_time_counts(ctx: ServiceContext) -> None:
+    job = f"hosthang-{uuid.uuid4().hex[:6]}"
+    tracker = Tracker(ctx)
+    await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 5.0, marks=0))
+    assert await _events(ctx, job) == []  # the GPU columns are not read; no host is inside

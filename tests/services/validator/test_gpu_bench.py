@@ -1,0 +1,101 @@
+"""The validator on GPU-timed benchmarks, against a stand-in agent over a real nats-server: each
+paused rank first drains its queued GPU work (drain_ns, recorded per rank in the evidence), and
+the end of a transfer that started first waits for its peer inside its timed kernel, which only
+the first repeat shows and which must not make a healthy link look slow."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from nats.aio.msg import Msg
+
+from services.common.bus.contract import (
+    BenchItem,
+    BenchOutcome,
+    CommStatus,
+    ControlReply,
+    ControlRequest,
+    RankStatus,
+    Subjects,
+    Suspicion,
+)
+from services.common.db.models import Rank
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+from services.validator.service import Validator, ValidatorConfig
+
+JOB, AGENT, WORLD, COMM = "gpubench", "gpu-agent", 4, 0xABC
+MS = 1_000_000
+DRAIN_NS = {0: 3 * MS, 1: 40 * MS, 2: 7 * MS, 3: 120 * MS}  # the first benchmark of each rank
+
+
+class StandInAgent:
+    """Four ranks on one node: rank 2's GEMM is 2x slower, the link 1->2 4x slower; a receive
+    at rank 3 starts 50 ms before its sender (a longer drain elsewhere) in its first repeat."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.drained: set[int] = set()
+        self.benched: list[BenchItem] = []
+
+    def _status(self) -> list[RankStatus]:
+        return [RankStatus(rank=r, host="node0", device=r, mode="monitor", paused=self.paused,
+                           comms=[CommStatus(comm_id=COMM, comm_rank=r, nranks=WORLD,
+                                             last_seq_entered=100, last_seq_completed=100)])
+                for r in range(WORLD)]
+
+    def _run(self, it: BenchItem) -> BenchOutcome:
+        drain = 0 if it.rank in self.drained else DRAIN_NS[it.rank]
+        self.drained.add(it.rank)
+        self.benched.append(it)
+        if it.kind == "gemm":
+            times = [(2 if it.rank == 2 else 1) * 10 * MS] * it.repeat
+        else:
+            src, dst = (it.rank, it.peer) if it.kind == "send" else (it.peer, it.rank)
+            base = it.size // 10_000 * (4 if (src, dst) == (1, 2) else 1)  # 10 GB/s
+            times = [base] * it.repeat
+            if it.kind == "recv" and it.rank == 3:
+                times[0] += 50 * MS
+        return BenchOutcome(item=it, state="done", durations_ns=times, drain_ns=drain)
+
+    async def answer(self, msg: Msg) -> None:
+        req = ControlRequest.model_validate_json(msg.data)
+        reply: dict[str, Any] = {"ok": True, "agent_id": AGENT}
+        if req.action == "pause":
+            self.paused = True
+        elif req.action == "resume":
+            self.paused = False
+        elif req.action == "bench":
+            reply["results"] = [self._run(it) for it in req.bench]
+        reply["ranks"] = self._status()
+        await msg.respond(ControlReply(**reply).model_dump_json().encode())
+
+
+@pytest.fixture()
+async def ctx(nats_url: str) -> AsyncIterator[ServiceContext]:
+    c = await start_service("gpu-bench-test", Settings(nats_url=nats_url), need_db=False,
+                            backends=Backends(nats_url=nats_url, database_url=""))
+    yield c
+    await c.close()
+
+
+async def test_drain_is_recorded_per_rank_and_a_late_peer_is_not_a_slow_link(
+        ctx: ServiceContext) -> None:
+    agent = StandInAgent()
+    sub = await ctx.nc.subscribe(Subjects.control(JOB, AGENT), cb=agent.answer)
+    ranks = [Rank(job_id=JOB, rank=r, host="node0", node=0, device=r, pid=10 + r,
+                  agent_id=AGENT) for r in range(WORLD)]
+    s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])
+    try:
+        run = await Validator(ctx, ValidatorConfig(poll_s=0.01)).validate(s, ranks)
+    finally:
+        await sub.unsubscribe()
+    assert run.verdict is not None, run.failure
+    assert not agent.paused  # resumed
+    assert {it.kind for it in agent.benched} == {"gemm", "send", "recv"}
+    assert run.evidence["drain_s"] == {str(r): d / 1e9 for r, d in DRAIN_NS.items()}
+    assert run.verdict.gpus == [2]
+    assert run.verdict.links == [(1, 2)], run.evidence  # not the links into rank 3
+    assert all(len(v) == 3 for v in run.evidence["p2p_s"].values())  # one time per size
