@@ -234,14 +234,18 @@ class ClusterModel:
                     op = int(s) * 2 * int(m) + int(gc[1] * 2 * m)
                     offset[op, col[0], t] += noise.gc_pause_s
             # Each host issues an operation in host_fraction of its nominal GPU time (times
-            # its node's contention), the GPU cannot finish it before (run_pipeline's floor).
+            # its node's contention); the GPU cannot finish it before (run_pipeline's floor),
+            # which matters only where a stage's host falls behind its GPU's own work.
             hosts = d.host[:, ds, :]
-            work = job.host_fraction * job.microbatch_compute_s * frac[:, None, None] \
-                * hosts[order.stage]
-            host = tl.HostLaunch.of(order, work, job.launch_us * 1e-6 * hosts, job.tp > 1)
+            work = job.host_fraction * job.microbatch_compute_s * frac
+            host = tl.HostLaunch.of(order, work, hosts, job.launch_us * 1e-6 * hosts,
+                                    job.tp > 1)
             tp_ar = d.tp_ar[order.stage][:, ds]
-            floor = host.ready().max(axis=2) + tp_ar
-            start, end = run_pipeline(order, offset.max(axis=2) + tp_ar, xtab[:, ds], floor)
+            dur = offset.max(axis=2) + tp_ar
+            floor = host.last_ready() + tp_ar
+            own = np.cumsum(dur.reshape(job.pp, 2 * int(m), -1), axis=1).reshape(dur.shape)
+            start, end = run_pipeline(order, dur, xtab[:, ds],
+                                      floor if np.any(floor > own) else None)
             runs.append(tl.BucketRun(order, ds, start, end, offset, host))
         return runs
 

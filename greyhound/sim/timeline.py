@@ -84,37 +84,51 @@ class HostLaunch:
     """When the hosts of one bucket's DP groups issue their work, relative to the iteration
     start (when each host returns from the previous iteration's synchronisation).
 
-    Each stage's host issues its operations back to back: ``launched`` (n_ops + 1, DP groups,
-    TP; the last row, the sentinel, is 0) is when it has issued an operation's kernels, not
-    counting its NCCL calls, each of which takes ``call_s`` (PP, DP groups, TP) more.
+    Each stage's host issues its operations back to back. Issuing an operation's kernels takes
+    ``work`` (n_ops,) seconds times the rank's ``hosts`` multiplier (PP, DP groups, TP; its
+    node's contention), and each NCCL call ``call_s`` (PP, DP groups, TP) more; ``issued`` is
+    the running sum of ``work`` per stage (n_ops + 1, the sentinel last, 0).
     """
 
     order: PipelineOrder
-    launched: FloatArray
+    issued: FloatArray
+    hosts: FloatArray
     call_s: FloatArray
     calls: CallOrder
 
     @classmethod
-    def of(cls, order: PipelineOrder, work: FloatArray, call_s: FloatArray,
+    def of(cls, order: PipelineOrder, work: FloatArray, hosts: FloatArray, call_s: FloatArray,
            tp_calls: bool) -> HostLaunch:
-        """``work`` (n_ops, DP groups, TP): the host time to issue each operation's kernels."""
-        n, nb, tp = work.shape
-        launched = np.zeros((n + 1, nb, tp))
-        per_stage = work.reshape(order.pp, 2 * order.m, nb, tp)
-        launched[:n] = np.cumsum(per_stage, axis=1).reshape(n, nb, tp)
-        return cls(order, launched, call_s, call_order(order.pp, order.m, tp_calls))
+        issued = np.zeros(order.n_ops + 1)
+        issued[:-1] = np.cumsum(work.reshape(order.pp, 2 * order.m), axis=1).ravel()
+        return cls(order, issued, hosts, call_s, call_order(order.pp, order.m, tp_calls))
 
     def at(self, after: IntArray, stage: IntArray, index: IntArray) -> FloatArray:
         """Host time of the NCCL call numbered ``index`` among those of ``stage``, issued right
         after the kernels of operation ``after`` (the sentinel: before any), for every DP group
         and TP rank: (len(after), DP groups, TP)."""
-        return self.launched[after] + self.call_s[stage] * index[:, None, None]
+        col = (slice(None), None, None)
+        return self.issued[after][col] * self.hosts[stage] + self.call_s[stage] * index[col]
 
     def ready(self) -> FloatArray:
         """When each rank's host has issued an operation, its TP all-reduce included: its GPU
-        cannot reach the all-reduce, nor finish the operation, before that."""
+        cannot reach the all-reduce, nor finish the operation, before that (n_ops, DP groups,
+        TP)."""
+        return self._ready(self.hosts, self.call_s).reshape(self.order.n_ops, *self.hosts.shape[1:])
+
+    def last_ready(self) -> FloatArray:
+        """The latest TP rank's :meth:`ready` (n_ops, DP groups): a call's cost grows with its
+        host's multiplier, so the slowest host is the latest on both counts."""
+        hosts = self.hosts.max(axis=2, keepdims=True)
+        out = self._ready(hosts, self.call_s.max(axis=2, keepdims=True))
+        return out.reshape(self.order.n_ops, self.hosts.shape[1])
+
+    def _ready(self, hosts: FloatArray, call_s: FloatArray) -> FloatArray:
         o = self.order
-        return self.at(np.arange(o.n_ops), o.stage, self.calls.allreduce_at)
+        shape = (o.pp, 2 * o.m, 1, 1)
+        out: FloatArray = self.issued[:-1].reshape(shape) * hosts[:, None] \
+            + call_s[:, None] * self.calls.allreduce_at.reshape(shape)
+        return out
 
 
 @dataclass(frozen=True, slots=True, eq=False)
