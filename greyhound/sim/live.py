@@ -28,6 +28,7 @@ import collections
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,6 +113,8 @@ class LiveSimulation:
         self._benches: dict[int, list[tuple[int, BenchRequest, float]]] = {}  # (id, req, seen)
         self._profile = np.zeros(world, dtype=bool)
         self._start = self._last = clock()
+        self._lock = threading.Lock()  # run()'s clock keeper restamps between steps
+        self._shown_at = time.monotonic()
         self.samples: list[tuple[int, float]] = [(self.wall0_ns, 0.0)]  # (wall ns, virtual s)
 
     def _ring(self, rank: int, capacity: int) -> SimRing:
@@ -153,14 +156,35 @@ class LiveSimulation:
 
     def run(self, *, on_progress: Callable[[LiveProgress], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> LiveProgress:
-        while not self.done and not (should_stop is not None and should_stop()):
-            if not self.step() or self.speed is not None:
-                time.sleep(self.tick_s)
-            if on_progress is not None:
-                on_progress(self.progress())
+        stop = threading.Event()
+        keeper = threading.Thread(target=self._keep_clock, args=(stop,), daemon=True,
+                                  name="sim-clock")
+        keeper.start()
+        try:
+            while not self.done and not (should_stop is not None and should_stop()):
+                with self._lock:
+                    moved = self.step()
+                if not moved or self.speed is not None:
+                    time.sleep(self.tick_s)
+                if on_progress is not None:
+                    on_progress(self.progress())
+        finally:
+            stop.set()
+            keeper.join()
         if self.done:
             self.finish()
         return self.progress()
+
+    def _keep_clock(self, stop: threading.Event) -> None:
+        """While the driver is away (its callbacks may block on I/O for seconds), the virtual
+        clock stands still: restamp so that the ages the agent reads do not run on wall time
+        (nearly every rank has a call pending on its GPU at any moment; a stall would read as a
+        hang)."""
+        interval = max(self.tick_s, 0.02)
+        while not stop.wait(interval):
+            if time.monotonic() - self._shown_at > interval:
+                with self._lock:
+                    self._restamp()
 
     def finish(self) -> None:
         """The simulated job ended: nothing is inside NCCL or pending on a GPU any more (as when
@@ -209,6 +233,7 @@ class LiveSimulation:
         rows = self.tables.shown(time.monotonic_ns(), v_ns)
         for r, ring in enumerate(self.rings):
             ring.set_rows(rows[r])
+        self._shown_at = time.monotonic()
 
     def _target(self, dt: float) -> float:
         end = self.scenario.duration_s

@@ -432,6 +432,30 @@ def test_held_back_or_finished_runs_do_not_look_hung(tmp_path: Path) -> None:
         sim.close()
 
 
+def test_a_driver_busy_elsewhere_does_not_make_the_job_look_hung(tmp_path: Path) -> None:
+    """run()'s callbacks may block (an HTTP poll on a loaded machine): the virtual clock stands
+    still meanwhile, so the GPU-pending ages the agent reads must not grow on wall time."""
+    sim = LiveSimulation(scenario(J, duration_s=10.0), tmp_path, "job-k", speed=10.0,
+                         max_ahead_s=float("inf"))
+    readers = [RingReader(p) for p in list_rings(tmp_path, "job-k")]
+    seen: list[list[float]] = []
+
+    def should_stop() -> bool:
+        if sim.virtual_s > 2.0 and not seen and pending_ages(readers):
+            time.sleep(0.8)
+            seen.append(pending_ages(readers))
+        return False
+
+    try:
+        sim.run(should_stop=should_stop)
+        # virtual ages stay under an iteration (0.2 s); on wall time they would exceed 0.8 s
+        assert seen and seen[0] and max(seen[0]) < 0.6
+    finally:
+        for rd in readers:
+            rd.close()
+        sim.close()
+
+
 def test_unread_virtual_time_stays_under_max_ahead(tmp_path: Path) -> None:
     """What the agent reads is never much older than the simulated present, as with a real
     agent draining every few tens of ms: profiling must not see calls from before a fault."""
