@@ -2,6 +2,12 @@
 
 Records are kept as parallel numpy arrays per kind of call (one :class:`EventBlock` each), not as
 Python objects per call: a 4,096-GPU iteration holds about 200,000 calls.
+
+Every call has two timelines, as on a real GPU (NCCL calls are asynchronous): the host's, where
+the training thread enqueues the call and returns microseconds later, running ahead of the GPU
+until the iteration's synchronisation; and the GPU's, where the rank's stream reaches the call
+(its arrival at the collective) and completes it. Waits, lateness and hangs live on the GPU
+timeline; the host timeline only says what was enqueued when.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ class EventBlock:
     ``rank`` is the global rank in Megatron order, ``gpu`` the GPU hosting it (they differ after
     a mitigation moved ranks), ``comm`` the communicator id (see :class:`CommTable`), ``seq``
     the per-(rank, communicator) call number, ``peer`` the peer rank of a send/recv or -1.
+    ``gpu_start``/``gpu_end``: when the rank's GPU reaches the call and when the call completes
+    there. ``host_enter``/``host_return``: when the rank's host enqueues it and returns from the
+    NCCL API (a few microseconds later); a rank's calls are enqueued in the order its GPU runs
+    them, so sorting a rank's calls by ``host_enter`` gives its program order.
     """
 
     op: npt.NDArray[np.int8]
@@ -50,8 +60,10 @@ class EventBlock:
     seq: IntArray
     nbytes: IntArray
     peer: IntArray
-    enter: FloatArray
-    exit: FloatArray
+    gpu_start: FloatArray
+    gpu_end: FloatArray
+    host_enter: FloatArray
+    host_return: FloatArray
 
     def __len__(self) -> int:
         return len(self.rank)
@@ -106,7 +118,7 @@ class CommTable:
 class IterationTiming:
     """One iteration: when it ran, how long it took, and every NCCL call of every rank.
 
-    ``compute_s`` and ``comm_s`` are per-rank busy times (own GPU work, time inside NCCL);
+    ``compute_s`` and ``comm_s`` are per-rank GPU busy times (own kernels, time in NCCL calls);
     ``blocks`` is empty when the caller asked for timings only. ``hung`` means the iteration
     never finishes (``duration_s`` is then ``inf``). ``dp_algorithm`` is what NCCL picked for
     each stage's DP all-reduce ("ring" or "tree").
@@ -130,8 +142,7 @@ class IterationTiming:
         if not self.blocks:
             empty_i = np.zeros(0, dtype=np.int64)
             empty_f = np.zeros(0)
-            return EventBlock(
-                np.zeros(0, dtype=np.int8), *(empty_i,) * 6, empty_f, empty_f.copy()
-            )
+            return EventBlock(np.zeros(0, dtype=np.int8), *(empty_i,) * 6,
+                              *(empty_f.copy() for _ in range(4)))
         cols = [np.concatenate([getattr(b, f) for b in self.blocks]) for f in EventBlock.__slots__]
         return EventBlock(*cols)

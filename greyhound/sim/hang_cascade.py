@@ -1,15 +1,18 @@
-"""How one hung call spreads through a synchronous job: each rank runs on until it needs a rank
-that is already stuck.
+"""How one hung call spreads through a synchronous job: each rank's GPU runs on until it needs
+a rank that is already stuck.
 
 A real hang does not stop the cluster at one instant. The hung collective holds its own members;
-a rank outside it keeps computing and calling NCCL until it enters a call whose peers include a
-stuck rank (the next TP all-reduce, the send to the next pipeline stage, the DP all-reduce), and
-waits there. Diagnosis depends on that picture: ranks blocked downstream are symptoms whose
-counters say "entered, waiting for someone", while the root call looks different (a member that
-never arrived, a member with another op, a member that never returns). Freezing every rank at
-the moment of the hang would instead show every in-flight call as "all entered, none completes".
+a rank outside it keeps computing and running NCCL calls until its GPU reaches a call whose peers
+include a stuck rank (the next TP all-reduce, the send to the next pipeline stage, the DP
+all-reduce), and waits there. Diagnosis depends on that picture: ranks blocked downstream are
+symptoms whose GPUs say "enqueued, waiting for someone", while the root call looks different (a
+member that never enqueued it, a member with another op, a member that never completes it).
+Freezing every rank at the moment of the hang would instead show every pending call as "all
+enqueued, none completes". Hosts are not part of this: they enqueue the iteration and block in
+its synchronisation, outside NCCL, whatever their GPUs do.
 
-Pure numpy over the records of one iteration (``EventBlock`` columns concatenated).
+Pure numpy over the records of one iteration (``EventBlock`` columns concatenated), on the GPU
+timeline: a rank's calls in the order its GPU reaches them.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ def call_instances(blocks: Sequence[EventBlock]) -> IntArray:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Spread:
-    """``reached``: the rank got to this call; ``stuck``: reached it and it never returns.
-    ``blocked_at`` is, per rank, the virtual time of the call it waits in (``inf``: none)."""
+    """``reached``: the rank's GPU got to this call; ``stuck``: reached it and it never completes.
+    ``blocked_at`` is, per rank, the virtual time its GPU reached the call it waits in (``inf``:
+    none)."""
 
     reached: BoolArray
     stuck: BoolArray
@@ -78,7 +82,7 @@ class Spread:
 def spread(
     rank: IntArray,
     instance: IntArray,
-    enter: FloatArray,
+    arrive: FloatArray,
     world: int,
     *,
     never_returns: BoolArray,
@@ -86,20 +90,21 @@ def spread(
 ) -> Spread:
     """Propagate a hang to a fixed point.
 
-    ``never_returns`` marks records whose call never completes even though every member arrived
-    (a failed device, a mismatched op); ``absent`` marks records whose rank never makes the call
-    (it hangs before it), and that rank makes no later call either. A call completes only if
-    every member reached it; a rank that reached a call that never completes makes no later one.
+    ``arrive`` is when each record's GPU reaches its call. ``never_returns`` marks records whose
+    call never completes even though every member arrived (a failed device, a mismatched op);
+    ``absent`` marks records whose rank never makes the call (it hangs before it), and that rank
+    makes no later call either. A call completes only if every member reached it; a rank that
+    reached a call that never completes reaches no later one.
     """
     n_inst = int(instance.max()) + 1 if len(instance) else 0
     blocked = np.full(world, np.inf)
-    np.minimum.at(blocked, rank[absent], np.nextafter(enter[absent], -np.inf))
+    np.minimum.at(blocked, rank[absent], np.nextafter(arrive[absent], -np.inf))
     while True:
-        reached = ~absent & (enter <= blocked[rank])
+        reached = ~absent & (arrive <= blocked[rank])
         missing = np.bincount(instance[~reached], minlength=n_inst) > 0
         stuck = reached & (never_returns | missing[instance])
         nxt = blocked.copy()
-        np.minimum.at(nxt, rank[stuck], enter[stuck])
+        np.minimum.at(nxt, rank[stuck], arrive[stuck])
         if np.array_equal(nxt, blocked):
             return Spread(reached, stuck, blocked)
         blocked = nxt

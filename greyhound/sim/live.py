@@ -6,12 +6,17 @@ Record times are monotonic nanoseconds of a virtual clock (virtual second 0 = th
 wall times read at start, which are every ring's anchors), so the agent's wall times are
 ``start + virtual seconds``.
 
-Each rank behaves like a training thread over a blocking NCCL: a record appears once its call
-has returned by the virtual now, calls in enter order; the one call a rank is inside shows in
-the comm table only (entered, sequence, op, enter time), which is how hangs look: a hung call
-is entered and never returns, a call never entered changes no counter. The agent measures
-``inflight`` against its own monotonic clock; ``inflight_enter_ns`` is therefore rescaled each
-tick so that it reads the virtual time spent inside.
+Each rank behaves like a training process over an asynchronous NCCL on a GPU: its host enqueues
+an iteration's calls up front, microseconds each, and waits in the iteration's synchronisation
+outside NCCL; its GPU runs them later. A record appears once the host returned from its call, in
+enqueue order; in profile mode (decided when the call is enqueued) once its GPU times are known,
+as the agent's reader would hand it out, or after the reader's two seconds without them. The
+comm table moves as the hook moves it (:mod:`greyhound.sim.commtable`): host counters at enqueue
+and return, completion marks as the GPU completes calls. A hang is a call pending on a GPU while
+every host sits outside NCCL; a call never enqueued moves no host counter.
+
+The agent ages ``inflight_enter_ns`` and ``gpu_pending_ns`` against its own monotonic clock, so
+both are rescaled each tick to read the virtual time elapsed since (see ``CommTables.shown``).
 
 Pacing: ``speed`` caps virtual seconds per wall second; without it the run goes as fast as the
 agent consumes (never more than ``lead`` x capacity records ahead of any rank's consumed cursor).
@@ -23,6 +28,7 @@ import collections
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,14 +37,19 @@ from pathlib import Path
 import numpy as np
 
 from greyhound import hookabi
+from greyhound.hookabi import BenchRequest, BenchState
 from greyhound.sim import livectl
+from greyhound.sim.commtable import CommTables, Progress
 from greyhound.sim.model import ClusterModel
-from greyhound.sim.records import RecordCodec, comm_ids
-from greyhound.sim.ringwriter import CommRow, Inflight, SimRing
+from greyhound.sim.records import NEVER_NS, RecordCodec, comm_ids
+from greyhound.sim.ringwriter import CommRow, SimRing
 from greyhound.sim.scenario import Scenario
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-_PROFILED = int(hookabi.Flag.PROFILED | hookabi.Flag.GPU_DONE)
+_PROFILED = np.uint32(hookabi.Flag.PROFILED)
+_GPU_DONE = np.uint32(hookabi.Flag.GPU_DONE)
+GPU_WAIT_S = 2.0  # how long the agent's reader waits for a profiled call's GPU times
+DRAIN_TIMEOUT_S = 10.0  # a parked rank measures anyway if its queued GPU work cannot finish
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,18 +95,26 @@ class LiveSimulation:
         self.wall0_ns = time.time_ns()
         self.codec = RecordCodec(model.comms, self.mono0_ns, pid=os.getpid())
         self.rings = [self._ring(r, capacity) for r in range(scenario.job.world)]
+        self.tables = CommTables(np.stack([ring.rows() for ring in self.rings]))
         self._rng = np.random.default_rng(scenario.seed + 1)
         world = scenario.job.world
+        # Calls not yet retired (published and done on the GPU), by rank then in enqueue order.
         self._rank = np.zeros(0, dtype=np.int64)
         self._rec = np.zeros(0, dtype=hookabi.RECORD_DTYPE)
+        self._iter = np.zeros(0, dtype=np.int64)  # the iteration each call belongs to
+        self._state = np.zeros(0, dtype=np.uint8)  # Progress bits
         self._ends: list[float] = []  # virtual end time of each simulated iteration
         self._model_t = 0.0
         self._v = 0.0
         self._written = 0
         self._parked: dict[int, int] = {}  # rank -> enter_ns of the call it is parked at
         self._released: set[int] = set()
+        self._drained: dict[int, float] = {}  # parked rank -> when its queued GPU work is done
+        self._benches: dict[int, list[tuple[int, BenchRequest, float]]] = {}  # (id, req, seen)
         self._profile = np.zeros(world, dtype=bool)
         self._start = self._last = clock()
+        self._lock = threading.Lock()  # run()'s clock keeper restamps between steps
+        self._shown_at = time.monotonic()
         self.samples: list[tuple[int, float]] = [(self.wall0_ns, 0.0)]  # (wall ns, virtual s)
 
     def _ring(self, rank: int, capacity: int) -> SimRing:
@@ -137,15 +156,41 @@ class LiveSimulation:
 
     def run(self, *, on_progress: Callable[[LiveProgress], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> LiveProgress:
-        while not self.done and not (should_stop is not None and should_stop()):
-            if not self.step() or self.speed is not None:
-                time.sleep(self.tick_s)
-            if on_progress is not None:
-                on_progress(self.progress())
+        stop = threading.Event()
+        keeper = threading.Thread(target=self._keep_clock, args=(stop,), daemon=True,
+                                  name="sim-clock")
+        keeper.start()
+        try:
+            while not self.done and not (should_stop is not None and should_stop()):
+                with self._lock:
+                    moved = self.step()
+                if not moved or self.speed is not None:
+                    time.sleep(self.tick_s)
+                if on_progress is not None:
+                    on_progress(self.progress())
+        finally:
+            stop.set()
+            keeper.join()
         if self.done:
-            for ring in self.rings:
-                ring.finish()
+            self.finish()
         return self.progress()
+
+    def _keep_clock(self, stop: threading.Event) -> None:
+        """While the driver is away (its callbacks may block on I/O for seconds), the virtual
+        clock stands still: restamp so that the ages the agent reads do not run on wall time
+        (nearly every rank has a call pending on its GPU at any moment; a stall would read as a
+        hang)."""
+        interval = max(self.tick_s, 0.02)
+        while not stop.wait(interval):
+            if time.monotonic() - self._shown_at > interval:
+                with self._lock:
+                    self._restamp()
+
+    def finish(self) -> None:
+        """The simulated job ended: nothing is inside NCCL or pending on a GPU any more (as when
+        the processes exit), so the end of a run never looks like a hang."""
+        self.tables.clear()
+        self._show(int(self.codec.ns(np.array([self._v]))[0]))
 
     # ---- one tick ---------------------------------------------------------------------------
 
@@ -180,9 +225,15 @@ class LiveSimulation:
         return 0.0
 
     def _restamp(self) -> None:
-        mono_now, v_ns = time.monotonic_ns(), int(self.codec.ns(np.array([self._v]))[0])
-        for ring in self.rings:
-            ring.restamp(mono_now, v_ns)
+        """Keep the clocks the agent ages against reading virtual time while the run stands
+        still (held back by its consumer): a paced simulation must not look hung."""
+        self._show(int(self.codec.ns(np.array([self._v]))[0]))
+
+    def _show(self, v_ns: int) -> None:
+        rows = self.tables.shown(time.monotonic_ns(), v_ns)
+        for r, ring in enumerate(self.rings):
+            ring.set_rows(rows[r])
+        self._shown_at = time.monotonic()
 
     def _target(self, dt: float) -> float:
         end = self.scenario.duration_s
@@ -211,47 +262,72 @@ class LiveSimulation:
             if len(recs):
                 rank = np.concatenate((self._rank, ranks))
                 rec = np.concatenate((self._rec, recs))
-                order = np.lexsort((rec["enter_ns"], rank))
+                order = np.lexsort((rec["gpu_start_ns"], rec["enter_ns"], rank))
                 self._rank, self._rec = rank[order], rec[order]
+                self._iter = np.concatenate((self._iter, np.full(len(recs), it.index)))[order]
+                self._state = np.concatenate((self._state, np.zeros(len(recs), np.uint8)))[order]
+
+    def _segments(self) -> tuple[np.ndarray, np.ndarray]:
+        world = np.arange(len(self.rings))
+        return (np.searchsorted(self._rank, world), np.searchsorted(self._rank, world, "right"))
 
     def _write(self, target: float) -> None:
-        world = len(self.rings)
-        v_ns = int(self.codec.ns(np.array([target]))[0])
+        """Move every rank to virtual time ``target``: count what its host enqueued and returned
+        from and what its GPU completed, publish the records that are due, retire the rest."""
+        v_ns = np.uint64(self.codec.ns(np.array([target]))[0])
         rank, rec = self._rank, self._rec
-        starts = np.searchsorted(rank, np.arange(world))
-        ends = np.searchsorted(rank, np.arange(world), side="right")
+        starts, ends = self._segments()
         pos = np.arange(len(rec))
         parked_at = self._parked_index(starts, ends)
-        self._park_new(rec, starts, ends, v_ns, parked_at)
-        bad = np.where(rec["return_ns"] > np.uint64(v_ns), pos, len(rec))
+        host_stop, gpu_stop = self._stops(starts, ends, parked_at)
+        if self._park_new(starts, ends, int(v_ns), host_stop, parked_at):
+            host_stop, gpu_stop = self._stops(starts, ends, parked_at)
+        state = self._state
+        entered = (state & Progress.ENTERED != 0) \
+            | ((pos < host_stop[rank]) & (rec["enter_ns"] <= v_ns))
+        returned = (state & Progress.RETURNED != 0) | (entered & (rec["return_ns"] <= v_ns))
+        finished = (state & Progress.DONE != 0) \
+            | (entered & (pos < gpu_stop[rank]) & (rec["gpu_end_ns"] <= v_ns))
+        new_in = entered & (state & Progress.ENTERED == 0) & self._profile[rank]
+        state = state | np.where(new_in, np.uint8(Progress.PROFILED), np.uint8(0))
+        state = self.tables.update(rank, rec, state, entered=entered, returned=returned,
+                                   finished=finished)
+        self._drain_times(starts, parked_at, gpu_stop, state)
+        state = self._publish(starts, ends, state, v_ns)
+        keep = (state & Progress.PUBLISHED == 0) | (state & Progress.DONE == 0)
+        self._rank, self._rec = rank[keep], rec[keep]
+        self._iter, self._state = self._iter[keep], state[keep]
+        self._show(int(v_ns))
+
+    def _publish(self, starts: np.ndarray, ends: np.ndarray, state: np.ndarray,
+                 v_ns: np.uint64) -> np.ndarray:
+        """Write each rank's records up to its first one not due: not returned yet, or profiled
+        and neither done on the GPU nor returned GPU_WAIT_S ago."""
+        rank, rec = self._rank, self._rec
+        pos = np.arange(len(rec))
+        profiled = state & Progress.PROFILED != 0
+        done = state & Progress.DONE != 0
+        waited = rec["return_ns"] <= v_ns - np.uint64(round(GPU_WAIT_S * 1e9))
+        due = (state & Progress.RETURNED != 0) & (~profiled | done | waited)
+        unpublished = state & Progress.PUBLISHED == 0
+        blocker = np.where(unpublished & ~due, pos, len(rec))
         first = ends.copy()
         nonempty = np.flatnonzero(ends > starts)
         if nonempty.size:
-            first[nonempty] = np.minimum(np.minimum.reduceat(bad, starts[nonempty]),
+            first[nonempty] = np.minimum(np.minimum.reduceat(blocker, starts[nonempty]),
                                          ends[nonempty])
-        if parked_at:
-            first = np.minimum(first, livectl.blocked_from(rank, rec, starts, ends, parked_at))
-        mono_now = time.monotonic_ns()
-        for r in range(world):
-            s, k = int(starts[r]), int(first[r])
-            out = rec[s:k]
-            if self._profile[r] and len(out):
-                out = out.copy()
-                out["flags"] |= _PROFILED
-                out["gpu_start_ns"] = out["enter_ns"]
-                out["gpu_end_ns"] = out["return_ns"]
-            call, shown = None, 0
-            if k < ends[r] and k != parked_at.get(r) and int(rec["enter_ns"][k]) <= v_ns:
-                row = self.rings[r].rows[int(rec["comm_id"][k])]
-                enter = int(rec["enter_ns"][k])
-                call = Inflight(row, int(rec["op"][k]), int(rec["seq"][k]), enter,
-                                int(rec["count"][k]), int(rec["datatype"][k]))
-                shown = mono_now - (v_ns - enter)
-            self.rings[r].advance(out, call, shown)
-        taken = first - starts
-        keep = (pos - starts[rank]) >= taken[rank]
-        self._written += len(rec) - int(keep.sum())
-        self._rank, self._rec = rank[keep], rec[keep]
+        go = unpublished & (pos < first[rank])
+        out = rec[go]
+        timed = profiled[go] & done[go]
+        out["flags"] |= np.where(profiled[go], _PROFILED, np.uint32(0)) \
+            | np.where(timed, _GPU_DONE, np.uint32(0))
+        out["gpu_start_ns"] = np.where(timed, out["gpu_start_ns"], np.uint64(0))
+        out["gpu_end_ns"] = np.where(timed, out["gpu_end_ns"], np.uint64(0))
+        bounds = np.searchsorted(rank[go], np.arange(len(self.rings) + 1))
+        for r in np.flatnonzero(np.diff(bounds)).tolist():
+            self.rings[r].publish(out[bounds[r]:bounds[r + 1]])
+        self._written += len(out)
+        return state | np.where(go, np.uint8(Progress.PUBLISHED), np.uint8(0))
 
     # ---- control blocks ---------------------------------------------------------------------
 
@@ -261,29 +337,72 @@ class LiveSimulation:
             self._profile[r] = ctl.mode == "profile"
             if r in self._parked and r not in self._released:
                 if ctl.pause_requested():
-                    livectl.answer_requests(ctl, self.model, r, self._v, self._rng)
+                    self._bench(r)
                 else:
                     ctl.set_paused(False)
                     self._released.add(r)
         if self._parked and self._released >= set(self._parked):
             self._resume()
 
-    def _park_new(self, rec: np.ndarray, starts: np.ndarray, ends: np.ndarray, v_ns: int,
-                  parked_at: dict[int, int]) -> None:
-        """Ranks asked to pause park at the target call once the clock reaches its entry."""
-        entered_ns = int(self.codec.ns(np.array([self._v]))[0])
+    def _bench(self, r: int) -> None:
+        """Answer the parked rank's requests once its queued GPU work has drained (each waits
+        from when it was seen; the wait is its drain_ns), or after DRAIN_TIMEOUT_S."""
+        ctl = self.rings[r].control
+        mine = self._benches.setdefault(r, [])
+        for req_id, req in ctl.pending():
+            ctl.answer(req_id, BenchState.RUNNING, [])
+            mine.append((req_id, req, self._v))
+        drained = self._drained.get(r, np.inf)
+        left = []
+        for req_id, req, seen in mine:
+            ready = min(max(seen, drained), seen + DRAIN_TIMEOUT_S)
+            if ready > self._v:
+                left.append((req_id, req, seen))
+                continue
+            livectl.answer_request(ctl, self.model, r, req_id, req, ready, self._rng,
+                                   drain_ns=round((ready - seen) * 1e9))
+        self._benches[r] = left
+
+    def _stops(self, starts: np.ndarray, ends: np.ndarray,
+               parked_at: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank, the index of the first call its host cannot enqueue and the first its GPU
+        cannot complete. Only a pause stops anything: a parked host stops at its call, a GPU at
+        the first call that needs a parked rank's missing call (transitively), and a host whose
+        GPU cannot finish an iteration waits in that iteration's synchronisation."""
+        if not parked_at:
+            return ends.copy(), ends.copy()
+        rank = self._rank
+        done = self._state & Progress.DONE != 0
+        gpu_stop = livectl.blocked_from(rank, self._rec, starts, ends, parked_at, done)
+        host_stop = ends.copy()
+        for r in np.flatnonzero(gpu_stop < ends).tolist():
+            s, e = int(starts[r]), int(ends[r])
+            it = self._iter[gpu_stop[r]]
+            host_stop[r] = s + int(np.searchsorted(self._iter[s:e], it, side="right"))
+        for r, i in parked_at.items():
+            host_stop[r] = min(host_stop[r], i)
+        return host_stop, gpu_stop
+
+    def _park_new(self, starts: np.ndarray, ends: np.ndarray, v_ns: int, host_stop: np.ndarray,
+                  parked_at: dict[int, int]) -> bool:
+        """Ranks asked to pause park at the target call once their host reaches it."""
+        rec = self._rec
+        entered = self._state & Progress.ENTERED != 0
+        parked = False
         for r, ring in enumerate(self.rings):
             ctl = ring.control
             if r in self._parked or not ctl.pause_requested():
                 continue
             comm, seq = ctl.pause_target()
-            i = livectl.park_index(rec[starts[r]:ends[r]], comm, seq, entered_ns)
-            if i is None or int(rec["enter_ns"][starts[r] + i]) > v_ns:
+            s, e = int(starts[r]), int(ends[r])
+            i = livectl.park_index(rec[s:e], comm, seq, entered[s:e])
+            if i is None or s + i >= host_stop[r] or int(rec["enter_ns"][s + i]) > v_ns:
                 continue
-            at = int(starts[r] + i)
-            self._parked[r] = int(rec["enter_ns"][at])
-            parked_at[r] = at
+            self._parked[r] = int(rec["enter_ns"][s + i])
+            parked_at[r] = s + i
             ctl.set_paused(True, tid=os.getpid())
+            parked = True
+        return parked
 
     def _parked_index(self, starts: np.ndarray, ends: np.ndarray) -> dict[int, int]:
         """Absolute index of the call each parked rank is parked at (still pending)."""
@@ -291,35 +410,50 @@ class LiveSimulation:
         return {r: int(starts[r] + np.searchsorted(enter[starts[r]:ends[r]], np.uint64(ns)))
                 for r, ns in self._parked.items()}
 
-    def _resume(self) -> None:
-        """Everything the pause held back happens later by the pause's virtual length: calls
-        not entered yet enter later, calls waiting inside NCCL return later."""
-        since_ns = min(self._parked.values())
-        since = (since_ns - self.mono0_ns) / 1e9
-        delay = max(0.0, self._v - since)
-        rank, rec = self._rank, self._rec
-        world = np.arange(len(self.rings))
-        starts = np.searchsorted(rank, world)
-        ends = np.searchsorted(rank, world, side="right")
-        parked_at = self._parked_index(starts, ends)
-        first = livectl.blocked_from(rank, rec, starts, ends, parked_at)
-        park = ends.copy()
+    def _drain_times(self, starts: np.ndarray, parked_at: dict[int, int], gpu_stop: np.ndarray,
+                     state: np.ndarray) -> None:
+        """When each parked rank's GPU has finished the work its host queued before parking:
+        its calls enqueued before the parked one, and the kernels up to that call."""
+        rec, done = self._rec, state & Progress.DONE != 0
         for r, i in parked_at.items():
-            park[r] = i
+            s = int(starts[r])
+            left = np.flatnonzero(~done[s:i]) + s
+            if np.any(left >= gpu_stop[r]):
+                self._drained[r] = np.inf
+                continue
+            last = max([int(rec["gpu_start_ns"][i]), *rec["gpu_end_ns"][left].tolist()])
+            self._drained[r] = (last - self.mono0_ns) / 1e9
+
+    def _resume(self) -> None:
+        """Everything the pause held back happens later by the pause's virtual length: calls not
+        enqueued yet are enqueued later, GPU work that could not run runs later, calls a GPU
+        was waiting in complete later."""
+        since = (min(self._parked.values()) - self.mono0_ns) / 1e9
+        d_ns = np.uint64(round(max(0.0, self._v - since) * 1e9))
+        rank, rec, state = self._rank, self._rec, self._state
+        starts, ends = self._segments()
+        parked_at = self._parked_index(starts, ends)
+        host_stop, gpu_stop = self._stops(starts, ends, parked_at)
         pos = np.arange(len(rec))
-        held = pos >= first[rank]
-        v_ns = np.uint64(self.mono0_ns + round(self._v * 1e9))
-        waiting = (pos == first[rank]) & (rec["enter_ns"] <= v_ns) & (pos < park[rank])
-        d_ns = np.uint64(round(delay * 1e9))
-        rec["enter_ns"][held & ~waiting] += d_ns
-        rec["return_ns"][held] += d_ns
-        rec["return_ns"] = np.maximum(rec["return_ns"], rec["enter_ns"])
+        v_ns = self.codec.ns(np.array([self._v]))[0]
+        entered = state & Progress.ENTERED != 0
+        blocked = (pos >= gpu_stop[rank]) & (state & Progress.DONE == 0)
+        waiting = blocked & entered & (pos == gpu_stop[rank]) & (rec["gpu_start_ns"] <= v_ns)
+        held = (pos >= host_stop[rank]) & ~entered
+        for field, sel in (("gpu_start_ns", blocked & ~waiting), ("gpu_end_ns", blocked),
+                           ("enter_ns", held), ("return_ns", held)):
+            col = rec[field]
+            col[sel & (col != NEVER_NS)] += d_ns
+        # A GPU does not reach a call before its host enqueued it.
+        rec["gpu_start_ns"] = np.maximum(rec["gpu_start_ns"], rec["enter_ns"])
+        rec["gpu_end_ns"] = np.maximum(rec["gpu_end_ns"], rec["gpu_start_ns"])
+        delay = int(d_ns) / 1e9
         self._ends = [e + delay if e > since else e for e in self._ends]
         self._model_t += delay
-        order = np.lexsort((rec["enter_ns"], rank))
-        self._rank, self._rec = rank[order], rec[order]
         self._parked.clear()
         self._released.clear()
+        self._drained.clear()
+        self._benches.clear()
 
     def close(self, *, remove: bool = False) -> None:
         for ring in self.rings:

@@ -1,11 +1,13 @@
 """What a simulated rank does with its control block: park at an NCCL call, answer benchmarks.
 
-Semantics follow native/hook/control.c. A pause request parks the rank at the entry of its next
-data-path call (or, targeted, at the call on ``pause_comm_id`` whose collective sequence would
-be >= ``pause_seq``): it never enters that call, so every peer that needs the call blocks inside
-its own matching call, and then everything after that, transitively (:func:`blocked_from`).
-While parked, the rank runs the submitted benchmark requests, lowest id first, timed from the
-simulated hardware at that moment. Nothing here touches files or clocks.
+Semantics follow native/hook/control.c. A pause request parks the rank's host at the entry of
+its next data-path call (or, targeted, at the call on ``pause_comm_id`` whose collective sequence
+would be >= ``pause_seq``): it never enqueues that call. Its GPU still finishes the work already
+queued; every peer GPU that needs the missing call waits in its own matching call, and then
+everything after that, transitively (:func:`blocked_from`). While parked, the rank runs the
+submitted benchmark requests, lowest id first: each first waits for the rank's queued GPU work
+to drain (the wait is reported as ``drain_ns``), then is timed on the simulated hardware at that
+moment. Nothing here touches files or clocks.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import numpy as np
 import numpy.typing as npt
 
 from greyhound import hookabi
-from greyhound.hookabi import BenchKind, BenchState
+from greyhound.hookabi import BenchKind, BenchRequest, BenchState
 from greyhound.hookabi_writer import HookControl
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.records import comm_ids
 
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 NCCL_INVALID_ARGUMENT = 4
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -44,10 +47,10 @@ def match_keys(rec: np.ndarray) -> IntArray:
     return k.view(np.int64)
 
 
-def park_index(rec: np.ndarray, comm_id: int, seq: int, entered_ns: int) -> int | None:
-    """Where a rank parks among its pending calls (sorted by enter): the first call it has not
-    entered yet (enter > ``entered_ns``) that matches the pause target; None if none pending."""
-    ok = rec["enter_ns"] > np.uint64(entered_ns)
+def park_index(rec: np.ndarray, comm_id: int, seq: int, entered: BoolArray) -> int | None:
+    """Where a rank parks among its pending calls (in enqueue order): the first call its host
+    has not enqueued yet that matches the pause target; None if none is pending."""
+    ok = ~entered
     if comm_id:
         p2p = np.isin(rec["op"], _P2P)
         # The hook compares last_seq_entered + 1; the simulated PP comms carry no collectives.
@@ -58,52 +61,51 @@ def park_index(rec: np.ndarray, comm_id: int, seq: int, entered_ns: int) -> int 
 
 
 def blocked_from(rank: IntArray, rec: np.ndarray, starts: IntArray, ends: IntArray,
-                 parked: dict[int, int]) -> IntArray:
-    """Absolute index of each rank's first pending call that cannot complete (``ends[r]``:
-    none), given parked ranks and the index of the call each is parked at."""
+                 parked: dict[int, int], done: BoolArray) -> IntArray:
+    """Absolute index of each rank's first pending call that cannot complete on its GPU
+    (``ends[r]``: none), given the index of the call each parked rank's host stopped at. A call
+    is stuck when a peer's part of it is; the GPU runs a rank's calls in order, so everything
+    after a stuck call is stuck too, except what already completed (``done``)."""
     first = ends.copy()
     for r, i in parked.items():
         first[r] = min(first[r], i)
     keys = match_keys(rec)
     pos = np.arange(len(rec))
     while True:
-        stuck = pos >= first[rank]
-        hit = np.isin(keys, keys[stuck]) & ~stuck
+        stuck = (pos >= first[rank]) & ~done
+        hit = np.isin(keys, keys[stuck]) & ~stuck & ~done
         if not hit.any():
             return first
         np.minimum.at(first, rank[hit], pos[hit])
 
 
-def answer_requests(ctl: HookControl, model: ClusterModel, rank: int, t: float,
-                    rng: np.random.Generator) -> int:
-    """Run every submitted benchmark of a parked rank at virtual time ``t``; returns how many."""
-    done = 0
-    for req_id, req in ctl.pending():
-        ctl.answer(req_id, BenchState.RUNNING, [])
-        if not 1 <= req.repeat <= hookabi.BENCH_MAX_REPEAT:
-            ctl.answer(req_id, BenchState.FAILED, [], NCCL_INVALID_ARGUMENT)
-        elif req.kind == BenchKind.GEMM:
-            gpu = int(model.layout.gpu_of_rank[rank])
-            _finish(ctl, req_id, model.gemm_s(gpu, req.size, t), req.repeat, model, rng)
-        elif req.kind in (BenchKind.SEND, BenchKind.RECV):
-            peer_gpu = _peer_gpu(model, rank, req.comm_id, req.peer)
-            if peer_gpu is None:
-                ctl.answer(req_id, BenchState.FAILED, [], NCCL_INVALID_ARGUMENT)
-            else:
-                me = int(model.layout.gpu_of_rank[rank])
-                a, b = (me, peer_gpu) if req.kind == BenchKind.SEND else (peer_gpu, me)
-                _finish(ctl, req_id, model.p2p_s(a, b, req.size, t), req.repeat, model, rng)
+def answer_request(ctl: HookControl, model: ClusterModel, rank: int, req_id: int,
+                   req: BenchRequest, t: float, rng: np.random.Generator, *, drain_ns: int) -> None:
+    """Run one benchmark of a parked rank at virtual time ``t`` (its queued work drained)."""
+    if not 1 <= req.repeat <= hookabi.BENCH_MAX_REPEAT:
+        ctl.answer(req_id, BenchState.FAILED, [], NCCL_INVALID_ARGUMENT, drain_ns)
+    elif req.kind == BenchKind.GEMM:
+        gpu = int(model.layout.gpu_of_rank[rank])
+        _finish(ctl, req_id, model.gemm_s(gpu, req.size, t), req.repeat, model, rng, drain_ns)
+    elif req.kind in (BenchKind.SEND, BenchKind.RECV):
+        peer_gpu = _peer_gpu(model, rank, req.comm_id, req.peer)
+        if peer_gpu is None:
+            ctl.answer(req_id, BenchState.FAILED, [], NCCL_INVALID_ARGUMENT, drain_ns)
         else:
-            ctl.answer(req_id, BenchState.UNSUPPORTED, [])
-        done += 1
-    return done
+            me = int(model.layout.gpu_of_rank[rank])
+            a, b = (me, peer_gpu) if req.kind == BenchKind.SEND else (peer_gpu, me)
+            _finish(ctl, req_id, model.p2p_s(a, b, req.size, t), req.repeat, model, rng,
+                    drain_ns)
+    else:
+        ctl.answer(req_id, BenchState.UNSUPPORTED, [], 0, drain_ns)
 
 
 def _finish(ctl: HookControl, req_id: int, seconds: float, repeat: int, model: ClusterModel,
-            rng: np.random.Generator) -> None:
+            rng: np.random.Generator, drain_ns: int) -> None:
     cv = model.scenario.noise.jitter_cv
     times = seconds * np.exp(rng.normal(0.0, cv, repeat)) if cv > 0 else np.full(repeat, seconds)
-    ctl.answer(req_id, BenchState.DONE, [max(1, round(x * 1e9)) for x in times.tolist()])
+    ctl.answer(req_id, BenchState.DONE, [max(1, round(x * 1e9)) for x in times.tolist()], 0,
+               drain_ns)
 
 
 def _peer_gpu(model: ClusterModel, rank: int, comm_id: int, peer: int) -> int | None:

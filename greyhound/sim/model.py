@@ -4,6 +4,12 @@ Ranks follow Megatron's default order ``rank = tp + TP * (dp + DP * pp)``, so a 
 reshaped to (PP, DP, TP) is indexed ``[pp, dp, tp]``. Rank ``r`` runs on GPU ``gpu_of_rank[r]``
 (the identity until a plan moves ranks) on node ``gpu // gpus_per_node``. Links: NVLink inside a
 node, one network link per node pair (per-GPU rail bandwidth, divided by its congestion).
+
+Each rank has a host and a GPU. The host returns from the previous iteration's synchronisation
+when the iteration starts, then issues the whole iteration (kernels and NCCL calls) at its own
+pace, ahead of the GPU, and blocks in the next synchronisation. A slow GPU stretches its kernels;
+CPU contention stretches its node's host work, which shows on the GPU only once the host falls
+behind it (see :class:`~greyhound.sim.scenario.JobSpec`).
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from greyhound.sim.schedule import (
 class Derived:
     """Everything that changes only when a fault starts or ends or a plan is applied."""
 
-    rel: FloatArray  # (PP, DP, TP) compute multiplier of each rank
-    comp: FloatArray  # (PP, DP, TP) seconds of forward+backward per micro-batch
+    rel: FloatArray  # (PP, DP, TP) GPU compute multiplier of each rank
+    host: FloatArray  # (PP, DP, TP) host work multiplier of each rank (its node's contention)
+    comp: FloatArray  # (PP, DP, TP) GPU seconds of forward+backward per micro-batch
     tp_ar: FloatArray  # (PP, DP) one TP all-reduce
     xfer: FloatArray  # (PP-1, DP, TP) one activation between stage s and s+1
     dp_ar: FloatArray  # (PP, TP) the gradient all-reduce of each DP group
@@ -44,14 +51,14 @@ def derive(job: JobSpec, gpu_of_rank: IntArray, slow: flt.Slowness) -> Derived:
     pp, dp, tp = job.pp, job.dp, job.tp
     gpus = gpu_of_rank.reshape(pp, dp, tp)
     nodes = gpus // job.gpus_per_node
-    rel = (1.0 - job.host_fraction) * slow.gpu[gpus] + job.host_fraction * slow.cpu[nodes]
+    rel = slow.gpu[gpus]
     link = _Links(job, slow)
     bw, lat = link.between(gpus, np.roll(gpus, -1, axis=2))
     tp_ar = ring_allreduce_s(tp, job.tp_bytes, bw.min(axis=2), float(lat.max(initial=0.0)))
     bw, lat = link.between(gpus[:-1], gpus[1:])
     xfer = lat + job.pp_activation_bytes / bw
     dp_ar, algos = _dp_allreduce(job, gpus, link)
-    return Derived(rel, job.microbatch_compute_s * rel, tp_ar, xfer, dp_ar, algos)
+    return Derived(rel, slow.cpu[nodes], job.microbatch_compute_s * rel, tp_ar, xfer, dp_ar, algos)
 
 
 class _Links:
@@ -163,14 +170,24 @@ class ClusterModel:
             return IterationTiming(index, t0, np.inf, empty, empty.copy(), (), True, ())
         d = self.derived(t0)
         runs = self._pipelines(d)
-        last = np.empty((job.pp, job.dp))
-        compute = np.zeros((job.pp, job.dp, job.tp))
+        pp, dp, tp = job.pp, job.dp, job.tp
+        last = np.empty((pp, dp))
+        host_dp = np.empty((pp, dp, tp))  # when each host enqueues its DP all-reduce
+        call_s = np.empty((pp, dp, tp))
+        compute = np.zeros((pp, dp, tp))
+        stages = np.arange(pp)
         for run in runs:
             m = run.order.m
-            last[:, run.ds] = run.end[np.arange(job.pp) * 2 * m + 2 * m - 1]
-            compute[:, run.ds, :] = run.offset.reshape(job.pp, 2 * m, len(run.ds), job.tp).sum(1)
-        dp_exit = last.max(axis=1)[:, None] + d.dp_ar
-        finish = dp_exit[:, None, :] + job.optimizer_s * d.rel
+            last_op = stages * 2 * m + 2 * m - 1
+            last[:, run.ds] = run.end[last_op]
+            host_dp[:, run.ds, :] = run.host.at(last_op, stages, run.host.calls.dp_at)
+            call_s[:, run.ds, :] = run.host.call_s
+            compute[:, run.ds, :] = run.offset.reshape(pp, 2 * m, len(run.ds), tp).sum(1)
+        dp_arrive = np.maximum(last[:, :, None], host_dp)
+        dp_exit = dp_arrive.max(axis=1) + d.dp_ar
+        # The optimizer's kernels follow the DP all-reduce on the GPU and its launch on the host.
+        host_done = host_dp + call_s * (dp > 1) + job.host_fraction * job.optimizer_s * d.host
+        finish = np.maximum(dp_exit[:, None, :] + job.optimizer_s * d.rel, host_done)
         duration = float(finish.max())
         if noise.checkpoint_every and (index + 1) % noise.checkpoint_every == 0:
             duration += noise.checkpoint_s
@@ -180,10 +197,10 @@ class ClusterModel:
             hang = None
         blocks: tuple[EventBlock, ...] = ()
         if events or hang is not None:
-            blocks = self._blocks(d, runs, last, dp_exit, t0)
+            blocks = self._blocks(d, runs, dp_arrive, dp_exit, host_dp, call_s, t0)
         hung = False
         if hang is not None:
-            delay = self._strike(hang, blocks, t0)
+            delay = self._strike(hang, blocks)
             if delay is not None:
                 duration += delay
                 hung = self._hung = not np.isfinite(delay)
@@ -216,14 +233,25 @@ class ClusterModel:
                 if len(col):
                     op = int(s) * 2 * int(m) + int(gc[1] * 2 * m)
                     offset[op, col[0], t] += noise.gc_pause_s
-            dur = offset.max(axis=2) + d.tp_ar[order.stage][:, ds]
-            start, end = run_pipeline(order, dur, xtab[:, ds])
-            runs.append(tl.BucketRun(order, ds, start, end, offset))
+            # Each host issues an operation in host_fraction of its nominal GPU time (times
+            # its node's contention); the GPU cannot finish it before (run_pipeline's floor),
+            # which matters only where a stage's host falls behind its GPU's own work.
+            hosts = d.host[:, ds, :]
+            work = job.host_fraction * job.microbatch_compute_s * frac
+            host = tl.HostLaunch.of(order, work, hosts, job.launch_us * 1e-6 * hosts,
+                                    job.tp > 1)
+            tp_ar = d.tp_ar[order.stage][:, ds]
+            dur = offset.max(axis=2) + tp_ar
+            floor = host.last_ready() + tp_ar
+            own = np.cumsum(dur.reshape(job.pp, 2 * int(m), -1), axis=1).reshape(dur.shape)
+            start, end = run_pipeline(order, dur, xtab[:, ds],
+                                      floor if np.any(floor > own) else None)
+            runs.append(tl.BucketRun(order, ds, start, end, offset, host))
         return runs
 
     def _blocks(
-        self, d: Derived, runs: list[tl.BucketRun], last: FloatArray, dp_exit: FloatArray,
-        t0: float,
+        self, d: Derived, runs: list[tl.BucketRun], dp_arrive: FloatArray, dp_exit: FloatArray,
+        host_dp: FloatArray, call_s: FloatArray, t0: float,
     ) -> tuple[EventBlock, ...]:
         job, ranks, comms = self.job, self._ranks, self.comms
         gpus = self.layout.gpu_of_rank
@@ -237,25 +265,34 @@ class ClusterModel:
                 )
         if job.dp > 1:
             size = int(job.dp_allreduce_bytes)
-            out.append(tl.dp_block(last, dp_exit, ranks, gpus, comms, self._dp_seq, size))
+            out.append(tl.dp_block(dp_arrive, dp_exit, host_dp, call_s, ranks, gpus, comms,
+                                   self._dp_seq, size))
         return tuple(tl.shifted(b, t0) for b in out)
 
-    def _strike(self, hang: int, blocks: tuple[EventBlock, ...], t0: float) -> float | None:
+    def _strike(self, hang: int, blocks: tuple[EventBlock, ...]) -> float | None:
         """Hang the victim's first call after the fault starts, spread the hang to every rank
-        that then needs a stuck one (see :mod:`greyhound.sim.hang_cascade`); return the delay."""
+        that then needs a stuck one (see :mod:`greyhound.sim.hang_cascade`); return the delay.
+
+        A rank that never enters a call, or enters a different one, is the host's doing: the
+        fault takes the first call its host enqueues from the fault's start on, and the host
+        enqueues nothing from there until the fault ends. A call that never completes is the
+        GPU's: the first call its GPU reaches from the fault's start on. Either way the other
+        hosts run on to their synchronisation; only GPUs wait."""
         f = self.scenario.faults[hang]
         assert f.rank is not None
         victim = int(self.layout.rank_of_gpu()[f.rank])
+        by_host = f.kind in ("hang_not_entered", "hang_inconsistent")
         best: tuple[float, int, int] | None = None
         # A mismatch is a collective's (another op, count or type than its peers); a send and a
         # receive posted together would make "which of the two" ambiguous in the counters.
         wanted = (Op.ALLREDUCE,) if f.kind == "hang_inconsistent" else tuple(Op)
         for i, b in enumerate(blocks):
-            idx = np.flatnonzero((b.rank == victim) & (b.enter >= f.start_s) & np.isin(b.op, wanted))
+            when = b.host_enter if by_host else b.gpu_start
+            idx = np.flatnonzero((b.rank == victim) & (when >= f.start_s) & np.isin(b.op, wanted))
             if len(idx):
-                j = int(idx[np.argmin(b.enter[idx])])
-                if best is None or b.enter[j] < best[0]:
-                    best = (float(b.enter[j]), i, j)
+                j = int(idx[np.argmin(when[idx])])
+                if best is None or when[j] < best[0]:
+                    best = (float(when[j]), i, j)
         if best is None:
             return None
         self._struck.add(hang)
@@ -263,7 +300,7 @@ class ClusterModel:
         offsets = np.cumsum([0] + [len(b) for b in blocks])
         at = int(offsets[bi]) + j
         rank = np.concatenate([b.rank for b in blocks])
-        enter = np.concatenate([b.enter for b in blocks])
+        arrive = np.concatenate([b.gpu_start for b in blocks])
         instance = hc.call_instances(blocks)
         never_returns = np.zeros(len(rank), bool)
         absent = np.zeros(len(rank), bool)
@@ -273,14 +310,22 @@ class ClusterModel:
             never_returns[instance == instance[at]] = True
         else:
             never_returns[at] = True
-        sp = hc.spread(rank, instance, enter, self.job.world,
+        sp = hc.spread(rank, instance, arrive, self.job.world,
                        never_returns=never_returns, absent=absent)
-        delay = f.end_s - best[0]
+        delay = f.end_s - float(blocks[bi].gpu_start[j])
+        host_delay = f.end_s - float(blocks[bi].host_enter[j])
+        entered_at = float(blocks[bi].host_enter[j])
         for i, b in enumerate(blocks):
             part = slice(int(offsets[i]), int(offsets[i + 1]))
             later, stuck = ~sp.reached[part], sp.stuck[part]
-            b.enter[later] += delay
-            b.exit[later | stuck] += delay
+            b.gpu_start[later] += delay
+            b.gpu_end[later | stuck] += delay
+            if f.kind == "hang_not_entered":
+                held = (b.rank == victim) & (b.host_enter >= entered_at)
+                b.host_enter[held] += host_delay
+                b.host_return[held] += host_delay
+                np.maximum(b.gpu_start, b.host_enter, out=b.gpu_start, where=held)
+                np.maximum(b.gpu_end, b.gpu_start, out=b.gpu_end, where=held)
         if f.kind == "hang_inconsistent":
             blocks[bi].op[j] = Op.ALLGATHER
         return delay

@@ -5,6 +5,10 @@ indices, virtual seconds); the hook writes NCCL's view: 1-based collective seque
 communicator, per-peer send/recv counts for P2P, 64-bit communicator ids, element counts and
 CLOCK_MONOTONIC nanoseconds. :class:`RecordCodec` does that translation for whole iterations at
 once, keeping the per-peer counters across iterations as the hook's comm table does.
+
+``enter_ns``/``return_ns`` are the host's (the enqueue, microseconds long) and
+``gpu_start_ns``/``gpu_end_ns`` the GPU's (``NEVER_NS`` when that never happens); flags are
+left to the writer, which decides, as the hook does, whether a call is profiled.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class RankCoords:
 
 
 class RecordCodec:
-    """Encodes iterations into RECORD_DTYPE rows sorted by (rank, enter time).
+    """Encodes iterations into RECORD_DTYPE rows sorted by (rank, host enter time).
 
     ``mono_base_ns`` is the monotonic time of virtual second 0. Returns the rank of each row
     alongside (the ring of a rank is its own file, so rows carry no global rank).
@@ -93,8 +97,10 @@ class RecordCodec:
         rec["comm_id"] = self.ids[ev.comm]
         rec["count"] = ev.count
         rec["seq"] = seq
-        rec["enter_ns"] = self.ns(ev.enter)
-        rec["return_ns"] = self.ns(ev.exit)
+        rec["enter_ns"] = self.ns(ev.host_enter)
+        rec["return_ns"] = self.ns(ev.host_return)
+        rec["gpu_start_ns"] = self.ns(ev.gpu_start)
+        rec["gpu_end_ns"] = self.ns(ev.gpu_end)
         rec["stream"] = 0x7F00_0000_0000 + ev.rank.astype(np.uint64) * 0x100
         rec["comm_rank"] = np.choose(kind, [c.tp[ev.rank], c.dp[ev.rank], c.pp[ev.rank]])
         rec["nranks"] = np.choose(kind, [self.comms.tp, self.comms.dp, self.comms.pp])
@@ -104,7 +110,7 @@ class RecordCodec:
         rec["datatype"] = NCCL_BFLOAT16
         rec["redop"] = np.where(ev.op == Op.ALLREDUCE, NCCL_SUM, hookabi.NO_REDOP)
         rec["tid"] = self.pid
-        order = np.lexsort((rec["enter_ns"], ev.rank))
+        order = np.lexsort((rec["gpu_start_ns"], rec["enter_ns"], ev.rank))
         return ev.rank[order], rec[order]
 
     def _seqs(self, blocks: tuple[EventBlock, ...]) -> list[IntArray]:
@@ -119,7 +125,7 @@ class RecordCodec:
                 send = blocks[i + 1]
                 if len(send) != len(b) or not np.all(send.op == Op.SEND):
                     raise ValueError("a receive block must be followed by its send block")
-                seq = self._pair_seq(send.rank, send.peer, send.enter)
+                seq = self._pair_seq(send.rank, send.peer, send.host_enter)
                 out += [seq, seq.copy()]
                 i += 2
                 continue

@@ -52,8 +52,14 @@ class JobSpec:
 
     ``link_gbps`` is the bandwidth one GPU gets to a GPU of another node (rail-optimised
     clusters give every GPU its own NIC, so the TP-rank rings of one DP all-reduce do not share
-    it); a congested node pair divides it. ``host_fraction`` is the share of a micro-batch's
-    time bound by host-side work (kernel launches, data loading), the part CPU contention slows.
+    it); a congested node pair divides it.
+
+    The host runs ahead of the GPU (NCCL and kernel launches are asynchronous) and synchronises
+    once per iteration. ``host_fraction`` is the host's work to issue one micro-batch (kernel
+    launches, data handling) as a share of that micro-batch's healthy GPU time, and
+    ``launch_us`` the host time of one NCCL call. CPU contention multiplies both: it slows the
+    job only once the host needs longer than the GPU, which then waits for launches (at the
+    default 0.1, contention beyond 10x).
     """
 
     tp: int
@@ -71,6 +77,7 @@ class JobSpec:
     nvlink_latency_us: float = 1.0
     forward_fraction: float = 1.0 / 3.0
     host_fraction: float = 0.1
+    launch_us: float = 5.0
     optimizer_s: float = 0.01
     dp_algorithm: DpAlgorithm = "auto"
     tree_efficiency: float = 0.85
@@ -207,6 +214,7 @@ def _job(d: Mapping[str, Any]) -> JobSpec:
         nvlink_latency_us=_num(d, "nvlink_latency_us", p, default=1.0),
         forward_fraction=_num(d, "forward_fraction", p, default=1.0 / 3.0, positive=True),
         host_fraction=_num(d, "host_fraction", p, default=0.1),
+        launch_us=_num(d, "launch_us", p, default=5.0),
         optimizer_s=_num(d, "optimizer_s", p, default=0.01),
         dp_algorithm=algo,
         tree_efficiency=_num(d, "tree_efficiency", p, default=0.85, positive=True),

@@ -116,6 +116,7 @@ def _solve(
     batches: tuple[IntArray, ...],
     dur: FloatArray,
     xfer: FloatArray,
+    floor: FloatArray | None = None,
 ) -> tuple[FloatArray, FloatArray]:
     n, d = dur.shape
     start = np.zeros((n + 1, d))
@@ -123,21 +124,22 @@ def _solve(
     for b in batches:
         s = np.maximum(end[prev[b]], end[dep[b]]) + xfer[xrow[b]]
         start[b] = s
-        end[b] = s + dur[b]
+        end[b] = s + dur[b] if floor is None else np.maximum(s + dur[b], floor[b])
     return start, end
 
 
 def run_pipeline(
-    order: PipelineOrder, dur: FloatArray, xfer: FloatArray
+    order: PipelineOrder, dur: FloatArray, xfer: FloatArray, floor: FloatArray | None = None
 ) -> tuple[FloatArray, FloatArray]:
     """Start and end of every operation, relative to the iteration start, for D groups at once.
 
     ``dur`` has shape (n_ops, D); ``xfer`` (n_xrows, D) with a zero last row. A receiving
     operation starts when both its own stage is free (the receive is posted) and the sender is
-    done, plus the transfer time (NCCL's rendezvous for large messages). Returned arrays have
-    an extra last row of zeros (the sentinel).
+    done, plus the transfer time (NCCL's rendezvous for large messages). ``floor`` (n_ops, D),
+    if given, is the earliest end of each operation whatever its start (its host has not
+    issued it before). Returned arrays have an extra last row of zeros (the sentinel).
     """
-    return _solve(order.prev, order.dep, order.xrow, order.batches, dur, xfer)
+    return _solve(order.prev, order.dep, order.xrow, order.batches, dur, xfer, floor)
 
 
 def ring_allreduce_s(

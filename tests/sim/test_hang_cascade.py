@@ -43,34 +43,41 @@ def hung_iteration(kind: str, rank: int, start_s: float = 2.0) -> IterationTimin
 
 
 def agent_view(it: IterationTiming) -> tuple[CommCounters, LastRecords]:
-    """What the agents' counter rows say once the job is stuck: per (communicator, rank) the
-    collective sequence numbers entered and completed (a send or receive has none, as in the
-    hook), whether a call is in flight, and the last call entered (pending or not)."""
+    """What the counters say once the job is stuck, on the GPU timeline (which is how the
+    analyzer reads the hook's completion marks): per (communicator, rank) the collectives its
+    GPU reached and completed (a send or receive has no collective number, as in the hook),
+    whether a call reached there is still pending, and that oldest pending call, or else the
+    newest call reached. A GPU may have a send pending while a later receive completed."""
     ev = it.events()
-    reached = np.isfinite(ev.enter)
-    stuck = reached & ~np.isfinite(ev.exit)
+    reached = np.isfinite(ev.gpu_start)
+    stuck = reached & ~np.isfinite(ev.gpu_end)
     key = ev.comm * 100_000 + ev.rank
     cols: dict[str, list[object]] = {k: [] for k in
                                      ("comm", "rank", "ent", "comp", "seq", "op", "cnt", "en", "ex",
                                       "busy")}
     for k in np.unique(key):
         mine = np.flatnonzero(key == k)
-        done = mine[reached[mine]]
+        got = mine[reached[mine]]
+        pending = got[stuck[got]]
         # no call reached in this iteration: the counters stand where the last iteration left them
-        i = int(done[np.argmax(ev.seq[done])]) if len(done) else int(mine[np.argmin(ev.seq[mine])])
-        n = int(ev.seq[i]) + 1 if len(done) else int(ev.seq[i])
+        if len(pending):
+            i = int(pending[np.argmin(ev.gpu_start[pending])])
+        elif len(got):
+            i = int(got[np.argmax(ev.seq[got])])
+        else:
+            i = int(mine[np.argmin(ev.seq[mine])])
+        newest = int(ev.seq[got].max()) + 1 if len(got) else int(ev.seq[i])
         p2p = int(ev.op[i]) in (Op.SEND, Op.RECV)
         cols["comm"].append(int(k // 100_000))
         cols["rank"].append(int(k % 100_000))
-        cols["busy"].append(bool(stuck[i]))
-        if p2p:
-            n = 0
+        cols["busy"].append(bool(len(pending)))
+        n = 0 if p2p else newest
         cols["ent"].append(n)
-        cols["comp"].append(n - int(stuck[i] and not p2p))
-        cols["seq"].append(n - 1)
+        cols["comp"].append(0 if p2p else int(ev.seq[i]) if len(pending) else n)
+        cols["seq"].append(int(ev.seq[i]) if len(got) else n - 1)
         cols["op"].append(Op(int(ev.op[i])).name.lower())
         cols["cnt"].append(int(ev.count[i]))
-        cols["en"].append(float(ev.enter[i]) * 1e9 if len(done) else 0.0)
+        cols["en"].append(float(ev.gpu_start[i]) * 1e9 if len(got) else 0.0)
         cols["ex"].append(-1.0 if stuck[i] else 1.0)
     counters = CommCounters(cols["comm"], cols["rank"], cols["ent"], cols["comp"],
                             in_call=np.array(cols["busy"], dtype=bool))
@@ -85,10 +92,12 @@ def test_counters_after_a_simulated_hang_name_its_kind_and_rank(kind: str, victi
     it = hung_iteration(kind, victim)
     ev = it.events()
     mine = ev.rank == victim
-    hung_at = float(ev.enter[mine & ~np.isfinite(ev.exit)].min()) if kind != "hang_not_entered" \
-        else float(ev.enter[mine & np.isfinite(ev.enter)].max())
+    if kind == "hang_not_entered":  # the victim's GPU idles once its queued calls are done
+        hung_at = float(ev.gpu_end[mine & np.isfinite(ev.gpu_end)].max(initial=it.start_s))
+    else:
+        hung_at = float(ev.gpu_start[mine & ~np.isfinite(ev.gpu_end)].min())
     # Not a global freeze: some other rank still completes a call it entered after that moment.
-    later = ~mine & (ev.enter > hung_at) & np.isfinite(ev.exit)
+    later = ~mine & (ev.gpu_start > hung_at) & np.isfinite(ev.gpu_end)
     assert later.any()
     counters, last = agent_view(it)
     found = diagnose_hang(counters, last, now_ns=int(1e15))

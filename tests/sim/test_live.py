@@ -1,7 +1,9 @@
-"""Live mode writes what the hook writes: read back by the agent's reader and collector."""
+"""Live mode writes what the hook writes over an asynchronous NCCL: read back by the agent's
+reader and collector, and compared with the model the rings come from."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ from greyhound.hookabi import (
     BenchRequest,
     BenchState,
     CommState,
+    Control,
     Flag,
     Op,
     RingReader,
@@ -21,13 +24,14 @@ from greyhound.hookabi import (
 from greyhound.sim.events import CommKind
 from greyhound.sim.live import LiveSimulation
 from greyhound.sim.model import ClusterModel
-from greyhound.sim.records import comm_kind
+from greyhound.sim.records import RecordCodec, comm_kind
 from greyhound.sim.scenario import Scenario
 from tests.sim.helpers import job, scenario
 
 J = job(tp=2, dp=2, pp=2, gpus_per_node=4, microbatches=4, microbatch_compute_s=0.05,
         dp_allreduce_bytes=1e8, pp_activation_bytes=1e6, optimizer_s=0.01,
         link_latency_us=5.0, nvlink_latency_us=1.0)
+TIMED = Flag.PROFILED | Flag.GPU_DONE
 
 
 def drain_all(sim: LiveSimulation, readers: list[RingReader]) -> list[np.ndarray]:
@@ -51,6 +55,20 @@ def model_durations(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
     return np.array(starts), np.array(durs)
 
 
+def model_records(sc: Scenario, mono0_ns: int, world: int) -> list[np.ndarray]:
+    """Every rank's records as the model makes them (a twin of the live run's model)."""
+    model, codec = ClusterModel(sc), RecordCodec(ClusterModel(sc).comms, mono0_ns, pid=0)
+    t, ranks, recs = 0.0, [], []
+    while t < sc.duration_s:
+        it = model.iteration(t)
+        r, rec = codec.encode(it.blocks)
+        ranks.append(r)
+        recs.append(rec)
+        t = it.end_s
+    rank, rec = np.concatenate(ranks), np.concatenate(recs)
+    return [rec[rank == r] for r in range(world)]
+
+
 def test_rings_read_back_with_header_counters_and_order(tmp_path: Path) -> None:
     sc = scenario(J, duration_s=3.0)
     sim = LiveSimulation(sc, tmp_path, "job-a", capacity=1024)
@@ -58,42 +76,130 @@ def test_rings_read_back_with_header_counters_and_order(tmp_path: Path) -> None:
         readers = [RingReader(p) for p in list_rings(tmp_path, "job-a")]
         assert [rd.header.rank for rd in readers] == list(range(8))
         recs = drain_all(sim, readers)
+        read_at = time.monotonic_ns()
+        v_end_ns = sim.mono0_ns + round(sim.virtual_s * 1e9)
         h = readers[5].header
         assert (h.job, h.host, h.device) == ("job-a", "sim-node1", 1)
         # Wall = start + virtual seconds, through the anchors the agent uses.
         assert h.to_wall_ns(sim.mono0_ns + 2_000_000_000) == sim.wall0_ns + 2_000_000_000
         for rd, rec in zip(readers, recs, strict=True):
             assert len(rec) > 50 and rd.lost == 0
-            assert np.all(np.diff(rec["enter_ns"].astype(np.int64)) >= 0)  # enter order
-            assert np.all(rec["return_ns"] >= rec["enter_ns"])
+            assert np.all(np.diff(rec["enter_ns"].astype(np.int64)) > 0)  # enqueue order
+            # Host time inside the API is the launch cost; monitor mode records no GPU times.
+            assert np.all(rec["return_ns"] - rec["enter_ns"] == 5000)
+            assert np.all(rec["flags"] == 0) and not rec["gpu_start_ns"].any()
             assert set(np.unique(rec["op"])) == {Op.ALLREDUCE, Op.SEND, Op.RECV}
             assert np.all(rec["datatype"] == 9)
             comms = rd.comms()
             assert len(comms) == 3 and np.all(comms["state"] == CommState.ACTIVE)
+            assert np.all(comms["gpu_marks"] == 1) and not comms["inflight_enter_ns"].any()
             for c in comms:
                 mine = rec[rec["comm_id"] == c["comm_id"]]
-                inside = int(c["inflight_enter_ns"] != 0)  # a call in progress at the end
-                assert c["calls_completed"] == len(mine) == c["calls_entered"] - inside
+                assert c["calls_completed"] == len(mine) == c["calls_entered"]
+                assert c["last_op"] == mine["op"][-1] and c["last_count"] == mine["count"][-1]
+                done = int(c["gpu_calls_done"])
+                assert 0 < done <= len(mine)
+                if done < len(mine):  # the oldest call not done on the GPU is the pending one
+                    p = mine[done]
+                    assert (c["gpu_pending_op"], c["gpu_pending_count"],
+                            c["gpu_pending_dtype"]) == (p["op"], p["count"], p["datatype"])
+                    # aged against the reader's clock by the virtual time since its enqueue
+                    age = (read_at - int(c["gpu_pending_ns"])) / 1e9
+                    assert age == pytest.approx((v_end_ns - int(p["enter_ns"])) / 1e9, abs=0.5)
+                else:
+                    assert c["gpu_pending_ns"] == 0 == c["gpu_pending_op"]
                 if comm_kind(int(c["comm_id"])) is CommKind.PP:
+                    assert c["gpu_seq_done"] == 0 == c["gpu_pending_seq"]
                     for op, field in ((Op.SEND, "send_count"), (Op.RECV, "recv_count")):
                         n = int((mine["op"] == op).sum())
                         assert int(c[field].sum()) == n
                         assert np.array_equal(mine["seq"][mine["op"] == op], np.arange(1, n + 1))
                 else:  # collectives: seq 1, 2, 3, ... per communicator
                     assert np.array_equal(mine["seq"], np.arange(1, len(mine) + 1))
-                    assert c["last_seq_completed"] == len(mine) == c["last_seq_entered"] - inside
-        # Matching sends and receives carry the same per-pair number and completion time.
+                    assert c["last_seq_completed"] == len(mine) == c["last_seq_entered"]
+                    assert c["gpu_seq_done"] == done
+                    assert c["gpu_pending_seq"] in (0, done + 1)
+    finally:
+        sim.close()
+
+
+def test_profiled_records_carry_the_models_two_timelines(tmp_path: Path) -> None:
+    """Profile mode from the start: every record is the model's call, host times microseconds
+    apart and ahead of the GPU times; a send and its receive complete together on the GPU; a
+    throttled GPU's host enqueues exactly when its TP peer's does while its GPU arrives late."""
+    faults = [{"kind": "gpu_slow", "rank": 3, "start_s": 0.0, "factor": 1.5}]
+    sc = scenario(J, faults, duration_s=3.0)
+    sim = LiveSimulation(sc, tmp_path, "job-g", capacity=1024)
+    try:
+        readers = [RingReader(p) for p in list_rings(tmp_path, "job-g")]
+        for rd in readers:
+            rd.control().set_mode("profile")
+        recs = drain_all(sim, readers)
+        twin = model_records(sc, sim.mono0_ns, 8)
+        for rec, want in zip(recs, twin, strict=True):
+            assert len(rec) > 50 and np.all(rec["flags"] & TIMED == TIMED)
+            for f in ("enter_ns", "return_ns", "gpu_start_ns", "gpu_end_ns", "seq", "op"):
+                assert np.array_equal(rec[f], want[f][: len(rec)]), f
+            assert np.all(rec["gpu_start_ns"] >= rec["enter_ns"])
+            # The host enqueues an iteration long before its GPU gets there.
+            lead = (rec["gpu_start_ns"].astype(np.int64) - rec["enter_ns"].astype(np.int64))
+            assert np.median(lead) > 0.01e9
         r0, r4 = recs[0], recs[4]  # stage 0 and stage 1 of the same (dp, tp)
         s = r0[r0["op"] == Op.SEND]
         r = r4[r4["op"] == Op.RECV]
         n = min(len(s), len(r))
         assert n > 10 and np.array_equal(s["seq"][:n], r["seq"][:n])
-        assert np.array_equal(s["return_ns"][:n], r["return_ns"][:n])
+        assert np.array_equal(s["gpu_end_ns"][:n], r["gpu_end_ns"][:n])
+        tp = [x[(x["op"] == Op.ALLREDUCE) & (comm_kind(int(x["comm_id"][0])) is CommKind.TP)
+                & (x["comm_id"] == x["comm_id"][0])] for x in (recs[2], recs[3])]
+        n = min(len(tp[0]), len(tp[1]))
+        peer, slow = tp[0][:n], tp[1][:n]
+        assert n > 20 and np.array_equal(peer["seq"], slow["seq"])
+        assert np.array_equal(peer["enter_ns"], slow["enter_ns"])
+        assert np.all(slow["gpu_start_ns"] > peer["gpu_start_ns"])
+        assert np.array_equal(slow["gpu_end_ns"], peer["gpu_end_ns"])
+    finally:
+        sim.close()
+
+
+def test_comm_tables_follow_the_host_ahead_of_the_gpu(tmp_path: Path) -> None:
+    """At every tick the host counters lead: most of the time the host has enqueued its DP
+    all-reduce while its GPU is still working towards it; the oldest pending call is the one
+    right after the GPU's done ones, and a host is inside NCCL for microseconds at most."""
+    sc = scenario(J, duration_s=3.0)
+    sim = LiveSimulation(sc, tmp_path, "job-t", capacity=1024, speed=3.0, tick_s=0.0,
+                         max_ahead_s=float("inf"))
+    try:
+        readers = [RingReader(p) for p in list_rings(tmp_path, "job-t")]
+        samples = ahead = 0
+        deadline = time.monotonic() + 60
+        while not sim.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+            if not sim.step():
+                continue
+            for rd in readers:
+                rd.poll()
+                for c in rd.comms():
+                    entered, done = int(c["calls_entered"]), int(c["gpu_calls_done"])
+                    inside = entered - int(c["calls_completed"])
+                    assert inside in (0, 1) and (c["inflight_enter_ns"] != 0) == (inside == 1)
+                    assert done <= entered and (c["gpu_pending_op"] != 0) == (done < entered)
+                    if comm_kind(int(c["comm_id"])) is CommKind.PP:
+                        continue
+                    assert int(c["gpu_seq_done"]) == done <= int(c["last_seq_entered"])
+                    assert int(c["gpu_pending_seq"]) in (0, done + 1)
+                    if comm_kind(int(c["comm_id"])) is CommKind.DP:
+                        samples += 1
+                        ahead += done < entered
+        assert sim.done and samples > 100
+        assert ahead > 0.6 * samples
     finally:
         sim.close()
 
 
 def test_collector_iteration_times_match_the_model(tmp_path: Path) -> None:
+    """Iteration periods stay host-side: the host synchronises once per iteration, so its
+    enqueue times repeat with the GPU's iteration period."""
     faults = [{"kind": "gpu_slow", "rank": 3, "start_s": 8.0, "factor": 1.5}]
     sc = scenario(J, faults, duration_s=16.0)
     sim = LiveSimulation(sc, tmp_path, "job-b", capacity=1024)
@@ -124,28 +230,51 @@ def test_collector_iteration_times_match_the_model(tmp_path: Path) -> None:
     assert min(slow) == pytest.approx(durs[-1], rel=0.01)
 
 
-@pytest.mark.parametrize("kind", ["hang_hardware", "hang_not_entered"])
-def test_hangs_show_in_the_comm_table_only(tmp_path: Path, kind: str) -> None:
-    sc = scenario(J, [{"kind": kind, "rank": 1, "start_s": 1.0}], duration_s=3.0)
+def members(readers: list[RingReader]) -> dict[int, dict[int, np.ndarray]]:
+    """comm id -> {global rank: that rank's comm row}."""
+    out: dict[int, dict[int, np.ndarray]] = {}
+    for r, rd in enumerate(readers):
+        for c in rd.comms():
+            out.setdefault(int(c["comm_id"]), {})[r] = c
+    return out
+
+
+@pytest.mark.parametrize("kind", ["hang_hardware", "hang_not_entered", "hang_inconsistent"])
+def test_a_hang_is_a_call_pending_on_the_gpu_with_every_host_outside_nccl(
+        tmp_path: Path, kind: str) -> None:
+    sc = scenario(J, [{"kind": kind, "rank": 1, "start_s": 1.0}], duration_s=4.0)
     sim = LiveSimulation(sc, tmp_path, "job-h", capacity=1024)
     try:
         readers = [RingReader(p) for p in list_rings(tmp_path, "job-h")]
-        recs = drain_all(sim, readers)
+        drain_all(sim, readers)
         assert sim.progress().hung
-        victim = readers[1].comms()
-        busy = victim[victim["inflight_enter_ns"] != 0]
-        if kind == "hang_hardware":  # entered, never returns
-            assert len(busy) == 1
-            assert busy["calls_entered"][0] == busy["calls_completed"][0] + 1
-            if "last_count" in (busy.dtype.names or ()):  # layout v2: what it entered
-                assert busy["last_count"][0] > 0 and busy["last_dtype"][0] == 9
-        else:  # never entered: no counter moved, while its peers wait inside
-            assert len(busy) == 0
-            assert np.all(victim["calls_entered"] == victim["calls_completed"])
-            waiting = [rd.comms() for rd in (readers[0],)]
-            assert any(np.any(w["calls_entered"] > w["calls_completed"]) for w in waiting)
-        # No record after the hang: the last one returned before the victim's stuck call.
-        assert int(recs[1]["return_ns"].max()) < sim.mono0_ns + 1.6e9
+        now = time.monotonic_ns()
+        groups = members(readers)
+        rows = [row for g in groups.values() for row in g.values()]
+        assert not any(int(row["inflight_enter_ns"]) for row in rows)
+        assert all(row["calls_entered"] == row["calls_completed"] for row in rows)
+        waits = [(now - int(row["gpu_pending_ns"])) / 1e9 for row in rows
+                 if row["gpu_pending_ns"]]
+        assert waits and max(waits) > 2.0  # pending since the hang, ~3 virtual seconds
+        stuck = {cid: g for cid, g in groups.items()
+                 if any(int(row["gpu_pending_seq"]) for row in g.values())}
+        victim_rows = [g[1] for g in stuck.values() if 1 in g]
+        if kind == "hang_not_entered":
+            # Some peer waits at a seq the victim's host never enqueued; the victim has nothing
+            # pending there.
+            assert any(int(row["gpu_pending_seq"]) > int(g[1]["last_seq_entered"])
+                       and g[1]["gpu_pending_op"] == 0
+                       for g in stuck.values() if 1 in g for r, row in g.items() if r != 1)
+        elif kind == "hang_inconsistent":
+            # At one seq the victim's pending call is another op than its peers'.
+            assert any(int(g[1]["gpu_pending_seq"]) == int(row["gpu_pending_seq"]) > 0
+                       and g[1]["gpu_pending_op"] != row["gpu_pending_op"]
+                       for g in stuck.values() if 1 in g for r, row in g.items() if r != 1)
+        else:
+            # Every member enqueued the victim's pending call (and ran past it on the host).
+            assert any(all(int(row["last_seq_entered"]) >= int(v["gpu_pending_seq"])
+                           for row in groups[int(v["comm_id"])].values())
+                       for v in victim_rows if v["gpu_pending_seq"])
     finally:
         sim.close()
 
@@ -170,14 +299,18 @@ def test_pause_bench_and_resume(tmp_path: Path) -> None:
             if all(c.paused() for c in ctls):
                 break
         assert all(c.paused() for c in ctls)
-        head = [rd.refresh_header().head for rd in readers]
+        paused_at = sim.mono0_ns + round(sim.virtual_s * 1e9)
         gemm = {r: ctls[r].submit(BenchRequest(BenchKind.GEMM, 8192, repeat=3)) for r in (2, 6)}
         pp_comm = int(readers[2].comms()["comm_id"][2])
         send = ctls[2].submit(BenchRequest(BenchKind.SEND, 1 << 26, comm_id=pp_comm, peer=1))
         bad = ctls[2].submit(BenchRequest(BenchKind.SEND, 1 << 26, comm_id=pp_comm, peer=0))
-        for _ in range(5):
-            sim.step()
-        assert [rd.refresh_header().head for rd in readers] == head  # nothing moves
+        deadline = time.monotonic() + 30
+        failed = None
+        while failed is None and time.monotonic() < deadline:
+            sim.step()  # the benchmarks run once each rank's queued GPU work has drained
+            time.sleep(0.001)
+            failed = ctls[2].result(bad)
+        assert failed is not None and failed.state == BenchState.FAILED
         g2, g6 = (ctls[r].result(gemm[r]) for r in (2, 6))
         assert g2 is not None and g6 is not None and g2.ok and len(g6.durations_ns) == 3
         assert g6.durations_ns[0] == pytest.approx(2 * g2.durations_ns[0], rel=1e-6)
@@ -185,21 +318,66 @@ def test_pause_bench_and_resume(tmp_path: Path) -> None:
         assert res is not None and res.ok  # rank 2 (node 0) -> rank 6 (node 1): congested
         expect = 5e-6 + (1 << 26) / (400e9 / 8 / 4)
         assert res.durations_ns[0] == pytest.approx(expect * 1e9, rel=1e-6)
-        failed = ctls[2].result(bad)
-        assert failed is not None and failed.state == BenchState.FAILED
+        assert 0 <= res.drain_ns < 1e9 and 0 <= g2.drain_ns < 1e9
+        resumed_at = sim.mono0_ns + round(sim.virtual_s * 1e9)
         for c in ctls:
             c.resume()
         recs = drain_all(sim, readers)
         assert not any(c.paused() for c in ctls)
-        want = Flag.PROFILED | Flag.GPU_DONE
         for r in recs:  # still in call order, and profiled from the pause on
-            assert np.all(np.diff(r["enter_ns"].astype(np.int64)) >= 0)
+            assert np.all(np.diff(r["enter_ns"].astype(np.int64)) > 0)
             assert np.all(r["return_ns"] >= r["enter_ns"])
+            # parked hosts enqueued nothing while paused
+            assert not np.any((r["enter_ns"] > paused_at) & (r["enter_ns"] < resumed_at))
             after = r[r["enter_ns"] > np.uint64(sim.mono0_ns + 1.5e9)]
-            assert len(after) > 20 and np.all(after["flags"] & want == want)
-            assert np.array_equal(after["gpu_end_ns"], after["return_ns"])
+            assert len(after) > 20 and np.all(after["flags"] & TIMED == TIMED)
+            assert np.all(after["gpu_end_ns"] >= after["gpu_start_ns"])
+            assert np.all(after["gpu_start_ns"] >= after["enter_ns"])
         for c in ctls:
             c.close()
+    finally:
+        sim.close()
+
+
+def test_a_parked_rank_drains_its_gpu_while_its_peers_wait(tmp_path: Path) -> None:
+    """Targeted at its next iteration's DP all-reduce, rank 0's host parks ~a tenth into that
+    iteration; its GPU still runs the work queued before (the benchmark waits for it, drain_ns),
+    its DP peer's GPU waits in the all-reduce rank 0 never enqueued, and no host is in NCCL."""
+    sc = scenario(J, duration_s=8.0)
+    sim = LiveSimulation(sc, tmp_path, "job-q", capacity=1024, speed=5.0, tick_s=0.0,
+                         max_ahead_s=float("inf"))
+    try:
+        readers = [RingReader(p) for p in list_rings(tmp_path, "job-q")]
+        ctl = Control(readers[0].path)
+        while sim.virtual_s < 1.0:
+            sim.step()
+        dp = readers[0].comms()[1]
+        target = int(dp["last_seq_entered"]) + 1
+        ctl.pause(comm_id=int(dp["comm_id"]), seq=target)
+        deadline = time.monotonic() + 30
+        while not ctl.paused() and time.monotonic() < deadline:
+            sim.step()
+        assert ctl.paused()
+        seen_v = sim.virtual_s
+        req = ctl.submit(BenchRequest(BenchKind.GEMM, 4096))
+        res = None
+        while res is None and time.monotonic() < deadline:
+            sim.step()
+            res = ctl.result(req)
+        assert res is not None and res.ok
+        assert res.drain_ns > 0.05e9  # most of an iteration's GPU work was queued
+        assert sim.virtual_s >= seen_v + res.drain_ns / 1e9 - 0.05
+        mine = readers[0].comms()
+        assert not mine["gpu_pending_op"].any()  # its GPU has drained
+        assert int(mine[1]["last_seq_entered"]) == target - 1
+        peer = members(readers)[int(dp["comm_id"])][2]  # rank 2: same stage and TP rank
+        assert int(peer["gpu_pending_seq"]) == target and peer["inflight_enter_ns"] == 0
+        assert int(peer["last_seq_entered"]) >= target  # its host ran on
+        ctl.resume()
+        recs = drain_all(sim, readers)
+        assert not ctl.paused()
+        dp_calls = recs[0][recs[0]["comm_id"] == dp["comm_id"]]
+        assert int(dp_calls["seq"].max()) > target  # the job went on after the pause
     finally:
         sim.close()
 
@@ -216,29 +394,65 @@ def test_never_runs_ahead_of_the_consumer(tmp_path: Path) -> None:
         sim.close()
 
 
+def pending_ages(readers: list[RingReader]) -> list[float]:
+    now = time.monotonic_ns()
+    return [(now - int(c["gpu_pending_ns"])) / 1e9 for rd in readers for c in rd.comms()
+            if c["gpu_pending_ns"]]
+
+
 def test_held_back_or_finished_runs_do_not_look_hung(tmp_path: Path) -> None:
     """Held back by a reader that does not consume, the virtual clock stands still, so a call
-    inside NCCL must not show wall-clock time passing there; once the run ends nothing is inside
-    NCCL. Otherwise the tracker would see hangs that the simulated job does not have."""
-    import time as _time
-
+    pending on a GPU must not show wall-clock time passing; once the run ends nothing is pending
+    or inside NCCL. Otherwise the tracker would see hangs that the simulated job does not have."""
     sim = LiveSimulation(scenario(J, duration_s=20.0), tmp_path, "job-d", capacity=256, lead=0.5)
     col = Collector(tmp_path, "job-d")
     col.scan()
+    readers = [RingReader(p) for p in list_rings(tmp_path, "job-d")]
     try:
         while sim.step():
             pass
         assert not sim.done  # held back: the collector has not drained anything
-        _time.sleep(0.3)
+        before = pending_ages(readers)
+        time.sleep(0.3)
         sim.step()
-        waits = col.counters(_time.monotonic_ns()).inflight_s
-        assert max(waits) < 0.25, waits
+        after = pending_ages(readers)
+        assert before and len(after) == len(before)
+        assert max(a - b for a, b in zip(after, before, strict=True)) < 0.15
+        assert max(col.counters(time.monotonic_ns()).inflight_s) < 0.25
         while not sim.done:
             if not sim.step():
                 col.drain()
         sim.run()  # returns at once (done) and marks the job finished
-        assert max(col.counters(_time.monotonic_ns()).inflight_s) == 0.0
+        assert max(col.counters(time.monotonic_ns()).inflight_s) == 0.0
+        assert pending_ages(readers) == []
     finally:
+        for rd in readers:
+            rd.close()
+        col.close()
+        sim.close()
+
+
+def test_a_driver_busy_elsewhere_does_not_make_the_job_look_hung(tmp_path: Path) -> None:
+    """run()'s callbacks may block (an HTTP poll on a loaded machine): the virtual clock stands
+    still meanwhile, so the GPU-pending ages the agent reads must not grow on wall time."""
+    sim = LiveSimulation(scenario(J, duration_s=10.0), tmp_path, "job-k", speed=10.0,
+                         max_ahead_s=float("inf"))
+    readers = [RingReader(p) for p in list_rings(tmp_path, "job-k")]
+    seen: list[list[float]] = []
+
+    def should_stop() -> bool:
+        if sim.virtual_s > 2.0 and not seen and pending_ages(readers):
+            time.sleep(0.8)
+            seen.append(pending_ages(readers))
+        return False
+
+    try:
+        sim.run(should_stop=should_stop)
+        # virtual ages stay under an iteration (0.2 s); on wall time they would exceed 0.8 s
+        assert seen and seen[0] and max(seen[0]) < 0.6
+    finally:
+        for rd in readers:
+            rd.close()
         sim.close()
 
 

@@ -19,8 +19,8 @@ SUITE = Path(__file__).resolve().parents[2] / "scenarios" / "suite"
 
 
 @pytest.mark.parametrize(("name", "before", "after", "ranks", "nodes"), [
-    ("cpu-contention-s16-n1", 0.098, 0.121, [4, 5, 6, 7], [1]),
-    ("gpu-slow-s16-r5", 0.097, 0.113, [5], [1]),
+    ("cpu-contention-s16-n1", 0.098, 0.114, [4, 5, 6, 7], [1]),
+    ("gpu-slow-s16-r5", 0.098, 0.116, [5], [1]),
 ])
 def test_profiled_window_names_the_slow_ranks(tmp_path: Path, name: str, before: float,
                                               after: float, ranks: list[int],

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from greyhound.sim.scenario import ScenarioError, load_scenario, parse_scenario
+from greyhound.sim.model import ClusterModel
+from greyhound.sim.scenario import NoiseSpec, ScenarioError, load_scenario, parse_scenario
 from tests.sim.helpers import job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,3 +61,23 @@ def test_sequential_hangs_are_allowed() -> None:
 def test_example_scenarios_load(path: Path) -> None:
     s = load_scenario(path)
     assert s.name and s.job.world > 0 and s.duration_s > 0
+
+
+CONTENDED = sorted(p for p in (ROOT / "scenarios").rglob("*.yaml")
+                   if "cpu_contention" in p.read_text())
+
+
+@pytest.mark.parametrize("path", CONTENDED, ids=lambda p: p.stem)
+def test_cpu_contention_in_the_scenarios_puts_hosts_behind_their_gpus(path: Path) -> None:
+    """Host contention slows a job only once its hosts need longer than their GPUs: every
+    scenario's contention must do so (the suite's strongly: its kind must be localisable)."""
+    s = load_scenario(path)
+    quiet = NoiseSpec(jitter_cv=0.0, gc_prob=0.0)
+    healthy = ClusterModel(replace(s, faults=(), noise=quiet)).iteration(0.0, events=False)
+    for f in s.faults:
+        if f.kind != "cpu_contention":
+            continue
+        always = replace(f, start_s=0.0, duration_s=None)
+        slow = ClusterModel(replace(s, faults=(always,), noise=quiet)).iteration(0.0, events=False)
+        ratio = slow.duration_s / healthy.duration_s
+        assert ratio > (1.15 if path.parent.name == "suite" else 1.01), ratio
