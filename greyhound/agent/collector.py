@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 _COLLECTIVES = np.array([Op.ALLREDUCE, Op.ALLGATHER, Op.REDUCESCATTER, Op.BROADCAST, Op.REDUCE,
                          Op.ALLTOALL, Op.SEND, Op.RECV], dtype=np.uint16)
+# Flags the hook sets only on calls it handled in profile mode (timed, lost or captured).
+_PROFILE_FLAGS = np.uint32(Flag.PROFILED | Flag.CAPTURED)
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xC2B2AE3D27D4EB4F)
 
@@ -55,6 +57,7 @@ class RankStream:
     kept: list[np.ndarray] = field(default_factory=list)
     inode: int = 0
     ended: bool = False  # the writer process exited: drain what is left, report no counters
+    _marked: bool = False  # the hook records GPU completion marks (see _gpu_marked)
 
     def writer_gone(self) -> bool:
         """True when the rank's process ran on this host and no longer exists.
@@ -82,6 +85,15 @@ class RankStream:
         self.kept = []
         return out
 
+    def _gpu_marked(self) -> bool:
+        """True once the hook records GPU completion marks in this process (it has a CUDA
+        runtime). Then a record without the profile-mode flags was enqueued before the switch to
+        profile mode: it is not part of the window, and taking it as a host-only row would
+        localise on host time, which says nothing on an asynchronous GPU."""
+        if not self._marked:
+            self._marked = bool((self.reader.comms()["gpu_marks"] != 0).any())
+        return self._marked
+
     def wall_offset_ns(self) -> int:
         h = self.reader.header
         return int(h.wall_anchor_ns) - int(h.mono_anchor_ns)
@@ -94,7 +106,9 @@ class RankStream:
         if len(recs) == 0:
             return []
         if self.keep_records:
-            self.kept.append(recs)
+            kept = recs[(recs["flags"] & _PROFILE_FLAGS) != 0] if self._gpu_marked() else recs
+            if len(kept):
+                self.kept.append(kept)
         iters = self.segmenter.feed(call_keys(recs), recs["enter_ns"].astype(np.int64),
                                     recs["return_ns"].astype(np.int64))
         off = self.wall_offset_ns()

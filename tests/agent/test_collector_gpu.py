@@ -105,3 +105,38 @@ def test_profiled_rows_keep_gpu_times_only_where_the_gpu_timed_them() -> None:
     rows.add(3, recs, wall_offset_ns=1_000)
     assert rows.enter_ns == [1100, 1200, 1300]
     assert rows.gpu_start_ns == [1150, 0, 0] and rows.gpu_end_ns == [1160, 0, 0]
+
+
+def _profiled_ring(tmp_path: Path, *, marks: int) -> tuple[Collector, RingWriter]:
+    """A ring whose first two calls were enqueued in monitor mode (no flags) and whose last
+    three were handled in profile mode (timed, lost, captured); the agent keeps records."""
+    writer = RingWriter(tmp_path / "shm" / JOB / "rank-0.ring", job=JOB, rank=0, host="h", pid=0,
+                        device=0, capacity=64)
+    recs = _calls(MARKED, 5)
+    recs["flags"] = [0, 0, Flag.PROFILED | Flag.GPU_DONE, Flag.PROFILED | Flag.GPU_LOST,
+                     Flag.CAPTURED]
+    writer.append(recs)
+    table = _comm_table(writer.path)
+    table["gpu_marks"][table["comm_id"] == MARKED] = marks
+    table.flush()
+    del table
+    col = Collector(tmp_path / "shm", JOB)
+    (stream,) = col.scan()
+    stream.keep_records = True
+    return col, writer
+
+
+def test_a_profile_window_leaves_out_calls_enqueued_before_the_switch(tmp_path: Path) -> None:
+    col, writer = _profiled_ring(tmp_path, marks=1)
+    col.drain()
+    assert col.take_profiled().seq == [3, 4, 5]  # the two monitor-mode calls are not host-only rows
+    col.close()
+    writer.close()
+
+
+def test_a_host_only_process_keeps_every_call_of_its_window(tmp_path: Path) -> None:
+    col, writer = _profiled_ring(tmp_path, marks=0)
+    col.drain()
+    assert col.take_profiled().seq == [1, 2, 3, 4, 5]  # no CUDA: host time is all there is
+    col.close()
+    writer.close()

@@ -36,7 +36,8 @@ def window(faults: list[dict[str, Any]], *, fault_s: float = 5.0, until_s: float
         ends.append(it.end_s)
         t = it.end_s
     rec, rank = np.concatenate(recs), np.concatenate(ranks)
-    keep = (rec["enter_ns"] >= from_s * 1e9) & (rec["return_ns"] != NEVER_NS)
+    # The profiler's view: arrival and completion on each rank's GPU timeline.
+    keep = (rec["gpu_start_ns"] >= from_s * 1e9) & (rec["gpu_end_ns"] != NEVER_NS)
     rec, rank = rec[keep], rank[keep]
     op = rec["op"]
     calls = ProfiledCalls(
@@ -45,7 +46,7 @@ def window(faults: list[dict[str, Any]], *, fault_s: float = 5.0, until_s: float
         op=np.array([hookabi.Op(int(o)).name.lower() for o in op]),
         nbytes=rec["count"].astype(np.int64) * DTYPE_BYTES[rec["datatype"]],
         p2p=np.isin(op, [hookabi.Op.SEND, hookabi.Op.RECV]),
-        enter_ns=rec["enter_ns"].astype(np.float64), exit_ns=rec["return_ns"].astype(np.float64))
+        enter_ns=rec["gpu_start_ns"].astype(np.float64), exit_ns=rec["gpu_end_ns"].astype(np.float64))
     its = np.diff(ends)
     nodes = {r: int(model.layout.gpu_of_rank[r]) // 4 for r in range(16)}
     return calls, float(its[0]), float(its[-1]), nodes
