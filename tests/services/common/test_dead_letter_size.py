@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 
 import pytest
 
 from services.common.bus.client import Consumer
 from services.common.bus.contract import DeadLetter, IterationBatch, Subjects
-from services.common.bus.dead_letters import HEADER_ROOM, encode_dead_letter
+from services.common.bus.dead_letters import CLOSE_ENOUGH, HEADER_ROOM, encode_dead_letter
 from services.common.bus.streams import TELEMETRY, ConsumerSpec
 from tests.services.common.support import jetstream, letters_for, until
 
@@ -39,8 +40,8 @@ def test_cut_payload_fits_and_says_how_much(unit: bytes) -> None:
     assert 0 < kept < len(data)
     assert kept % len(unit) == 0  # never half a character
     assert letter.payload == data[:kept].decode("utf-8", "replace")
-    # Nearly as much as fits: one more character would not have.
-    assert len(out) + 6 * len(unit) + 16 > max_payload - HEADER_ROOM
+    # Nearly as much as fits: within CLOSE_ENOUGH raw bytes (each at most 6 encoded) of it.
+    assert len(out) > max_payload - HEADER_ROOM - 6 * CLOSE_ENOUGH - 16
 
 
 def test_long_reason_is_shortened_and_impossible_limit_refused() -> None:
@@ -79,3 +80,18 @@ async def test_oversized_message_dead_letter_fits_under_max_payload(nats_url: st
     assert letter.payload_cut_bytes > len(payload) // 2  # ~5/6 of it: each byte became 6
     assert letter.payload == payload[:len(payload) - letter.payload_cut_bytes].decode()
     await nc.drain()
+
+
+def test_random_payloads_fit() -> None:
+    """Seeded mixtures of ASCII, escapes, invalid bytes and multi-byte characters."""
+    rng = random.Random(7)
+    pieces = [b"a", b'"', b"\\", b"\x01", b"\n", b"\xff", "é".encode(), "€".encode(), "😀".encode()]
+    for _ in range(20):
+        data = b"".join(rng.choice(pieces) * rng.randint(1, 500) for _ in range(rng.randint(1, 400)))
+        max_payload = rng.randint(2_000, 40_000)
+        out, letter = _encode(data, max_payload)
+        kept = len(data) - letter.payload_cut_bytes
+        assert len(out) <= max_payload - HEADER_ROOM
+        assert letter.payload == data[:kept].decode("utf-8", "replace")
+        if kept < len(data):  # cut only as far as needed
+            assert len(out) > max_payload - HEADER_ROOM - 6 * CLOSE_ENOUGH - 32
