@@ -289,7 +289,7 @@ class Consumer(Generic[M]):
         """A deleted consumer looks like an idle one to fetch (the server's 409 is swallowed as
         a timeout), so ask the server now and then whether the durable still exists."""
         now = time.monotonic()
-        if now - self._checked_at < self._liveness_s:
+        if self._stopping.is_set() or now - self._checked_at < self._liveness_s:
             return
         self._checked_at = now
         if self._nc.is_closed:
