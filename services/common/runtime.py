@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -86,3 +89,52 @@ async def start_service(name: str, settings: Settings, *, need_db: bool = True,
         sessions = make_sessionmaker(engine)
     log.info("%s connected (nats %s)", name, backends.nats_url)
     return ServiceContext(settings, backends, nc, js, engine, sessions)
+
+
+class SupervisedTaskCancelled(RuntimeError):
+    """A supervised task was cancelled by someone other than its supervisor."""
+
+
+def _failed(task: asyncio.Future[Any]) -> bool:
+    return task.cancelled() or task.exception() is not None
+
+
+def _name(task: asyncio.Future[Any]) -> str:
+    return task.get_name() if isinstance(task, asyncio.Task) else repr(task)
+
+
+async def supervise(*aws: Awaitable[Any]) -> None:
+    """Run a service's tasks together; the first one that dies ends the others and re-raises.
+
+    A task may finish normally (a consumer returns after stop()); supervise returns once all
+    did. A task that raises, or is cancelled from outside, cancels the rest, which are awaited,
+    and its exception propagates, so the service's main task ends and the process exits for its
+    supervisor (``greyhound up``, compose) to restart, instead of living on without the task.
+    Cancelling supervise itself cancels every task.
+    """
+    tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(aw) for aw in aws]
+    for fut, aw in zip(tasks, aws, strict=True):
+        if isinstance(fut, asyncio.Task) and fut is not aw and hasattr(aw, "__qualname__"):
+            fut.set_name(aw.__qualname__)
+    pending: set[asyncio.Future[Any]] = set(tasks)
+    dead: list[asyncio.Future[Any]] = []
+    try:
+        while pending and not dead:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            dead = [t for t in tasks if t in done and _failed(t)]
+    finally:
+        for fut in pending:
+            fut.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    if not dead:
+        return
+    for other in dead[1:]:
+        if not other.cancelled():
+            log.error("supervised task %s also failed", _name(other), exc_info=other.exception())
+    first = dead[0]
+    exc = None if first.cancelled() else first.exception()
+    if exc is None:
+        raise SupervisedTaskCancelled(f"supervised task {_name(first)} was cancelled")
+    log.error("supervised task %s died; the others were stopped", _name(first), exc_info=exc)
+    raise exc

@@ -5,25 +5,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
+from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from services.common.bus.contract import DeadLetter, Message, Subjects
+from services.common.bus.contract import Message, Subjects
+from services.common.bus.dead_letters import encode_dead_letter
+from services.common.bus.errors import PermanentError, TransientError, classify, describe
 from services.common.bus.streams import ConsumerSpec, stream_configs
 from services.common.settings import Settings
+
+__all__ = ["Consumer", "ConsumerLost", "ConsumerStats", "PermanentError", "TransientError",
+           "connect", "ensure_streams", "publish"]
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
+
+FETCH_WAIT_S = 0.25
+# A permanent fetch error this many times in a row means the subscription is unusable.
+PERMANENT_FETCH_LIMIT = 3
+MAX_PAUSE_S = 5.0
 
 
 async def connect(url: str, *, name: str) -> NATS:
@@ -50,58 +61,142 @@ async def publish(js: JetStreamContext, subject: str, msg: Message) -> None:
 
 @dataclass
 class ConsumerStats:
+    """What a consumer did, and every failure it absorbed instead of dying silently."""
+
     handled: int = 0
     dead_lettered: int = 0
     retried: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
+    fetch_failures: int = 0
+    settle_failures: int = 0  # ack, nak or term that did not reach the server
+    idle_failures: int = 0
+    handle_failures: int = 0  # handle() itself raised (outside the handler)
+    dead_letter_failures: int = 0
+
+
+class ConsumerLost(RuntimeError):
+    """The consumer cannot go on: its durable or stream is gone, or the connection is closed.
+
+    Raised out of Consumer.run so the service's main task ends and the process exits; its
+    supervisor restarts it, and the new process recreates streams and the consumer.
+    """
 
 
 Handler = Callable[[str, M], Awaitable[None]]
 
 
-class TransientError(Exception):
-    """Raised by a handler for a failure worth retrying (database down, dependency busy)."""
+def _delivery(msg: Msg) -> int:
+    """Which delivery of the message this is (1 = first); 1 when the server did not say."""
+    try:
+        return int(msg.metadata.num_delivered)
+    except (NotJSMessageError, ValueError, IndexError):
+        return 1
 
 
 class Consumer(Generic[M]):
     """A durable pull consumer that validates each message against the contract.
 
-    A message that fails validation is terminated (never redelivered) and recorded on the
-    dead-letter subject with the reason; a handler's TransientError naks it with a delay; the
-    message is acked only after the handler returned, i.e. after its database commit.
+    Each message ends one way: acked after the handler returned (i.e. after its database
+    commit); naked with the spec's retry delay after a transient failure (see errors.classify);
+    or terminated and recorded on the dead-letter subject with the reason, when it fails
+    validation, fails its handler for good, or fails transiently on its last allowed delivery.
+
+    Nothing escapes run() silently: failures to fetch, settle a message or run ``idle`` are
+    logged and counted in ``stats`` and consumption goes on; only a consumer that cannot go on
+    (ConsumerLost) ends run() with an exception.
     """
 
     def __init__(self, js: JetStreamContext, spec: ConsumerSpec, model: Any,
-                 handler: Callable[[str, Any], Awaitable[None]]) -> None:
+                 handler: Callable[[str, Any], Awaitable[None]], *,
+                 liveness_s: float = 5.0, bind_timeout_s: float = 30.0) -> None:
         self._js = js
         self.spec = spec
         self._adapter: TypeAdapter[Any] = TypeAdapter(model)
         self._handler = handler
+        self._liveness_s = liveness_s
+        self._bind_timeout_s = bind_timeout_s
         self.stats = ConsumerStats()
         self._stopping = asyncio.Event()
+        self._fetch_streak = 0
+        self._idle_streak = 0
+        self._checked_at = 0.0
+
+    @property
+    def _nc(self) -> NATS:
+        return self._js._nc
 
     async def bind(self) -> Any:
-        try:
-            await self._js.consumer_info(self.spec.stream, self.spec.durable)
-            await self._js.add_consumer(self.spec.stream, self.spec.config())
-        except NotFoundError:
-            await self._js.add_consumer(self.spec.stream, self.spec.config())
+        """Create the durable, or update it to the spec (the server creates or updates)."""
+        await self._js.add_consumer(self.spec.stream, self.spec.config())
         return await self._js.pull_subscribe_bind(self.spec.durable, stream=self.spec.stream)
+
+    # -- settling messages -------------------------------------------------------------------
+
+    async def _settle(self, msg: Msg, how: Literal["ack", "nak", "term"],
+                      delay: float | None = None) -> None:
+        """Ack, nak or term; a failure is counted, not raised: the server redelivers the message
+        after the ack wait, and handlers are idempotent."""
+        try:
+            if how == "ack":
+                await msg.ack()
+            elif how == "nak":
+                await msg.nak(delay=delay)
+            else:
+                await msg.term()
+        except Exception as exc:
+            self.stats.settle_failures += 1
+            log.warning("%s of %s on %s failed (redelivered after %.0fs ack wait): %s",
+                        how, msg.subject, self.spec.durable, self.spec.ack_wait_s, describe(exc))
+
+    def _letter_id(self, msg: Msg) -> dict[str, str] | None:
+        """Nats-Msg-Id of the dead letter, so a message dead-lettered twice is stored once."""
+        try:
+            seq = msg.metadata.sequence.stream
+        except (NotJSMessageError, ValueError, IndexError):
+            return None
+        return {"Nats-Msg-Id": f"dlq.{self.spec.stream}.{self.spec.durable}.{seq}"}
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         key = reason.split(":", 1)[0]
-        self.stats.dead_lettered += 1
-        self.stats.reasons[key] = self.stats.reasons.get(key, 0) + 1
-        letter = DeadLetter(stream=self.spec.stream, consumer=self.spec.durable,
-                            subject=msg.subject, reason=reason[:2000],
-                            payload=msg.data[:1_000_000].decode("utf-8", "replace"))
+        data = encode_dead_letter(stream=self.spec.stream, consumer=self.spec.durable,
+                                  subject=msg.subject, reason=reason, data=msg.data,
+                                  max_payload=self._nc.max_payload)
         try:
-            await self._js.publish(Subjects.dead_letter(self.spec.stream),
-                                   letter.model_dump_json().encode())
-        except Exception:  # the DLQ being down must not stall the consumer
-            log.exception("could not publish dead letter for %s", msg.subject)
-        await msg.term()
-        log.warning("dead-lettered %s on %s: %s", msg.subject, self.spec.durable, reason[:200])
+            await self._js.publish(Subjects.dead_letter(self.spec.stream), data,
+                                   headers=self._letter_id(msg))
+        except Exception as exc:
+            self.stats.dead_letter_failures += 1
+            delivery = _delivery(msg)
+            if delivery < self.spec.max_deliver:  # keep it: dead-letter it when it comes back
+                log.warning("could not dead-letter %s on %s (%s); it comes back for another try",
+                            msg.subject, self.spec.durable, describe(exc))
+                await self._settle(msg, "nak", self.spec.retry_delay_s(delivery))
+                return
+            log.error("could not dead-letter %s on %s on its last delivery; %d bytes lost: %s "
+                      "(reason: %s)", msg.subject, self.spec.durable, len(msg.data),
+                      describe(exc), reason[:200])
+        else:
+            self.stats.dead_lettered += 1
+            self.stats.reasons[key] = self.stats.reasons.get(key, 0) + 1
+            log.warning("dead-lettered %s on %s: %s", msg.subject, self.spec.durable, reason[:200])
+        await self._settle(msg, "term")
+
+    async def _failed(self, msg: Msg, exc: Exception) -> None:
+        """A handler raised: retry what may succeed later, dead-letter the rest."""
+        delivery = _delivery(msg)
+        if classify(exc) == "permanent":
+            log.error("handler failed on %s", msg.subject, exc_info=exc)
+            await self._dead_letter(msg, f"handler_error: {describe(exc)}")
+            return
+        if delivery >= self.spec.max_deliver:
+            await self._dead_letter(msg, f"retries_exhausted: delivery {delivery} of "
+                                         f"{self.spec.max_deliver} failed: {describe(exc)}")
+            return
+        delay = self.spec.retry_delay_s(delivery)
+        self.stats.retried += 1
+        log.warning("transient failure on %s (delivery %d of %d), retrying in %.1fs: %s",
+                    msg.subject, delivery, self.spec.max_deliver, delay, describe(exc))
+        await self._settle(msg, "nak", delay)
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -114,39 +209,119 @@ class Consumer(Generic[M]):
             return
         try:
             await self._handler(msg.subject, decoded)
-        except TransientError as exc:
-            self.stats.retried += 1
-            log.warning("transient failure on %s, retrying: %s", msg.subject, exc)
-            await msg.nak(delay=self.spec.backoff_s[0])
-            return
-        except Exception as exc:  # a bug must not wedge the stream: record it and move on
-            log.exception("handler failed on %s", msg.subject)
-            await self._dead_letter(msg, f"handler_error: {type(exc).__name__}: {exc}")
+        except Exception as exc:
+            await self._failed(msg, exc)
             return
         self.stats.handled += 1
-        await msg.ack()
+        await self._settle(msg, "ack")
 
-    async def run(self, *, idle: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Fetch and handle until stop(); ``idle`` runs between fetches (periodic checks)."""
-        sub = await self.bind()
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once on stop()."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def _bind_until_bound(self) -> Any | None:
+        """Bind, retrying transient failures (the bus still starting) for ``bind_timeout_s``."""
+        deadline = time.monotonic() + self._bind_timeout_s
+        attempt = 0
         while not self._stopping.is_set():
             try:
-                msgs = await sub.fetch(self.spec.batch, timeout=0.25)
-            except (NatsTimeoutError, TimeoutError):
-                msgs = []
-            except Exception:
-                if self._stopping.is_set():
-                    break
-                log.exception("fetch failed on %s", self.spec.durable)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                await self.handle(msg)
-            if idle is not None:
-                await idle()
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+                return await self.bind()
+            except Exception as exc:
+                attempt += 1
+                if classify(exc) == "permanent" or time.monotonic() > deadline:
+                    raise ConsumerLost(f"cannot bind consumer {self.spec.durable} on "
+                                       f"{self.spec.stream}: {describe(exc)}") from exc
+                log.warning("binding %s failed (attempt %d), retrying: %s", self.spec.durable,
+                            attempt, describe(exc))
+                await self._pause(min(0.25 * 2 ** attempt, MAX_PAUSE_S))
+        return None
+
+    async def _fetch(self, sub: Any) -> list[Msg]:
+        try:
+            msgs: list[Msg] = await sub.fetch(self.spec.batch, timeout=FETCH_WAIT_S)
+        except TimeoutError:  # nothing to fetch (nats' own TimeoutError derives from it)
+            self._fetch_streak = 0
+            return []
+        except Exception as exc:
+            if self._stopping.is_set():
+                return []
+            self.stats.fetch_failures += 1
+            self._fetch_streak += 1
+            if self._nc.is_closed:
+                raise ConsumerLost(f"connection closed under consumer {self.spec.durable}") from exc
+            if classify(exc) == "permanent" and self._fetch_streak >= PERMANENT_FETCH_LIMIT:
+                raise ConsumerLost(f"consumer {self.spec.durable} cannot fetch: "
+                                   f"{describe(exc)}") from exc
+            log.warning("fetch failed on %s (%d in a row): %s", self.spec.durable,
+                        self._fetch_streak, describe(exc), exc_info=self._fetch_streak == 1)
+            await self._pause(min(0.25 * 2 ** self._fetch_streak, MAX_PAUSE_S))
+            return []
+        self._fetch_streak = 0
+        return msgs
+
+    async def _handle_guarded(self, msg: Msg) -> None:
+        try:
+            await self.handle(msg)
+        except Exception:  # e.g. an override of handle() that acks itself
+            self.stats.handle_failures += 1
+            log.exception("handling %s on %s failed; it is redelivered after the ack wait",
+                          msg.subject, self.spec.durable)
+
+    async def _idle_guarded(self, idle: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await idle()
+        except Exception:
+            self.stats.idle_failures += 1
+            self._idle_streak += 1
+            if self._idle_streak == 1 or self._idle_streak % 100 == 0:
+                log.exception("idle task of %s failed (%d in a row); consuming goes on",
+                              self.spec.durable, self._idle_streak)
+            return
+        if self._idle_streak:
+            log.info("idle task of %s works again after %d failures", self.spec.durable,
+                     self._idle_streak)
+            self._idle_streak = 0
+
+    async def _check_alive(self) -> None:
+        """A deleted consumer looks like an idle one to fetch (the server's 409 is swallowed as
+        a timeout), so ask the server now and then whether the durable still exists."""
+        now = time.monotonic()
+        if self._stopping.is_set() or now - self._checked_at < self._liveness_s:
+            return
+        self._checked_at = now
+        if self._nc.is_closed:
+            raise ConsumerLost(f"connection closed under consumer {self.spec.durable}")
+        try:
+            await self._js.consumer_info(self.spec.stream, self.spec.durable)
+        except NotFoundError as exc:
+            raise ConsumerLost(f"consumer {self.spec.durable} on {self.spec.stream} no longer "
+                               f"exists: {describe(exc)}") from exc
+        except Exception as exc:  # the bus reconnecting: fetch will tell if it lasts
+            self.stats.fetch_failures += 1
+            log.warning("liveness check of %s failed: %s", self.spec.durable, describe(exc))
+
+    async def run(self, *, idle: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Fetch and handle until stop(); ``idle`` runs between fetches (periodic checks).
+
+        Raises ConsumerLost when the consumer cannot go on; returns after stop().
+        """
+        sub = await self._bind_until_bound()
+        if sub is None:
+            return
+        self._checked_at = time.monotonic()
+        try:
+            while not self._stopping.is_set():
+                for msg in await self._fetch(sub):
+                    await self._handle_guarded(msg)
+                if idle is not None:
+                    await self._idle_guarded(idle)
+                await self._check_alive()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     def stop(self) -> None:
         self._stopping.set()
-

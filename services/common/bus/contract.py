@@ -278,7 +278,8 @@ class IncidentEvent(Message):
 
 
 class DeadLetter(BaseModel):
-    """What the dead-letter subject receives for a message that failed validation."""
+    """What the dead-letter subject receives for a message that failed validation, failed its
+    handler for good, or ran out of deliveries."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -288,6 +289,10 @@ class DeadLetter(BaseModel):
     reason: str
     payload: str = Field(description="the raw payload, decoded as UTF-8 with replacement")
     ts: float = Field(default_factory=time.time)
+    payload_bytes: int | None = Field(default=None, ge=0, description="size of the raw payload")
+    payload_cut_bytes: int = Field(
+        default=0, ge=0, description="bytes left off the end of the payload so the letter fits "
+        "under the server's max_payload")
 
 
 class CollectiveBatch(Message):

@@ -73,16 +73,46 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
 
 @dataclass(frozen=True)
 class ConsumerSpec:
-    """A durable pull consumer: which stream, which subjects, and how redelivery behaves."""
+    """A durable pull consumer: which stream, which subjects, and how redelivery behaves.
+
+    What the server really does with it:
+
+    * ``ack_wait_s`` is the one ack wait of every delivery: a message neither acked nor naked
+      that long (its handler hung, or the process died) is delivered again. No BackOff list is
+      sent, because the server would silently replace the ack wait with BackOff[0] (a 120 s ack
+      wait with a (1, 5, ...) back-off is really 1 s, and a slow handler's message is redelivered
+      while it is still being handled). A fetched batch is handled one message after another
+      while every message's ack wait runs, so ``batch`` handler runs must fit in ``ack_wait_s``.
+    * ``retry_delays_s`` are the delays of the consumer's own naks after a transient failure:
+      the n-th delivery is retried after ``retry_delays_s[n-1]`` (the last value repeats).
+    * ``max_deliver`` bounds deliveries of one message; the consumer dead-letters a message whose
+      last delivery failed instead of naking it (the server would just stop delivering it).
+    """
 
     stream: str
     durable: str
     filter_subjects: tuple[str, ...]
     ack_wait_s: float = 30.0
     max_deliver: int = 5
-    backoff_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0)
+    retry_delays_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0)
     max_ack_pending: int = 10_000
     batch: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.filter_subjects:
+            raise ValueError(f"consumer {self.durable!r}: no filter subjects")
+        if self.ack_wait_s <= 0:
+            raise ValueError(f"consumer {self.durable!r}: ack_wait_s must be > 0")
+        if self.max_deliver < 1:
+            raise ValueError(f"consumer {self.durable!r}: max_deliver must be >= 1")
+        if not self.retry_delays_s or min(self.retry_delays_s) <= 0:
+            raise ValueError(f"consumer {self.durable!r}: retry_delays_s must be positive")
+        if self.batch < 1 or self.max_ack_pending < self.batch:
+            raise ValueError(f"consumer {self.durable!r}: need 1 <= batch <= max_ack_pending")
+
+    def retry_delay_s(self, delivery: int) -> float:
+        """Delay before redelivering a message whose ``delivery``-th delivery (1-based) failed."""
+        return self.retry_delays_s[min(max(delivery, 1), len(self.retry_delays_s)) - 1]
 
     def config(self) -> ConsumerConfig:
         return ConsumerConfig(
@@ -92,7 +122,7 @@ class ConsumerSpec:
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.ack_wait_s,
             max_deliver=self.max_deliver,
-            backoff=list(self.backoff_s),
+            backoff=None,  # none on purpose: see the class docstring
             max_ack_pending=self.max_ack_pending,
             filter_subjects=list(self.filter_subjects),
         )
@@ -126,18 +156,15 @@ VALIDATOR = ConsumerSpec(
     stream=EVENTS,
     durable="validator",
     filter_subjects=(Subjects.ALL_SUSPICIONS,),
-    ack_wait_s=120.0,  # a validation pauses the job and runs benchmarks: allow for it
-    batch=8,
+    # A validation pauses the job and runs benchmarks (up to the pause plus the benchmark
+    # timeouts, about 40 s by default): one at a time, so no fetched suspicion waits its turn
+    # while its ack wait runs out.
+    ack_wait_s=120.0,
+    batch=1,
 )
 ANALYZER_COLLECTIVES = ConsumerSpec(
     stream=TELEMETRY,
     durable="analyzer-collectives",
     filter_subjects=(Subjects.ALL_COLLECTIVES,),
     batch=256,
-)
-ALERTS = ConsumerSpec(
-    stream=EVENTS,
-    durable="alerts",
-    filter_subjects=(Subjects.ALL_INCIDENTS,),
-    batch=64,
 )
