@@ -61,6 +61,8 @@ class Settings(BaseSettings):
             "unset: every /v1 route needs a token"))
     api_metrics_public: bool = Field(
         default=True, description="False: /metrics needs a viewer token like /v1")
+    api_public_url: str | None = Field(
+        default=None, description="the dashboard's address as on-call reaches it (links in alerts)")
     webhook_timeout_s: float = Field(default=5.0, gt=0, le=60)
     webhook_max_attempts: int = Field(default=10, ge=1, le=50)
     webhook_backoff_base_s: float = Field(default=1.0, gt=0)
