@@ -153,7 +153,8 @@ class JobDetailOut(JobOut):
 
 
 class TimelineMarker(BaseModel):
-    at: datetime
+    at: datetime = Field(description="an incident's estimated onset; a plan's creation")
+    until: datetime | None = Field(default=None, description="an incident's resolution")
     kind: Literal["incident", "plan"]
     id: str
     label: str
