@@ -7,7 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import RedirectResponse
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
@@ -16,7 +16,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.api.deps import Bus
-from services.api.errors import install_handlers
+from services.api.errors import install_handlers, reject_unstorable
 from services.api.metrics import REQUEST_SECONDS, REQUESTS
 from services.api.openapi import install_openapi
 from services.api.routes import fleet, incidents, jobs, ops, plans, tokens, webhooks
@@ -28,7 +28,8 @@ STATIC = Path(__file__).resolve().parent / "static"
 def create_app(sessions: async_sessionmaker[AsyncSession], *, settings: Settings | None = None,
                nc: NATS | None = None, js: JetStreamContext | None = None) -> FastAPI:
     app = FastAPI(title="Greyhound", version="0.2.0",
-                  description="Fail-slow and hang detection for distributed training jobs")
+                  description="Fail-slow and hang detection for distributed training jobs",
+                  dependencies=[Depends(reject_unstorable)])
     app.state.sessions = sessions
     app.state.settings = settings or Settings()
     app.state.bus = Bus(nc=nc, js=js)

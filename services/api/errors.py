@@ -110,3 +110,25 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+
+
+def storable_text(value: str) -> str | None:
+    """Why a string cannot go to Postgres (a NUL, or a lone surrogate that is not UTF-8), or
+    None when it can: such input is the client's error (422), not a server failure."""
+    if "\x00" in value:
+        return "contains a NUL character"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8"
+    return None
+
+
+async def reject_unstorable(request: Request) -> None:
+    """Every route: path and query values must be storable text."""
+    for where, items in (("path", request.path_params.items()),
+                         ("query", request.query_params.multi_items())):
+        for name, value in items:
+            why = storable_text(str(value))
+            if why is not None:
+                raise Invalid(f"{where} parameter {name} {why}")

@@ -84,6 +84,8 @@ def install_openapi(app: FastAPI, routers: Sequence[APIRouter]) -> None:
             for method, op in item.items():
                 responses = op.setdefault("responses", {})
                 role = roles.get((path, method))
+                if "requestBody" in op:
+                    responses.setdefault("400", _problem("the body is not JSON (or not UTF-8)"))
                 if role is not None:
                     op["x-required-role"] = role
                     responses.setdefault("401", _problem("no valid token"))

@@ -6,8 +6,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
 
+from services.api.errors import storable_text
 from services.api.tokens import Role
 from services.notifier.payload import EVENTS, Format
 
@@ -99,17 +100,28 @@ class IncidentDetailOut(IncidentOut):
     audit: list[AuditOut] = []
 
 
-class Note(BaseModel):
-    """Why: recorded in the incident's timeline and the audit log."""
+class Input(BaseModel):
+    """A request body: unknown fields rejected, and every string storable in Postgres."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _storable(cls, v: Any) -> Any:
+        for s in (v if isinstance(v, list) else [v]):
+            why = storable_text(s) if isinstance(s, str) else None
+            if why is not None:
+                raise ValueError(why)
+        return v
+
+
+class Note(Input):
+    """Why: recorded in the incident's timeline and the audit log."""
 
     note: str = Field(default="", max_length=2000, examples=["looking into it"])
 
 
-class RequiredNote(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class RequiredNote(Input):
     note: str = Field(min_length=1, max_length=2000, examples=["GPU 2 on node-a replaced"])
 
 
@@ -204,9 +216,7 @@ class TokenCreated(TokenOut):
     token: str = Field(description="the secret, shown this once; only its hash is stored")
 
 
-class TokenIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TokenIn(Input):
     name: str = Field(min_length=1, max_length=255, pattern=r"^[\w.@ -]+$", examples=["oncall-bot"])
     role: Role = Field(examples=["operator"])
     expires_in_days: float | None = Field(default=None, gt=0, le=3650, examples=[90])
@@ -221,9 +231,7 @@ class Me(BaseModel):
 EventName = Literal[EVENTS]  # type: ignore[valid-type]
 
 
-class WebhookIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class WebhookIn(Input):
     name: str = Field(default="", max_length=255, examples=["oncall-slack"])
     url: AnyHttpUrl = Field(examples=["https://hooks.example.org/services/T000/B000/XXXX"])
     events: list[EventName] = Field(default_factory=list, max_length=len(EVENTS), description=(
