@@ -38,7 +38,7 @@ def ensure_chromium() -> tuple[str, str]:
     return chromium, driver
 
 
-def chrome(width: int = 1400, height: int = 1000):  # type: ignore[no-untyped-def]
+def chrome(width: int = 1400, height: int = 1000):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -60,7 +60,7 @@ def _collectives(job: LiveJob, seq: int, end_ns: int, rng: random.Random) -> Col
                        ("enter_ns", arrive - int(0.1e9) + late), ("exit_ns", arrive),
                        ("gpu_start_ns", 0), ("gpu_end_ns", 0)):
             rows[col].append(v)
-    return CollectiveBatch(job_id=job.job_id, agent_id=AGENT, **rows)  # type: ignore[arg-type]
+    return CollectiveBatch(job_id=job.job_id, agent_id=AGENT, **rows)
 
 
 async def publish_history(ctx: ServiceContext, job: LiveJob, seed: int = 3) -> int:
@@ -122,7 +122,7 @@ async def serve_api(ctx: ServiceContext, port: int) -> AsyncIterator[str]:
     app = create_app(ctx.db(), settings=ctx.settings, nc=ctx.nc, js=ctx.js)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    server.capture_signals = contextlib.nullcontext
     task = asyncio.create_task(server.serve())
     for _ in range(300):
         if server.started:

@@ -96,7 +96,8 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
                 return rows[0] if rows else None
 
             inc = await _until(incident, 60, "the tracker and analyzer to open an incident")
-        await asyncio.sleep(4.0)  # a few more slow iterations on the chart        assert inc.kind == "slowdown" and inc.status == "detected"
+        await asyncio.sleep(4.0)  # a few more slow iterations on the chart
+        assert inc.kind == "slowdown" and inc.status == "detected"
         async with ctx.db()() as session:  # what the planner would propose
             plan = Plan(incident_id=inc.id, job_id=job.job_id, strategy="S2",
                         params={"micro_batches": [9, 9, 5, 9]}, expected_gain=1.28)
@@ -105,14 +106,14 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
             plan_id = plan.id
         from tests.services.api.conftest import Api
 
-        helper = Api(ctx, None, None)  # type: ignore[arg-type]
+        helper = Api(ctx, None, None)
         token = await helper.token("operator", "alice")
         await _history(helper)
 
         async with serve_api(ctx, free_port()) as base:
             driver = await asyncio.to_thread(chrome, 1400, 1700)
             try:
-                def load_overview() -> str:
+                def load_overview() -> tuple[str, str]:
                     driver.get(f"{base}/dashboard/")
                     driver.execute_script(f"localStorage.setItem('greyhound.token', '{token}')")
                     driver.refresh()

@@ -58,7 +58,7 @@ def served(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory
         ctx = await start_service("fuzz", s, backends=Backends(nats_url=nats_url,
                                                                  database_url=db_url))
         try:
-            box["token"] = await Api(ctx, None, None).token("admin", "fuzzer")  # type: ignore[arg-type]
+            box["token"] = await Api(ctx, None, None).token("admin", "fuzzer")
             async with serve_api(ctx, port) as url:
                 box["url"] = url
                 ready.set()
@@ -84,7 +84,7 @@ def _fuzz(op: Any, mode: GenerationMode, examples: int, to_check: list[Any],
     @given(case=op.as_strategy(mode))
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
-    def run(case: schemathesis.Case) -> None:
+    def run(case: Any) -> None:
         case.call_and_validate(headers=headers, checks=to_check, timeout=30)
 
     run()
@@ -99,7 +99,7 @@ def test_api_conforms_to_its_openapi(served: tuple[str, str]) -> None:
     failures: list[str] = []
     operations = 0
     for result in schema.get_all_operations():
-        op = result.ok()
+        op = result.ok()  # type: ignore[union-attr]
         operations += 1
         for mode, examples, to_check in (
                 (GenerationMode.POSITIVE, EXAMPLES, CHECKS),

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,7 +39,7 @@ def notifier_settings(nats: str, db: str, tmp: Path, **over: object) -> Settings
         "notifier_poll_s": 0.05, "webhook_max_attempts": 12,
         "api_public_url": "http://127.0.0.1:8000/dashboard"}
     values.update(over)
-    return Settings(**values)  # type: ignore[arg-type]
+    return Settings(**values)
 
 
 @dataclass
@@ -69,7 +71,7 @@ class Running:
 
     async def announce(self, job: str, incident_id: str, stage: str = "detected",
                        event_id: str | None = None) -> IncidentEvent:
-        ev = IncidentEvent(job_id=job, incident_id=incident_id, stage=stage,  # type: ignore[arg-type]
+        ev = IncidentEvent(job_id=job, incident_id=incident_id, stage=stage,
                            kind="slowdown", severity=1.5, summary=f"job {job} slowdown",
                            **({"event_id": event_id} if event_id else {}))
         await publish(self.ctx.js, Subjects.incident(job), ev)
@@ -82,8 +84,6 @@ async def running(own_nats: str, fresh_db_url: str, tmp_path: Path) -> AsyncIter
     ctx = await start_service("notifier-test", settings,
                               backends=Backends(nats_url=own_nats, database_url=fresh_db_url))
     box = SecretBox(KEY)
-    import random
-
     notifier = Notifier(ctx, box, rng=random.Random(7))
     stop = asyncio.Event()
     task = asyncio.create_task(run_notifier(ctx, stop, notifier=notifier))
@@ -95,12 +95,12 @@ async def running(own_nats: str, fresh_db_url: str, tmp_path: Path) -> AsyncIter
         await ctx.close()
 
 
-async def until(pred: object, timeout_s: float = 30.0, what: str = "condition") -> None:
+async def until(pred: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> None:
     """Poll an async or plain predicate; generous bounds for a loaded 2-core machine."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while loop.time() < deadline:
-        value = pred()  # type: ignore[operator]
+        value = pred()
         if asyncio.iscoroutine(value):
             value = await value
         if value:

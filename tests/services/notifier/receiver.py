@@ -85,7 +85,7 @@ class Receiver:
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                 lifespan="off")
         self._server = uvicorn.Server(config)
-        self._server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+        self._server.capture_signals = contextlib.nullcontext
         self._task = asyncio.create_task(self._server.serve())
         for _ in range(200):
             if self._server.started:
