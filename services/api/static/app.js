@@ -80,9 +80,9 @@ async function overview() {
       <td class="muted">${esc(ago(i.opened_at))}</td>
     </tr>`).join("");
   const comps = fleet.ok ? fleet.body.components.filter(c => c.advice !== "ok") : [];
-  const fleetRows = comps.map(c => `<tr><td>${esc(c.kind)}</td><td>${esc(c.id)}</td>
-      <td><span class="pill ${esc(c.advice)}">${esc(c.advice)}</span></td>
-      <td class="muted">${esc(c.reason)}</td></tr>`).join("");
+  const fleetRows = comps.map(c => `<tr title="${esc(c.reason)}"><td>${esc(c.kind)}</td>
+      <td class="nowrap">${esc(c.id)}</td><td><span class="pill ${esc(c.advice)}">${esc(c.advice)}</span></td>
+      <td class="muted">${c.confirmed} confirmed of ${c.incidents}, ${c.jobs.length} job${c.jobs.length === 1 ? "" : "s"}</td></tr>`).join("");
   const jobRows = (jobs.ok ? jobs.body : []).map(j => `<tr class="click" data-href="#/jobs/${esc(j.id)}">
       <td>${esc(j.id)}</td><td><span class="pill ${esc(j.state)}">${esc(j.state)}</span></td>
       <td class="num">${esc(j.world_size ?? j.ranks_known)}</td><td class="muted">${esc(ago(j.last_seen_at))}</td></tr>`).join("");

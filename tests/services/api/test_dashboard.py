@@ -132,7 +132,7 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
                     await asyncio.to_thread(_dump, driver, tmp_path)
                     raise
                 assert "slowdown" in row_text and job.job_id in row_text and "rank" in row_text
-                assert "gpu node-a:2 drain 3 confirmed incidents in 2 jobs" in fleet
+                assert "gpu node-a:2 drain 3 confirmed of 3, 2 jobs" in fleet
 
                 def open_incident_and_approve() -> tuple[str, str]:
                     driver.find_element(By.CSS_SELECTOR, f"tr[data-incident='{inc.id}'] td").click()
