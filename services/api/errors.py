@@ -41,10 +41,6 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-class BadRequest(ApiError):
-    status, title, slug = 400, "Bad Request", "bad-request"
-
-
 class Unauthorized(ApiError):
     status, title, slug = 401, "Unauthorized", "unauthorized"
 

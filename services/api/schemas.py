@@ -12,7 +12,6 @@ from services.api.errors import storable_text
 from services.api.tokens import Role
 from services.notifier.payload import EVENTS, Format
 
-Stage = Literal["detected", "localized", "validated", "mitigated", "resolved"]
 JobState = Literal["healthy", "slow", "hung"]
 
 
@@ -142,7 +141,7 @@ class RankStateOut(RankOut):
     last_iteration_s: float | None = Field(examples=[0.412])
     last_iteration_at: datetime | None
     state: Literal["ok", "slow", "stale", "suspect", "unknown"] = Field(
-        description="suspect: named by an open incident; slow: newest iteration > 1.1x the job's "
+        description="suspect: named by an open, localised incident; slow: newest iteration > 1.1x the job's "
                     "median; stale: no iteration for 10 iterations (30 s at least); unknown: "
                     "no iteration in the window")
 

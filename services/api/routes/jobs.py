@@ -95,7 +95,9 @@ async def job_ranks(job_id: str, session: Session, bus: BusDep, _: Viewer,
                     window_s: Annotated[float, Query(gt=0, le=3600)] = 120.0
                     ) -> list[RankStateOut]:
     job = await _job_or_404(session, job_id)
-    suspects = {r for i in await repo.open_incidents_of(session, [job.id])
+    # Until it is localised, an incident's ranks are those whose detectors fired (all of a
+    # synchronous job), not suspects.
+    suspects = {r for i in await repo.open_incidents_of(session, [job.id]) if i.status != "detected"
                 for r in i.culprit.get("ranks", []) if isinstance(r, int)}
     window, _err = await _window(bus, job.id, window_s, collectives=False)
     states = {s.rank: s for s in rank_states(window.iterations if window else [],

@@ -106,7 +106,8 @@ async def test_jobs_pages_and_state(api: Api) -> None:
     for j in ("j1", "j2", "j3"):
         await api.job(j)
     await api.incident("j2", kind="hang_hardware", before_s=0.0, after_s=90.0)
-    await api.incident("j3")
+    await api.incident("j3", stages=("localized",))
+    await api.incident("j1", stages=("resolved",))
     v = api.auth("viewer")
     r = await api.client.get("/v1/jobs", headers=v, params={"limit": 2})
     assert r.headers["x-total-count"] == "3" and len(r.json()) == 2
