@@ -46,6 +46,7 @@ class Receiver:
     secret: str
     port: int = field(default_factory=free_port)
     fail_next: int = 0
+    stall_next_s: float = 0.0
     processed: list[Received] = field(default_factory=list)
     requests: int = 0
     rejected: list[str] = field(default_factory=list)
@@ -61,6 +62,9 @@ class Receiver:
     async def _hook(self, request: Request) -> JSONResponse:
         self.requests += 1
         raw = await request.body()
+        if self.stall_next_s > 0:  # answer too late: the sender has given up by then
+            stall, self.stall_next_s = self.stall_next_s, 0.0
+            await asyncio.sleep(stall)
         if self.fail_next > 0:
             self.fail_next -= 1
             return JSONResponse({"error": "busy"}, status_code=500)

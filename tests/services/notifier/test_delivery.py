@@ -102,6 +102,29 @@ async def test_server_errors_back_off_then_deliver(running: Running) -> None:
         await rx.stop()
 
 
+async def test_a_timed_out_delivery_is_retried_and_processed_once(running: Running) -> None:
+    """The first attempt's answer comes after the sender's 2 s timeout, but the receiver acts
+    on it; the retry carries the same idempotency key and is acknowledged as a duplicate (or,
+    if the retry overtakes the stalled request, the stalled one is)."""
+    rx = Receiver(SECRET, stall_next_s=3.0)
+    await rx.start()
+    try:
+        await running.webhook(rx.url, SECRET)
+        inc = await running.incident("job-slow-rx")
+        await running.announce("job-slow-rx", inc)
+
+        async def settled() -> bool:
+            rows = await _deliveries(running)
+            return bool(rows) and rows[0].status == "delivered" and len(rx.duplicates) == 1
+
+        await until(settled, what="the retry and the late answer")
+        (d,) = await _deliveries(running)
+        assert [a.outcome for a in await _attempts(running, d.id)] == ["timeout", "delivered"]
+        assert [p.key for p in rx.processed] == [d.event_id] and rx.duplicates == [d.event_id]
+    finally:
+        await rx.stop()
+
+
 async def test_signature_checked_and_replays_refused(running: Running) -> None:
     rx = Receiver(SECRET)
     await rx.start()
