@@ -105,6 +105,12 @@ def cmd_db_upgrade(_: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_token(args: argparse.Namespace) -> int:
+    from services.api.token_cli import run
+
+    return run(get_settings(), args)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from greyhound.stack import Stack
 
@@ -167,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     dbsub = db.add_subparsers(dest="db_command", required=True)
     dbsub.add_parser("upgrade", help="migrate the schema to the newest revision").set_defaults(
         func=cmd_db_upgrade)
+
+    from services.api.token_cli import add_parser as add_token_parser
+
+    add_token_parser(sub)
+    sub.choices["token"].set_defaults(func=cmd_token)
 
     demo = sub.add_parser("demo", help="the small fake-NCCL job with one slow rank, end to end")
     demo.add_argument("--ranks", type=int, default=4)

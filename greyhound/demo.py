@@ -73,7 +73,8 @@ def run_demo(settings: Settings, *, ranks: int = 4, slow_rank: int = 2, factor: 
         raise SystemExit(f"--slow-rank must be in [0, {ranks}), got {slow_rank}")
     if factor <= 1.0:
         raise SystemExit(f"--factor must be > 1, got {factor}")
-    settings = for_fake_jobs(settings)
+    # The demo reads its incident over REST on loopback without a token.
+    settings = for_fake_jobs(settings).model_copy(update={"api_anonymous_role": "viewer"})
     port = port or settings.api_port
     base = f"http://127.0.0.1:{port}"
     job = f"demo-{uuid.uuid4().hex[:8]}"

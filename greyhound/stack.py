@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from services.common.db.migrate import upgrade
 from services.common.runtime import Backends, resolve_backends
 from services.common.settings import Settings
@@ -40,6 +42,8 @@ class Stack:
         assert self.backends is not None
         env = dict(os.environ)
         for name, value in self.settings.model_dump().items():
+            if isinstance(value, SecretStr):  # str() of a secret is asterisks
+                value = value.get_secret_value()
             if value is not None:
                 env[f"GREYHOUND_{name.upper()}"] = str(value)
         env["GREYHOUND_NATS_URL"] = self.backends.nats_url

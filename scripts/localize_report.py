@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"services' logs: {tmp}/data/logs", file=sys.stderr)
     # The simulator reports time inside NCCL in virtual seconds: at 4x a validation pause of
     # ~1.5 s shows as ~6 s, so the hang floor stays above that and below the scenarios' tails.
-    settings = Settings(data_dir=tmp / "data", shm_dir=tmp / "shm", hang_floor_s=args.hang_floor)
+    settings = Settings(data_dir=tmp / "data", shm_dir=tmp / "shm", hang_floor_s=args.hang_floor,
+                        api_anonymous_role="viewer")  # incidents read over REST, no token
     with Stack(settings, port=port) as stack:
         base = f"http://127.0.0.1:{port}"
         wait_api(base)

@@ -82,7 +82,8 @@ def run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float 
     base = f"http://127.0.0.1:{port}"
     job = job_id_for(scenario)
     print(f"starting the services (data in {settings.data_dir}) ...", file=err, flush=True)
-    with Stack(settings, port=port) as stack:
+    # The incidents are read back over REST on loopback without a token.
+    with Stack(settings.model_copy(update={"api_anonymous_role": "viewer"}), port=port) as stack:
         wait_api(base)
         sim = LiveSimulation(scenario, Path(settings.shm_dir), job, speed=speed)
         report = _Reporter(err)

@@ -1,36 +1,127 @@
-"""Response models of the REST API (built from ORM rows, never hand-built dicts)."""
+"""Request and response models of the REST API (responses built from ORM rows or core results,
+never hand-built dicts), with the examples the OpenAPI shows."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+
+from services.api.errors import storable_text
+from services.api.tokens import Role
+from services.notifier.payload import EVENTS, Format
+
+JobState = Literal["healthy", "slow", "hung"]
 
 
 class TimelineEntry(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
-    stage: str
+    stage: str = Field(examples=["localized"])
     at: datetime
     detail: dict[str, Any]
+
+
+class CostOut(BaseModel):
+    """GPU-hours lost = lost_fraction x gpus x duration_s / 3600 (see the API description)."""
+
+    gpus: int | None = Field(examples=[256])
+    slowdown: float | None = Field(description="iteration time after / before", examples=[1.5])
+    lost_fraction: float | None = Field(description="1 - before/after; 1 for a hang",
+                                        examples=[0.333])
+    onset_at: datetime
+    duration_s: float = Field(examples=[1800.0])
+    ongoing: bool
+    detection_latency_s: float | None = Field(examples=[4.2])
+    gpu_hours_lost: float | None = Field(examples=[42.7])
 
 
 class IncidentOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
-    id: str
-    job_id: str
-    kind: str
-    status: str
-    severity: float
-    summary: str
-    culprit: dict[str, Any]
+    id: str = Field(examples=["3f2a9c0d6b1e4f7a8c9d0e1f2a3b4c5d"])
+    job_id: str = Field(examples=["gpt-40b"])
+    kind: str = Field(examples=["compute_slow"])
+    status: str = Field(examples=["validated"])
+    severity: float = Field(examples=[1.5])
+    summary: str = Field(examples=["job gpt-40b compute straggler (1.50x); ranks [2]"])
+    culprit: dict[str, Any] = Field(examples=[{"ranks": [2], "gpus": [
+        {"rank": 2, "node": 0, "host": "node-a", "device": 2}]}])
     evidence: dict[str, Any]
     opened_at: datetime
     updated_at: datetime
     resolved_at: datetime | None
+    acknowledged_at: datetime | None = None
+    acknowledged_by: str | None = None
     timeline: list[TimelineEntry]
+    cost: CostOut | None = None
+
+
+class ApprovalOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    decision: str = Field(examples=["approve"])
+    approver: str = Field(examples=["alice"])
+    comment: str
+    at: datetime
+
+
+class PlanOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    incident_id: str
+    job_id: str
+    strategy: str = Field(examples=["S2"])
+    params: dict[str, Any] = Field(examples=[{"micro_batches": [6, 6, 4, 8]}])
+    status: str = Field(examples=["proposed"])
+    expected_gain: float | None = Field(examples=[1.31])
+    created_at: datetime
+    applied_at: datetime | None
+    approvals: list[ApprovalOut]
+
+
+class AuditOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    at: datetime
+    actor: str = Field(examples=["alice"])
+    action: str = Field(examples=["incident.close"])
+    target_type: str = Field(examples=["incident"])
+    target_id: str
+    note: str = Field(examples=["rebooted node-a, GPU 2 replaced"])
+    detail: dict[str, Any]
+
+
+class IncidentDetailOut(IncidentOut):
+    plans: list[PlanOut] = []
+    audit: list[AuditOut] = []
+
+
+class Input(BaseModel):
+    """A request body: unknown fields rejected, and every string storable in Postgres."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _storable(cls, v: Any) -> Any:
+        for s in (v if isinstance(v, list) else [v]):
+            why = storable_text(s) if isinstance(s, str) else None
+            if why is not None:
+                raise ValueError(why)
+        return v
+
+
+class Note(Input):
+    """Why: recorded in the incident's timeline and the audit log."""
+
+    note: str = Field(default="", max_length=2000, examples=["looking into it"])
+
+
+class RequiredNote(Input):
+    note: str = Field(min_length=1, max_length=2000, examples=["GPU 2 on node-a replaced"])
 
 
 class RankOut(BaseModel):
@@ -45,24 +136,178 @@ class RankOut(BaseModel):
     last_seen_at: datetime
 
 
+class RankStateOut(RankOut):
+    last_iteration: int | None = Field(examples=[1234])
+    last_iteration_s: float | None = Field(examples=[0.412])
+    last_iteration_at: datetime | None
+    state: Literal["ok", "slow", "stale", "suspect", "unknown"] = Field(
+        description="suspect: named by an open, localised incident; slow: newest iteration > 1.1x the job's "
+                    "median; stale: no iteration for 10 iterations (30 s at least); unknown: "
+                    "no iteration in the window")
+
+
 class JobOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
-    id: str
-    world_size: int | None
-    topology: dict[str, Any]
+    id: str = Field(examples=["gpt-40b"])
+    world_size: int | None = Field(examples=[256])
+    topology: dict[str, Any] = Field(examples=[{"tp": 8, "dp": 16, "pp": 2}])
     first_seen_at: datetime
     last_seen_at: datetime
+    state: JobState = "healthy"
+    open_incidents: int = 0
+    ranks_known: int = 0
 
 
 class JobDetailOut(JobOut):
     ranks: list[RankOut]
 
 
-class ErrorOut(BaseModel):
-    detail: str
+class TimelineMarker(BaseModel):
+    at: datetime = Field(description="an incident's estimated onset; a plan's creation")
+    until: datetime | None = Field(default=None, description="an incident's resolution")
+    kind: Literal["incident", "plan"]
+    id: str
+    label: str
+    status: str
+
+
+class TimelineOut(BaseModel):
+    job_id: str
+    start: datetime
+    bucket_s: float
+    times: list[float] = Field(description="bucket starts, Unix seconds")
+    median_s: list[float | None] = Field(description="median iteration time per bucket")
+    max_s: list[float | None]
+    ranks: list[int]
+    heat: list[list[float | None]] = Field(description="ranks x buckets")
+    heat_basis: Literal["lateness", "slowdown", "none"]
+    heat_unit: str
+    markers: list[TimelineMarker]
+    truncated: bool = Field(description="the read stopped at its message cap")
+    telemetry_error: str | None = None
 
 
 class Health(BaseModel):
-    status: str
-    database: bool
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not ready"]
+    checks: dict[str, str] = Field(examples=[{"database": "ok", "nats": "ok"}])
+
+
+class TokenOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str = Field(examples=["ci-bot"])
+    role: Role
+    prefix: str = Field(examples=["gh_Zx81kPq"])
+    created_by: str
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+
+class TokenCreated(TokenOut):
+    token: str = Field(description="the secret, shown this once; only its hash is stored")
+
+
+class TokenIn(Input):
+    name: str = Field(min_length=1, max_length=255, pattern=r"^[\w.@ -]+$", examples=["oncall-bot"])
+    role: Role = Field(examples=["operator"])
+    expires_in_days: float | None = Field(default=None, gt=0, le=3650, examples=[90])
+
+
+class Me(BaseModel):
+    name: str
+    role: Role
+    token_id: str | None
+
+
+EventName = Literal[EVENTS]  # type: ignore[valid-type]
+
+
+class WebhookIn(Input):
+    name: str = Field(default="", max_length=255, examples=["oncall-slack"])
+    url: AnyHttpUrl = Field(examples=["https://hooks.example.org/services/T000/B000/XXXX"])
+    events: list[EventName] = Field(default_factory=list, max_length=len(EVENTS), description=(
+        "events to receive; empty: every incident and plan event"),
+        examples=[["incident.opened", "incident.validated", "incident.resolved"]])
+    format: Format = Field(default="json", description="json: the full document; slack: text and "
+                           "blocks only (a Slack incoming webhook)")
+    secret: str | None = Field(default=None, min_length=16, max_length=255, description=(
+        "signing secret; omitted: the server makes one and returns it once"))
+
+
+class WebhookOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    url: str
+    events: list[str]
+    format: str
+    enabled: bool
+    created_by: str
+    created_at: datetime
+
+
+class WebhookCreated(WebhookOut):
+    secret: str = Field(description="the signing secret, shown this once (stored encrypted)")
+
+
+class AttemptOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    at: datetime
+    outcome: str = Field(examples=["delivered"])
+    status_code: int | None = Field(examples=[200])
+    error: str | None
+    duration_ms: float
+
+
+class DeliveryOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    event_id: str = Field(description="the idempotency key (Greyhound-Delivery header)")
+    event: str
+    incident_id: str | None
+    status: str = Field(examples=["delivered"])
+    attempts: int
+    last_error: str | None
+    next_attempt_at: datetime | None
+    created_at: datetime
+    delivered_at: datetime | None
+    attempt_log: list[AttemptOut] = []
+
+
+class SightingOut(BaseModel):
+    incident_id: str
+    job_id: str
+    kind: str
+    opened_at: datetime
+    confirmed: bool
+
+
+class ComponentOut(BaseModel):
+    kind: Literal["gpu", "node", "link"]
+    id: str = Field(examples=["node-a:2"])
+    host: str | None
+    device: int | None
+    advice: Literal["drain", "watch", "ok"]
+    reason: str = Field(examples=["3 confirmed incidents in 2 jobs (rule: >= 3 in >= 2 jobs)"])
+    confirmed: int
+    incidents: int
+    jobs: list[str]
+    last_at: datetime
+    history: list[SightingOut]
+
+
+class FleetOut(BaseModel):
+    window_days: float
+    drain_rule: str
+    components: list[ComponentOut]

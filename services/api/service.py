@@ -21,7 +21,7 @@ class _Server(uvicorn.Server):
 
 
 async def run_api(ctx: ServiceContext, stop: asyncio.Event, *, host: str, port: int) -> None:
-    app = create_app(ctx.db())
+    app = create_app(ctx.db(), settings=ctx.settings, nc=ctx.nc, js=ctx.js)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
     server = _Server(config)
     task = asyncio.create_task(server.serve())

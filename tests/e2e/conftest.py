@@ -30,7 +30,7 @@ def stack(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory) 
     root = tmp_path_factory.mktemp("e2e")
     settings = for_fake_jobs(Settings(nats_url=nats_url, database_url=pg_url,
                                       data_dir=root / "data", shm_dir=root / "shm",
-                                      hang_floor_s=HANG_FLOOR_S))
+                                      hang_floor_s=HANG_FLOOR_S, api_anonymous_role="viewer"))
     port = _free_port()
     with Stack(settings, port=port) as st:
         wait_api(f"http://127.0.0.1:{port}")

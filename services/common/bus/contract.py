@@ -79,6 +79,15 @@ class Subjects:
     def dead_letter(stream: str) -> str:
         return f"{DLQ_PREFIX}.{stream}"
 
+    @staticmethod
+    def job_iterations(job: str) -> str:
+        """Every agent's iteration batches of one job (the API reads a job's recent window)."""
+        return f"{_job_subject(job, 'iter')}.*"
+
+    @staticmethod
+    def job_collectives(job: str) -> str:
+        return f"{_job_subject(job, 'colls')}.*"
+
     # Wildcard filters (any job, any agent).
     ALL_HELLO = f"{PREFIX}.*.hello.*"
     ALL_ITERATIONS = f"{PREFIX}.*.iter.*"

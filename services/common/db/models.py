@@ -1,5 +1,6 @@
 """The relational model: jobs and their ranks, incidents with timeline and evidence, plans and
-approvals, webhooks and their deliveries, and the processed-event ledger for idempotent consumers.
+approvals, webhooks with their deliveries and attempts, API tokens, the audit log, and the
+processed-event ledger for idempotent consumers.
 
 Schema changes go through Alembic migrations only (services/common/migrations).
 """
@@ -95,6 +96,8 @@ class Incident(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(),
                                                  onupdate=func.now())
     resolved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    acknowledged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    acknowledged_by: Mapped[str | None] = mapped_column(String(255))
 
     timeline: Mapped[list[IncidentEvent]] = relationship(
         back_populates="incident", lazy="raise", order_by="IncidentEvent.at")
@@ -148,28 +151,92 @@ class Approval(Base):
 
 
 class Webhook(Base):
+    """An on-call endpoint. The signing secret is kept encrypted (``secret_enc``): unlike a token
+    it must be recovered to sign each delivery, so a hash cannot stand in for it."""
+
     __tablename__ = "webhooks"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=_uuid)
+    name: Mapped[str] = mapped_column(String(255), default="")
     url: Mapped[str] = mapped_column(Text)
-    secret: Mapped[str | None] = mapped_column(String(255))
-    stages: Mapped[list[Any]] = mapped_column(default=list)
+    secret_enc: Mapped[str] = mapped_column(Text)
+    events: Mapped[list[Any]] = mapped_column(default=list)
+    format: Mapped[str] = mapped_column(String(16), default="json")
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_by: Mapped[str] = mapped_column(String(255), default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 
 class WebhookDelivery(Base):
+    """One event for one webhook: the body is frozen here so every retry sends the same bytes
+    under the same idempotency key (``event_id``)."""
+
     __tablename__ = "webhook_deliveries"
-    __table_args__ = (UniqueConstraint("webhook_id", "event_id"),)
+    __table_args__ = (UniqueConstraint("webhook_id", "event_id"),
+                      Index("ix_webhook_deliveries_due", "status", "next_attempt_at"))
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     webhook_id: Mapped[str] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))
     event_id: Mapped[str] = mapped_column(String(64))
+    event: Mapped[str] = mapped_column(String(64), default="")
     incident_id: Mapped[str | None] = mapped_column(ForeignKey("incidents.id", ondelete="SET NULL"))
+    payload: Mapped[dict[str, Any]] = mapped_column(default=dict)
     status: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str | None] = mapped_column(Text)
     next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class WebhookAttempt(Base):
+    """Every HTTP attempt of a delivery, with what the receiver answered (or why none came)."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[int] = mapped_column(
+        ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    outcome: Mapped[str] = mapped_column(String(16))
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    duration_ms: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class ApiToken(Base):
+    """A bearer token. Only a keyed hash of the secret is stored; ``prefix`` lets people tell
+    their tokens apart in listings without the secret."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=_uuid)
+    name: Mapped[str] = mapped_column(String(255))
+    role: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_by: Mapped[str] = mapped_column(String(255), default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class AuditEntry(Base):
+    """Who changed what, when and why: every state-changing call of the API and the CLI."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(),
+                                         index=True)
+    actor: Mapped[str] = mapped_column(String(255))
+    token_id: Mapped[str | None] = mapped_column(String(32))
+    action: Mapped[str] = mapped_column(String(64))
+    target_type: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str] = mapped_column(String(128))
+    note: Mapped[str] = mapped_column(Text, default="")
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
 
 class ProcessedEvent(Base):

@@ -7,12 +7,25 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Select, delete, func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
-from services.common.db.models import Incident, IncidentEvent, Job, ProcessedEvent, Rank
+from services.common.db.models import (
+    ApiToken,
+    Approval,
+    AuditEntry,
+    Incident,
+    IncidentEvent,
+    Job,
+    Plan,
+    ProcessedEvent,
+    Rank,
+    Webhook,
+    WebhookAttempt,
+    WebhookDelivery,
+)
 
 
 async def ping(session: AsyncSession) -> None:
@@ -91,18 +104,48 @@ async def add_timeline(session: AsyncSession, incident: Incident, stage: str,
         incident.status = stage
 
 
-async def list_incidents(session: AsyncSession, *, job_id: str | None = None,
-                         status: str | None = None, kind: str | None = None,
-                         limit: int = 100, offset: int = 0) -> Sequence[Incident]:
-    q = select(Incident).options(selectinload(Incident.timeline))
+def _incident_filter(q: Select[Any], *, job_id: str | None, status: str | None,
+                     kind: str | None, opened_after: datetime | None = None,
+                     opened_before: datetime | None = None) -> Select[Any]:
+    """``status`` is a stage, or ``open`` for every incident not resolved yet; ``kind`` ending
+    in ``*`` is a prefix (``hang*`` matches every hang diagnosis)."""
     if job_id is not None:
         q = q.where(Incident.job_id == job_id)
-    if status is not None:
+    if status == "open":
+        q = q.where(Incident.status != "resolved")
+    elif status is not None:
         q = q.where(Incident.status == status)
-    if kind is not None:
+    if kind is not None and kind.endswith("*"):
+        q = q.where(Incident.kind.startswith(kind[:-1], autoescape=True))
+    elif kind is not None:
         q = q.where(Incident.kind == kind)
+    if opened_after is not None:
+        q = q.where(Incident.opened_at >= opened_after)
+    if opened_before is not None:
+        q = q.where(Incident.opened_at < opened_before)
+    return q
+
+
+async def list_incidents(session: AsyncSession, *, job_id: str | None = None,
+                         status: str | None = None, kind: str | None = None,
+                         limit: int = 100, offset: int = 0,
+                         opened_after: datetime | None = None,
+                         opened_before: datetime | None = None) -> Sequence[Incident]:
+    q = _incident_filter(select(Incident).options(selectinload(Incident.timeline)),
+                         job_id=job_id, status=status, kind=kind, opened_after=opened_after,
+                         opened_before=opened_before)
     q = q.order_by(Incident.opened_at.desc(), Incident.id).limit(limit).offset(offset)
     return (await session.scalars(q)).all()
+
+
+async def count_incidents(session: AsyncSession, *, job_id: str | None = None,
+                          status: str | None = None, kind: str | None = None,
+                          opened_after: datetime | None = None,
+                          opened_before: datetime | None = None) -> int:
+    q = _incident_filter(select(func.count()).select_from(Incident), job_id=job_id,
+                         status=status, kind=kind, opened_after=opened_after,
+                         opened_before=opened_before)
+    return int((await session.execute(q)).scalar_one())
 
 
 async def get_incident(session: AsyncSession, incident_id: str) -> Incident | None:
@@ -119,3 +162,259 @@ async def job_ranks(session: AsyncSession, job_id: str) -> Sequence[Rank]:
 async def get_incident_for_update(session: AsyncSession, incident_id: str) -> Incident | None:
     return await session.scalar(select(Incident).where(Incident.id == incident_id)
                                 .with_for_update())
+
+
+# ---- jobs, as the REST API pages them ---------------------------------------------------------
+
+async def list_jobs_page(session: AsyncSession, *, limit: int, offset: int) -> Sequence[Job]:
+    return (await session.scalars(select(Job).order_by(Job.last_seen_at.desc(), Job.id)
+                                  .limit(limit).offset(offset))).all()
+
+
+async def count_jobs(session: AsyncSession) -> int:
+    return int((await session.execute(select(func.count()).select_from(Job))).scalar_one())
+
+
+async def open_incidents_of(session: AsyncSession, job_ids: Sequence[str]) -> Sequence[Incident]:
+    """The open incidents of these jobs (what their live state is made of)."""
+    if not job_ids:
+        return []
+    return (await session.scalars(
+        select(Incident).where(Incident.job_id.in_(job_ids), Incident.status != "resolved")
+        .order_by(Incident.opened_at))).all()
+
+
+async def rank_counts(session: AsyncSession, job_ids: Sequence[str]) -> dict[str, int]:
+    if not job_ids:
+        return {}
+    rows = await session.execute(select(Rank.job_id, func.count()).where(Rank.job_id.in_(job_ids))
+                                 .group_by(Rank.job_id))
+    return {job: int(n) for job, n in rows.all()}
+
+
+# ---- plans and approvals ----------------------------------------------------------------------
+
+async def list_plans(session: AsyncSession, *, job_id: str | None = None,
+                     incident_id: str | None = None, status: str | None = None,
+                     limit: int = 100, offset: int = 0) -> Sequence[Plan]:
+    q = select(Plan).options(selectinload(Plan.approvals))
+    if job_id is not None:
+        q = q.where(Plan.job_id == job_id)
+    if incident_id is not None:
+        q = q.where(Plan.incident_id == incident_id)
+    if status is not None:
+        q = q.where(Plan.status == status)
+    q = q.order_by(Plan.created_at.desc(), Plan.id).limit(limit).offset(offset)
+    return (await session.scalars(q)).all()
+
+
+async def get_plan(session: AsyncSession, plan_id: str, *, for_update: bool = False) -> Plan | None:
+    q = select(Plan).where(Plan.id == plan_id).options(selectinload(Plan.approvals))
+    if for_update:
+        q = q.with_for_update()
+    return await session.scalar(q)
+
+
+async def decide_plan(session: AsyncSession, plan: Plan, *, decision: str, approver: str,
+                      comment: str) -> Approval:
+    """Record an approval or a rejection; the caller checked that the plan awaits one."""
+    approval = Approval(plan_id=plan.id, decision=decision, approver=approver, comment=comment)
+    session.add(approval)
+    plan.status = "approved" if decision == "approve" else "rejected"
+    await session.flush()
+    return approval
+
+
+# ---- API tokens -------------------------------------------------------------------------------
+
+async def create_token(session: AsyncSession, *, name: str, role: str, token_hash: str,
+                       prefix: str, created_by: str, expires_at: datetime | None) -> ApiToken:
+    token = ApiToken(name=name, role=role, token_hash=token_hash, prefix=prefix,
+                     created_by=created_by, expires_at=expires_at)
+    session.add(token)
+    await session.flush()
+    return token
+
+
+async def token_by_hash(session: AsyncSession, token_hash: str) -> ApiToken | None:
+    return await session.scalar(select(ApiToken).where(ApiToken.token_hash == token_hash))
+
+
+async def list_tokens(session: AsyncSession, *, include_revoked: bool = False) -> Sequence[ApiToken]:
+    q = select(ApiToken).order_by(ApiToken.created_at, ApiToken.id)
+    if not include_revoked:
+        q = q.where(ApiToken.revoked_at.is_(None))
+    return (await session.scalars(q)).all()
+
+
+async def find_tokens(session: AsyncSession, id_or_name: str) -> Sequence[ApiToken]:
+    """Tokens whose id, id prefix (8+ characters) or name is ``id_or_name``."""
+    conds = [ApiToken.id == id_or_name, ApiToken.name == id_or_name]
+    if len(id_or_name) >= 8:
+        conds.append(ApiToken.id.startswith(id_or_name, autoescape=True))
+    return (await session.scalars(select(ApiToken).where(or_(*conds)))).all()
+
+
+async def get_token(session: AsyncSession, token_id: str) -> ApiToken | None:
+    return await session.get(ApiToken, token_id)
+
+
+async def mark_token_used(session: AsyncSession, token_id: str, at: datetime) -> None:
+    await session.execute(update(ApiToken).where(ApiToken.id == token_id)
+                          .values(last_used_at=at))
+
+
+# ---- the audit log ----------------------------------------------------------------------------
+
+async def audit(session: AsyncSession, *, actor: str, token_id: str | None, action: str,
+                target_type: str, target_id: str, note: str = "",
+                detail: dict[str, Any] | None = None) -> None:
+    session.add(AuditEntry(actor=actor, token_id=token_id, action=action, target_type=target_type,
+                           target_id=target_id, note=note, detail=detail or {}))
+
+
+async def list_audit(session: AsyncSession, *, limit: int = 100, offset: int = 0,
+                     target_type: str | None = None,
+                     target_id: str | None = None) -> Sequence[AuditEntry]:
+    q = select(AuditEntry)
+    if target_type is not None:
+        q = q.where(AuditEntry.target_type == target_type)
+    if target_id is not None:
+        q = q.where(AuditEntry.target_id == target_id)
+    return (await session.scalars(q.order_by(AuditEntry.at.desc(), AuditEntry.id.desc())
+                                  .limit(limit).offset(offset))).all()
+
+
+# ---- webhooks and deliveries ------------------------------------------------------------------
+
+async def create_webhook(session: AsyncSession, *, name: str, url: str, secret_enc: str,
+                         events: list[str], format: str, created_by: str) -> Webhook:
+    hook = Webhook(name=name, url=url, secret_enc=secret_enc, events=events, format=format,
+                   created_by=created_by, enabled=True)
+    session.add(hook)
+    await session.flush()
+    return hook
+
+
+async def list_webhooks(session: AsyncSession, *, enabled_only: bool = False) -> Sequence[Webhook]:
+    q = select(Webhook).order_by(Webhook.created_at, Webhook.id)
+    if enabled_only:
+        q = q.where(Webhook.enabled.is_(True))
+    return (await session.scalars(q)).all()
+
+
+async def get_webhook(session: AsyncSession, webhook_id: str) -> Webhook | None:
+    return await session.get(Webhook, webhook_id)
+
+
+async def delete_webhook(session: AsyncSession, webhook_id: str) -> bool:
+    res = await session.execute(delete(Webhook).where(Webhook.id == webhook_id)
+                                .returning(Webhook.id))
+    return res.first() is not None
+
+
+async def count_webhooks(session: AsyncSession) -> int:
+    return int((await session.execute(select(func.count()).select_from(Webhook)
+                                       .where(Webhook.enabled.is_(True)))).scalar_one())
+
+
+async def enqueue_delivery(session: AsyncSession, *, webhook_id: str, event_id: str, event: str,
+                           incident_id: str | None, payload: dict[str, Any],
+                           due: datetime) -> int | None:
+    """A pending delivery; None when this webhook already has one for this idempotency key."""
+    stmt = (insert(WebhookDelivery)
+            .values(webhook_id=webhook_id, event_id=event_id, event=event,
+                    incident_id=incident_id, payload=payload, status="pending", attempts=0,
+                    next_attempt_at=due)
+            .on_conflict_do_nothing().returning(WebhookDelivery.id))
+    row = (await session.execute(stmt)).first()
+    return None if row is None else int(row[0])
+
+
+async def claim_due_deliveries(session: AsyncSession, now: datetime, lease_until: datetime,
+                               limit: int) -> Sequence[WebhookDelivery]:
+    """Deliveries due now, leased to this caller until ``lease_until`` (SKIP LOCKED, so several
+    notifiers share the work): one that is not finished by then (its sender died) is due again."""
+    rows = (await session.scalars(
+        select(WebhookDelivery)
+        .where(WebhookDelivery.status.in_(("pending", "sending")),
+               WebhookDelivery.next_attempt_at <= now)
+        .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.id)
+        .limit(limit).with_for_update(skip_locked=True))).all()
+    for row in rows:
+        row.status = "sending"
+        row.next_attempt_at = lease_until
+    return rows
+
+
+async def record_attempt(session: AsyncSession, delivery_id: int, *, outcome: str,
+                         status_code: int | None, error: str | None, duration_ms: float,
+                         final_status: str, next_attempt_at: datetime | None,
+                         at: datetime) -> None:
+    """One attempt of a delivery, and where the delivery stands after it."""
+    session.add(WebhookAttempt(delivery_id=delivery_id, outcome=outcome, status_code=status_code,
+                               error=error, duration_ms=duration_ms, at=at))
+    values: dict[str, Any] = {"status": final_status, "attempts": WebhookDelivery.attempts + 1,
+                              "last_error": error, "next_attempt_at": next_attempt_at}
+    if final_status == "delivered":
+        values["delivered_at"] = at
+    await session.execute(update(WebhookDelivery).where(WebhookDelivery.id == delivery_id)
+                          .values(**values))
+
+
+async def list_deliveries(session: AsyncSession, webhook_id: str, *, limit: int = 50,
+                          offset: int = 0) -> Sequence[WebhookDelivery]:
+    return (await session.scalars(
+        select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook_id)
+        .order_by(WebhookDelivery.id.desc()).limit(limit).offset(offset))).all()
+
+
+async def delivery_attempts(session: AsyncSession,
+                            delivery_ids: Sequence[int]) -> Sequence[WebhookAttempt]:
+    if not delivery_ids:
+        return []
+    return (await session.scalars(
+        select(WebhookAttempt).where(WebhookAttempt.delivery_id.in_(delivery_ids))
+        .order_by(WebhookAttempt.id))).all()
+
+
+# ---- what /metrics and the fleet view read ----------------------------------------------------
+
+async def incident_counts(session: AsyncSession) -> list[tuple[str, str, int]]:
+    rows = await session.execute(select(Incident.kind, Incident.status, func.count())
+                                 .group_by(Incident.kind, Incident.status))
+    return [(k, s, int(n)) for k, s, n in rows.all()]
+
+
+async def attempt_outcomes(session: AsyncSession) -> list[tuple[str, int]]:
+    rows = await session.execute(select(WebhookAttempt.outcome, func.count())
+                                 .group_by(WebhookAttempt.outcome))
+    return [(o, int(n)) for o, n in rows.all()]
+
+
+async def delivery_states(session: AsyncSession) -> list[tuple[str, int]]:
+    rows = await session.execute(select(WebhookDelivery.status, func.count())
+                                 .group_by(WebhookDelivery.status))
+    return [(s, int(n)) for s, n in rows.all()]
+
+
+async def incidents_since(session: AsyncSession, since: datetime, *,
+                          limit: int = 10_000) -> Sequence[Incident]:
+    """Incidents opened since ``since`` or still open, with their timelines (newest first)."""
+    return (await session.scalars(
+        select(Incident).where(or_(Incident.opened_at >= since, Incident.status != "resolved"))
+        .options(selectinload(Incident.timeline))
+        .order_by(Incident.opened_at.desc()).limit(limit))).all()
+
+
+async def jobs_by_id(session: AsyncSession, job_ids: Sequence[str]) -> dict[str, Job]:
+    if not job_ids:
+        return {}
+    rows = await session.scalars(select(Job).where(Job.id.in_(job_ids)))
+    return {j.id: j for j in rows}
+
+
+async def ranks_of_jobs(session: AsyncSession, job_ids: Sequence[str]) -> Sequence[Rank]:
+    if not job_ids:
+        return []
+    return (await session.scalars(select(Rank).where(Rank.job_id.in_(job_ids)))).all()

@@ -1,0 +1,67 @@
+"""Bearer-token access control: who is calling and whether their role suffices.
+
+``require(role)`` is the one dependency every /v1 route takes; it answers 401 with no (or an
+unknown, expired or revoked) token and 403 with a token whose role is too weak. The OpenAPI
+builder reads the role back from the dependency (``ROLE_ATTR``), so the documented role of a
+route is the enforced one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from services.api.errors import Forbidden, Unauthorized
+from services.api.tokens import Principal, Role, at_least, hash_token, usable
+from services.common.db import repository as repo
+from services.common.settings import Settings
+
+ROLE_ATTR = "greyhound_role"
+_TOUCH_EVERY = timedelta(minutes=1)
+bearer = HTTPBearer(auto_error=False, scheme_name="token",
+                    description="`Authorization: Bearer gh_...` from `greyhound token create`")
+
+
+def token_key(settings: Settings) -> bytes | None:
+    return None if settings.token_key is None else settings.token_key.get_secret_value().encode()
+
+
+async def _principal(request: Request, creds: HTTPAuthorizationCredentials | None) -> Principal:
+    settings: Settings = request.app.state.settings
+    if creds is None or not creds.credentials:
+        if settings.api_anonymous_role is not None:
+            return Principal(name="anonymous", role=settings.api_anonymous_role, token_id=None)
+        raise Unauthorized("this route needs a bearer token (greyhound token create)")
+    digest = hash_token(creds.credentials, token_key(settings))
+    now = datetime.now(UTC)
+    async with request.app.state.sessions() as session:
+        token = await repo.token_by_hash(session, digest)
+        if token is None or not usable(token.expires_at, token.revoked_at, now):
+            raise Unauthorized("unknown, expired or revoked token")
+        if token.last_used_at is None or now - token.last_used_at > _TOUCH_EVERY:
+            await repo.mark_token_used(session, token.id, now)
+            await session.commit()
+    role: Role = token.role  # type: ignore[assignment]
+    return Principal(name=token.name, role=role, token_id=token.id)
+
+
+def require(role: Role) -> Callable[..., Awaitable[Principal]]:
+    async def check(request: Request,
+                    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+                    ) -> Principal:
+        who = await _principal(request, creds)
+        if not at_least(who.role, role):
+            raise Forbidden(f"this needs the {role} role; {who.name!r} is {who.role}")
+        return who
+
+    setattr(check, ROLE_ATTR, role)
+    return check
+
+
+Viewer = Annotated[Principal, Depends(require("viewer"))]
+Operator = Annotated[Principal, Depends(require("operator"))]
+Admin = Annotated[Principal, Depends(require("admin"))]

@@ -1,0 +1,155 @@
+"""Incidents: filtered lists, the detail with timeline, evidence and cost, acknowledging and
+closing with a note."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Response
+
+from services.api.auth import Operator, Viewer
+from services.api.cost import TimelinePoint, incident_cost
+from services.api.deps import BusDep, Session, problems
+from services.api.errors import Conflict, Invalid, NotFound
+from services.api.schemas import (
+    AuditOut,
+    CostOut,
+    IncidentDetailOut,
+    IncidentOut,
+    Note,
+    PlanOut,
+    RequiredNote,
+)
+from services.common.bus.contract import IncidentEvent, Subjects
+from services.common.db import repository as repo
+from services.common.db.models import Incident
+from services.notifier.outbox import job_gpus
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/incidents", tags=["incidents"])
+StatusFilter = Literal["open", "detected", "localized", "validated", "mitigated", "resolved"]
+
+
+async def _cost(session: Session, inc: Incident, gpus: dict[str, int | None]) -> CostOut:
+    if inc.job_id not in gpus:
+        gpus[inc.job_id] = await job_gpus(session, inc.job_id)
+    c = incident_cost(kind=inc.kind, opened_at=inc.opened_at, resolved_at=inc.resolved_at,
+                      timeline=[TimelinePoint(e.stage, e.at, e.detail) for e in inc.timeline],
+                      gpus=gpus[inc.job_id], now=datetime.now(UTC))
+    return CostOut(gpus=c.gpus, slowdown=c.slowdown, lost_fraction=c.lost_fraction,
+                   onset_at=c.onset_at, duration_s=c.duration_s, ongoing=c.ongoing,
+                   detection_latency_s=c.detection_latency_s, gpu_hours_lost=c.gpu_hours_lost)
+
+
+async def incident_out(session: Session, inc: Incident,
+                       gpus: dict[str, int | None] | None = None) -> IncidentOut:
+    out = IncidentOut.model_validate(inc)
+    out.cost = await _cost(session, inc, {} if gpus is None else gpus)
+    return out
+
+
+@router.get("", response_model=list[IncidentOut], summary="Incidents, newest first",
+            description="Filters: job, kind (a trailing `*` matches a prefix, e.g. `hang*`), "
+                        "status (a stage, or `open` for every unresolved one) and the opening "
+                        "time range [opened_after, opened_before). Paged with limit/offset; the "
+                        "total is in the X-Total-Count header. Each incident carries its cost "
+                        "in GPU-hours.", responses=problems(422))
+async def list_incidents(
+    session: Session, response: Response, _: Viewer,
+    job_id: Annotated[str | None, Query(max_length=128)] = None,
+    status: StatusFilter | None = None,
+    kind: Annotated[str | None, Query(max_length=64)] = None,
+    opened_after: datetime | None = None,
+    opened_before: datetime | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+) -> list[IncidentOut]:
+    for t in (opened_after, opened_before):
+        if t is not None and t.tzinfo is None:
+            raise Invalid("opened_after/opened_before need a time zone (e.g. ...Z)")
+    rows = await repo.list_incidents(session, job_id=job_id, status=status, kind=kind,
+                                     opened_after=opened_after, opened_before=opened_before,
+                                     limit=limit, offset=offset)
+    total = await repo.count_incidents(session, job_id=job_id, status=status, kind=kind,
+                                       opened_after=opened_after, opened_before=opened_before)
+    response.headers["X-Total-Count"] = str(total)
+    gpus: dict[str, int | None] = {}
+    return [await incident_out(session, i, gpus) for i in rows]
+
+
+async def _get(session: Session, incident_id: str) -> Incident:
+    inc = await repo.get_incident(session, incident_id)
+    if inc is None:
+        raise NotFound(f"incident {incident_id!r} not found")
+    return inc
+
+
+@router.get("/{incident_id}", response_model=IncidentDetailOut,
+            summary="One incident: timeline, evidence, cost, plans and audit trail",
+            responses=problems(404))
+async def get_incident(incident_id: str, session: Session, _: Viewer) -> IncidentDetailOut:
+    inc = await _get(session, incident_id)
+    base = await incident_out(session, inc)
+    plans = await repo.list_plans(session, incident_id=inc.id)
+    audit = await repo.list_audit(session, target_type="incident", target_id=inc.id)
+    return IncidentDetailOut(**base.model_dump(),
+                             plans=[PlanOut.model_validate(p) for p in plans],
+                             audit=[AuditOut.model_validate(a) for a in audit])
+
+
+async def _reload(session: Session, incident_id: str) -> IncidentOut:
+    session.expunge_all()
+    return await incident_out(session, await _get(session, incident_id))
+
+
+@router.post("/{incident_id}/ack", response_model=IncidentOut,
+             summary="Acknowledge an incident (someone is on it)",
+             description="Needs operator. 409 when it is already acknowledged or resolved.",
+             responses=problems(404, 409, 422))
+async def acknowledge(incident_id: str, body: Note, session: Session,
+                      who: Operator) -> IncidentOut:
+    inc = await repo.get_incident_for_update(session, incident_id)
+    if inc is None:
+        raise NotFound(f"incident {incident_id!r} not found")
+    if inc.status == "resolved":
+        raise Conflict(f"incident {incident_id} is resolved")
+    if inc.acknowledged_at is not None:
+        raise Conflict(f"incident {incident_id} was acknowledged by {inc.acknowledged_by}")
+    inc.acknowledged_at = datetime.now(UTC)
+    inc.acknowledged_by = who.name
+    stage = inc.status
+    await repo.add_timeline(session, inc, "acknowledged", {"by": who.name, "note": body.note})
+    inc.status = stage  # add_timeline moves the stage on; an acknowledgement does not
+    await repo.audit(session, actor=who.name, token_id=who.token_id, action="incident.ack",
+                     target_type="incident", target_id=inc.id, note=body.note)
+    await session.commit()
+    return await _reload(session, incident_id)
+
+
+@router.post("/{incident_id}/close", response_model=IncidentOut,
+             summary="Close (resolve) an incident by hand, with the reason",
+             description="Needs operator and a note. The resolution is announced like the "
+                         "tracker's (webhooks get incident.resolved). 409 when already resolved.",
+             responses=problems(404, 409, 422))
+async def close(incident_id: str, body: RequiredNote, session: Session, bus: BusDep,
+                who: Operator) -> IncidentOut:
+    inc = await repo.get_incident_for_update(session, incident_id)
+    if inc is None:
+        raise NotFound(f"incident {incident_id!r} not found")
+    if inc.status == "resolved":
+        raise Conflict(f"incident {incident_id} is already resolved")
+    await repo.add_timeline(session, inc, "resolved",
+                            {"by": who.name, "note": body.note, "manual": True})
+    await repo.audit(session, actor=who.name, token_id=who.token_id, action="incident.close",
+                     target_type="incident", target_id=inc.id, note=body.note)
+    event = IncidentEvent(job_id=inc.job_id, incident_id=inc.id, stage="resolved", kind=inc.kind,
+                          severity=inc.severity, summary=f"{inc.summary} (closed by {who.name})")
+    await session.commit()
+    try:
+        if not await bus.announce(Subjects.incident(inc.job_id), event):
+            log.warning("incident %s closed without a bus: not announced", inc.id)
+    except Exception:  # committed already: the close stands; the announcement is best effort
+        log.exception("could not announce the close of incident %s", inc.id)
+    return await _reload(session, incident_id)

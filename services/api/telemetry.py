@@ -1,0 +1,94 @@
+"""A job's recent telemetry, read back from the JetStream telemetry stream on request.
+
+The database holds incidents, not iteration times: those stay on the bus (kept for
+``telemetry_max_age_s``). The API reads one job's window with a short-lived ordered consumer
+(memory storage, no acks, removed afterwards) and stops at ``max_messages``, so a dashboard
+refresh costs a bounded read whatever the job's size; the answer says when it was cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TypeVar
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from pydantic import BaseModel, ValidationError
+
+from services.common.bus.contract import CollectiveBatch, IterationBatch, Subjects
+from services.common.bus.streams import TELEMETRY
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class Window:
+    """Rows of one job since ``since`` (columns as in the contract's batches)."""
+
+    since: datetime
+    messages: int = 0
+    truncated: bool = False
+    iterations: list[IterationBatch] = field(default_factory=list)
+    collectives: list[CollectiveBatch] = field(default_factory=list)
+
+
+async def _read(js: JetStreamContext, subject: str, since: datetime, model: type[M], *,
+                max_messages: int, fetch_timeout_s: float) -> tuple[list[M], bool]:
+    name = f"api-read-{uuid.uuid4().hex[:16]}"
+    config = ConsumerConfig(
+        name=name, deliver_policy=DeliverPolicy.BY_START_TIME,
+        opt_start_time=since.astimezone(UTC),
+        ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True,
+        filter_subject=subject)
+    await js.add_consumer(TELEMETRY, config)
+    sub = await js.pull_subscribe_bind(name, stream=TELEMETRY)
+    out: list[M] = []
+    truncated = False
+    try:
+        info = await sub.consumer_info()
+        pending = int(info.num_pending or 0)
+        while pending > 0:
+            if len(out) >= max_messages:
+                truncated = True
+                break
+            try:
+                msgs = await sub.fetch(min(256, max_messages - len(out)), timeout=fetch_timeout_s)
+            except (NatsTimeoutError, TimeoutError):
+                break
+            for msg in msgs:
+                try:
+                    out.append(model.model_validate_json(msg.data))
+                except ValidationError:
+                    continue  # the consumers dead-letter these; a read just skips them
+                pending = int(msg.metadata.num_pending or 0)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await js.delete_consumer(TELEMETRY, name)
+    return out, truncated
+
+
+async def read_window(js: JetStreamContext, job_id: str, *, window_s: float,
+                      max_messages: int = 4000, fetch_timeout_s: float = 1.0,
+                      collectives: bool = True, now: Callable[[], datetime] | None = None) -> Window:
+    since = (now or (lambda: datetime.now(UTC)))() - timedelta(seconds=window_s)
+    w = Window(since=since)
+    w.iterations, cut = await _read(js, Subjects.job_iterations(job_id), since, IterationBatch,
+                                    max_messages=max_messages, fetch_timeout_s=fetch_timeout_s)
+    w.truncated |= cut
+    if collectives:
+        w.collectives, cut = await _read(js, Subjects.job_collectives(job_id), since,
+                                         CollectiveBatch, max_messages=max_messages // 4,
+                                         fetch_timeout_s=fetch_timeout_s)
+        w.truncated |= cut
+    w.messages = len(w.iterations) + len(w.collectives)
+    return w

@@ -1,0 +1,108 @@
+"""``greyhound token create|list|revoke``: tokens made on the server, straight in the database.
+
+This is how a fresh install gets its first admin token (the REST routes for tokens need one):
+the command reads the same settings as the services, migrates the schema if needed, and prints
+the secret once. Every change is audited as ``cli:<os user>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import sys
+from datetime import UTC, datetime
+from typing import TextIO
+
+from services.api.tokens import ROLES, display_prefix, hash_token, new_token, parse_duration, usable
+from services.common.db import repository as repo
+from services.common.db.migrate import upgrade_async
+from services.common.db.session import make_engine, make_sessionmaker
+from services.common.runtime import resolve_backends
+from services.common.settings import Settings
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tok = sub.add_parser("token", help="API tokens (made and revoked in the database directly)")
+    tsub = tok.add_subparsers(dest="token_command", required=True)
+    create = tsub.add_parser("create", help="make a token; its secret is printed once")
+    create.add_argument("--role", required=True, choices=ROLES)
+    create.add_argument("--name", default=None, help="who or what uses it (default: the role)")
+    create.add_argument("--expires", default=None, metavar="D",
+                        help="lifetime such as 90d, 12h, 2w (default: never)")
+    tsub.add_parser("list", help="tokens that are not revoked")
+    revoke = tsub.add_parser("revoke", help="revoke a token by id, id prefix or name")
+    revoke.add_argument("token", help="id, id prefix (8+ characters) or name")
+
+
+def _actor() -> str:
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "cli"
+
+
+async def _run(settings: Settings, url: str, args: argparse.Namespace, out: TextIO) -> int:
+    await upgrade_async(url)
+    engine = make_engine(url)
+    key = None if settings.token_key is None else settings.token_key.get_secret_value().encode()
+    try:
+        async with make_sessionmaker(engine)() as session:
+            if args.token_command == "create":
+                expires = (datetime.now(UTC) + parse_duration(args.expires)
+                           if args.expires else None)
+                secret = new_token()
+                token = await repo.create_token(
+                    session, name=args.name or args.role, role=args.role,
+                    token_hash=hash_token(secret, key), prefix=display_prefix(secret),
+                    created_by=_actor(), expires_at=expires)
+                await repo.audit(session, actor=_actor(), token_id=None, action="token.create",
+                                 target_type="token", target_id=token.id,
+                                 detail={"name": token.name, "role": token.role})
+                await session.commit()
+                print(f"token {token.id} ({token.name}, {token.role}"
+                      f"{', expires ' + expires.isoformat(timespec='seconds') if expires else ''})",
+                      file=sys.stderr)
+                print("the secret below is shown once; only its hash is stored:", file=sys.stderr)
+                print(secret, file=out)
+                return 0
+            if args.token_command == "list":
+                now = datetime.now(UTC)
+                print(f"{'id':32}  {'name':20} {'role':8} {'prefix':10} {'expires':20} last used",
+                      file=out)
+                for t in await repo.list_tokens(session):
+                    state = "" if usable(t.expires_at, t.revoked_at, now) else " (expired)"
+                    until = t.expires_at.isoformat(timespec="seconds") if t.expires_at else "never"
+                    used = t.last_used_at.isoformat(timespec="seconds") if t.last_used_at else "never"
+                    print(f"{t.id:32}  {t.name[:20]:20} {t.role:8} {t.prefix:10} {until:20} "
+                          f"{used}{state}", file=out)
+                return 0
+            matches = [t for t in await repo.find_tokens(session, args.token)
+                       if t.revoked_at is None]
+            if len(matches) != 1:
+                what = "no live token" if not matches else f"{len(matches)} live tokens"
+                print(f"{what} match {args.token!r}; give the full id", file=sys.stderr)
+                return 1
+            (token,) = matches
+            token.revoked_at = datetime.now(UTC)
+            await repo.audit(session, actor=_actor(), token_id=None, action="token.revoke",
+                             target_type="token", target_id=token.id, detail={"name": token.name})
+            await session.commit()
+            print(f"revoked {token.id} ({token.name}, {token.role})", file=out)
+            return 0
+    finally:
+        await engine.dispose()
+
+
+def run(settings: Settings, args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    if args.token_command == "create" and args.expires:
+        try:
+            parse_duration(args.expires)
+        except ValueError as exc:
+            print(f"greyhound token create: {exc}", file=sys.stderr)
+            return 2
+    backends = resolve_backends(settings, need_db=True)
+    try:
+        return asyncio.run(_run(settings, backends.database_url, args, out))
+    finally:
+        backends.stop()

@@ -1,0 +1,69 @@
+"""API tokens: made, hashed and ranked here (shared by the REST API and ``greyhound token``).
+
+A token is 32 random bytes (256 bits) from the OS, printed once as ``gh_<base64url>``. The
+database keeps HMAC-SHA256(key, token) only, keyed by ``GREYHOUND_TOKEN_KEY`` when it is set (a
+pepper kept out of the database, so a stolen dump cannot even test a guess). A fast hash is
+right here and bcrypt/argon2 are not: those are slow on purpose to protect low-entropy human
+passwords from offline guessing, which a 256-bit random secret already makes hopeless, while a
+slow hash would cost tens of milliseconds of CPU on every API request (each one verifies its
+token) and hand anyone who sends garbage tokens an easy denial of service.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+
+Role = Literal["viewer", "operator", "admin"]
+ROLES: tuple[Role, ...] = ("viewer", "operator", "admin")
+_RANK = {r: i for i, r in enumerate(ROLES)}
+TOKEN_PREFIX = "gh_"
+_DEFAULT_KEY = b"greyhound-api-token-v1"
+_DURATION = re.compile(r"^(\d+)([smhdw])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def at_least(have: str, need: Role) -> bool:
+    """viewer < operator < admin; an unknown role grants nothing."""
+    return have in _RANK and _RANK[have] >= _RANK[need]
+
+
+def new_token() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_token(token: str, key: bytes | None) -> str:
+    return hmac.new(key or _DEFAULT_KEY, token.encode(), hashlib.sha256).hexdigest()
+
+
+def display_prefix(token: str) -> str:
+    """Enough of the token to tell tokens apart in a listing, far too little to guess the rest."""
+    return token[:10]
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``2w``: how long a token lives."""
+    m = _DURATION.match(text.strip())
+    if not m or int(m.group(1)) <= 0:
+        raise ValueError(f"expiry must look like 30d, 12h, 90m or 2w, got {text!r}")
+    return timedelta(seconds=int(m.group(1)) * _UNIT_S[m.group(2)])
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the token's name (what the audit log records) and its role."""
+
+    name: str
+    role: Role
+    token_id: str | None
+
+
+def usable(expires_at: datetime | None, revoked_at: datetime | None,
+           now: datetime | None = None) -> bool:
+    now = now or datetime.now(UTC)
+    return revoked_at is None and (expires_at is None or expires_at > now)

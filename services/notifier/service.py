@@ -1,0 +1,195 @@
+"""Notifier: incident events in, signed webhook deliveries out.
+
+Two loops. The consumer (durable ``notifier`` on the events stream) turns each incident event
+into one pending delivery per interested webhook, with the body frozen and an idempotency key,
+commits, then acks: a crash before the commit redelivers the event, a crash after it finds the
+rows already there (unique per webhook and key). The sender claims due deliveries (leased with
+SKIP LOCKED, so replicas share the work), signs and posts them, and logs every attempt; a
+failure is retried with exponential back-off and jitter until ``webhook_max_attempts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import httpx
+
+from services.common.bus.client import Consumer, TransientError
+from services.common.bus.contract import IncidentEvent, Subjects
+from services.common.bus.streams import EVENTS, ConsumerSpec
+from services.common.db import repository as repo
+from services.common.db.models import Webhook, WebhookDelivery
+from services.common.runtime import ServiceContext
+from services.common.settings import Settings
+from services.notifier.outbox import enqueue, incident_facts
+from services.notifier.payload import STAGE_EVENT, delivery_key, incident_payload
+from services.notifier.secretbox import SecretBox, SecretKeyError
+from services.notifier.sender import Attempt, attempt, retry_delay_s
+
+log = logging.getLogger(__name__)
+
+NOTIFIER = ConsumerSpec(stream=EVENTS, durable="notifier",
+                        filter_subjects=(Subjects.ALL_INCIDENTS,), batch=64)
+
+
+@dataclass
+class SenderStats:
+    delivered: int = 0
+    failed: int = 0
+    retried: int = 0
+    attempts: int = 0
+
+
+@dataclass
+class Notifier:
+    ctx: ServiceContext
+    box: SecretBox | None
+    rng: random.Random = field(default_factory=random.Random)
+    stats: SenderStats = field(default_factory=SenderStats)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    lease_margin_s: float = 30.0
+
+    @property
+    def settings(self) -> Settings:
+        return self.ctx.settings
+
+    # ---- bus events -> pending deliveries ---------------------------------------------------
+
+    async def handle(self, subject: str, ev: IncidentEvent) -> None:
+        try:
+            made = await self._enqueue(ev)
+        except OSError as exc:
+            raise TransientError(f"database unreachable: {exc}") from exc
+        if made:
+            self.wake.set()
+
+    async def _enqueue(self, ev: IncidentEvent) -> int:
+        event = STAGE_EVENT[ev.stage]
+        async with self.ctx.db()() as session:
+            if not await repo.claim_event(session, NOTIFIER.durable, ev.event_id):
+                return 0
+            inc = await repo.get_incident(session, ev.incident_id)
+            if inc is None:
+                log.warning("incident event %s names unknown incident %s", ev.event_id,
+                            ev.incident_id)
+                await session.commit()
+                return 0
+            now = datetime.now(UTC)
+            facts = await incident_facts(session, inc, now)
+            key = delivery_key(event, inc.id, ev.event_id)
+            body = incident_payload(event, key, facts, occurred_at=datetime.fromtimestamp(ev.ts, UTC),
+                                    dashboard=self.settings.api_public_url)
+            made = await enqueue(session, event=event, key=key, payload=body, incident_id=inc.id,
+                                 now=now)
+            await session.commit()
+            return made
+
+    # ---- pending deliveries -> HTTP -----------------------------------------------------------
+
+    async def send_due(self, client: httpx.AsyncClient, limit: int = 32) -> int:
+        """Claim and send what is due now; how many attempts were made."""
+        s = self.settings
+        now = datetime.now(UTC)
+        lease = now + timedelta(seconds=s.webhook_timeout_s + self.lease_margin_s)
+        async with self.ctx.db()() as session:
+            due = list(await repo.claim_due_deliveries(session, now, lease, limit))
+            hooks = {h.id: h for h in await repo.list_webhooks(session)}
+            await session.commit()
+        if not due:
+            return 0
+        await asyncio.gather(*(self._send_one(client, d, hooks.get(d.webhook_id)) for d in due))
+        return len(due)
+
+    async def _send_one(self, client: httpx.AsyncClient, d: WebhookDelivery,
+                        hook: Webhook | None) -> None:
+        s = self.settings
+        number = d.attempts + 1
+        if hook is None or not hook.enabled:
+            result = Attempt("rejected", None, "webhook deleted or disabled", 0.0)
+        elif self.box is None:
+            result = Attempt("rejected", None, "GREYHOUND_WEBHOOK_KEY is not set", 0.0)
+        else:
+            try:
+                secret = self.box.decrypt(hook.secret_enc)
+            except SecretKeyError as exc:
+                result = Attempt("rejected", None, str(exc), 0.0)
+            else:
+                body = json.dumps(d.payload, separators=(",", ":"), sort_keys=True).encode()
+                result = await attempt(client, hook.url, secret, body, key=d.event_id,
+                                       event=d.event, number=number, timeout_s=s.webhook_timeout_s)
+        await self._record(d, number, result)
+
+    async def _record(self, d: WebhookDelivery, number: int, result: Attempt) -> None:
+        s = self.settings
+        now = datetime.now(UTC)
+        self.stats.attempts += 1
+        next_at: datetime | None = None
+        if result.outcome == "delivered":
+            status = "delivered"
+            self.stats.delivered += 1
+        elif result.retryable and number < s.webhook_max_attempts:
+            status = "pending"
+            delay = retry_delay_s(number, base_s=s.webhook_backoff_base_s,
+                                  max_s=s.webhook_backoff_max_s, rng=self.rng,
+                                  retry_after_s=result.retry_after_s)
+            next_at = now + timedelta(seconds=delay)
+            self.stats.retried += 1
+        else:
+            status = "failed"
+            self.stats.failed += 1
+        async with self.ctx.db()() as session:
+            await repo.record_attempt(session, d.id, outcome=result.outcome,
+                                      status_code=result.status_code, error=result.error,
+                                      duration_ms=result.duration_ms, final_status=status,
+                                      next_attempt_at=next_at, at=now)
+            await session.commit()
+        level = logging.INFO if status != "failed" else logging.WARNING
+        log.log(level, "delivery %s (%s) attempt %d: %s%s", d.event_id, d.event, number,
+                result.outcome, f" ({result.error})" if result.error else "")
+
+    async def run_sender(self, stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient() as client:
+            while not stop.is_set():
+                try:
+                    sent = await self.send_due(client)
+                except Exception:  # the database restarting must not end the loop
+                    log.exception("webhook sender pass failed")
+                    sent = 0
+                if sent:
+                    continue
+                self.wake.clear()
+                waits = [asyncio.create_task(self.wake.wait()), asyncio.create_task(stop.wait())]
+                await asyncio.wait(waits, timeout=self.settings.notifier_poll_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for t in waits:
+                    t.cancel()
+
+
+async def check_key(ctx: ServiceContext) -> SecretBox | None:
+    """A clear error at start-up when webhooks exist and there is no key to read their secrets."""
+    key = ctx.settings.webhook_key
+    async with ctx.db()() as session:
+        hooks = await repo.count_webhooks(session)
+    if key is None:
+        if hooks:
+            raise SecretKeyError(
+                f"{hooks} webhook(s) are configured but GREYHOUND_WEBHOOK_KEY is not set: set it "
+                "to the key their secrets were encrypted with")
+        log.warning("GREYHOUND_WEBHOOK_KEY is not set: no webhook can be created or sent")
+        return None
+    return SecretBox(key.get_secret_value())
+
+
+async def run_notifier(ctx: ServiceContext, stop: asyncio.Event, *,
+                       notifier: Notifier | None = None) -> None:
+    notifier = notifier or Notifier(ctx, await check_key(ctx))
+    consumer: Consumer[IncidentEvent] = Consumer(ctx.js, NOTIFIER, IncidentEvent, notifier.handle)
+    tasks = [asyncio.create_task(consumer.run()), asyncio.create_task(notifier.run_sender(stop))]
+    await stop.wait()
+    consumer.stop()
+    await asyncio.gather(*tasks)

@@ -1,0 +1,110 @@
+"""An API on a fresh database and the session's NATS, with one token per role and seeded rows."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from services.api.app import create_app
+from services.api.tokens import display_prefix, hash_token, new_token
+from services.common.db import repository as repo
+from services.common.db.models import Plan
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+
+WEBHOOK_KEY = "test-webhook-key-0123456789abcdef"
+TOKEN_KEY = "test-token-pepper"
+ROLES = ("viewer", "operator", "admin")
+
+
+@dataclass
+class Api:
+    ctx: ServiceContext
+    app: FastAPI
+    client: httpx.AsyncClient
+    tokens: dict[str, str] = field(default_factory=dict)
+
+    def auth(self, role: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[role]}"}
+
+    async def token(self, role: str, name: str, *, expires_at: datetime | None = None) -> str:
+        secret = new_token()
+        async with self.ctx.db()() as session:
+            await repo.create_token(session, name=name, role=role,
+                                    token_hash=hash_token(secret, TOKEN_KEY.encode()),
+                                    prefix=display_prefix(secret), created_by="test",
+                                    expires_at=expires_at)
+            await session.commit()
+        return secret
+
+    async def job(self, job_id: str, world_size: int = 4, hosts: tuple[str, ...] = ("node-a",),
+                  gpus_per_host: int = 4) -> None:
+        async with self.ctx.db()() as session:
+            await repo.touch_job(session, job_id, world_size=world_size,
+                                 topology={"dp": world_size})
+            ranks = [{"rank": r, "host": hosts[r // gpus_per_host % len(hosts)],
+                      "node": r // gpus_per_host, "device": r % gpus_per_host, "pid": 100 + r}
+                     for r in range(world_size)]
+            await repo.upsert_ranks(session, job_id, "agent-1", ranks)
+            await session.commit()
+
+    async def incident(self, job_id: str, *, kind: str = "slowdown", before_s: float = 1.0,
+                       after_s: float = 1.5, culprit: dict[str, Any] | None = None,
+                       evidence: dict[str, Any] | None = None, dedup: str | None = None,
+                       stages: tuple[str, ...] = ()) -> str:
+        detail = {"first_iteration": 100, "detected_iteration": 104, "before_s": before_s,
+                  "after_s": after_s, "ranks": [0, 1, 2, 3]}
+        async with self.ctx.db()() as session:
+            inc = await repo.open_incident(
+                session, job_id=job_id, kind=kind, dedup_key=dedup or f"d-{new_token()[:12]}",
+                severity=after_s / before_s if before_s else 1.0, summary=f"job {job_id} {kind}",
+                culprit=culprit or {"ranks": [2]}, evidence=evidence or {},
+                stage_detail=detail)
+            for stage in stages:
+                await repo.add_timeline(session, inc, stage, {"by": "test"})
+            await session.commit()
+            return inc.id
+
+    async def plan(self, incident_id: str, job_id: str, strategy: str = "S2") -> str:
+        async with self.ctx.db()() as session:
+            plan = Plan(incident_id=incident_id, job_id=job_id, strategy=strategy,
+                        params={"micro_batches": [6, 6, 4, 8]}, expected_gain=1.3)
+            session.add(plan)
+            await session.commit()
+            return plan.id
+
+
+def api_settings(nats_url: str, db_url: str, tmp_path: Path, **over: Any) -> Settings:
+    base: dict[str, Any] = {"nats_url": nats_url, "database_url": db_url,
+                            "data_dir": tmp_path / "data", "webhook_key": WEBHOOK_KEY,
+                            "token_key": TOKEN_KEY, "webhook_timeout_s": 2.0}
+    base.update(over)
+    return Settings(**base)
+
+
+@pytest.fixture()
+async def api(nats_url: str, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Api]:
+    settings = api_settings(nats_url, fresh_db_url, tmp_path)
+    ctx = await start_service("api-test", settings,
+                              backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
+    app = create_app(ctx.db(), settings=settings, nc=ctx.nc, js=ctx.js)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api")
+    a = Api(ctx, app, client)
+    for role in ROLES:
+        a.tokens[role] = await a.token(role, f"{role}-user")
+    try:
+        yield a
+    finally:
+        await client.aclose()
+        await ctx.close()
+
+
+def recent(minutes: float = 0) -> str:
+    return (datetime.now(UTC) - timedelta(minutes=minutes)).isoformat()

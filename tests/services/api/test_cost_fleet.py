@@ -1,0 +1,99 @@
+"""The cost of an incident and the fleet's drain rule, on hand-made inputs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from services.api.cost import TimelinePoint, incident_cost, localization_latency_s
+from services.api.fleet import FleetIncident, Placement, build_fleet
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+
+
+def _det(at: datetime, before: float, after: float, first: int = 100,
+         detected: int = 110) -> TimelinePoint:
+    return TimelinePoint("detected", at, {"before_s": before, "after_s": after,
+                                          "first_iteration": first, "detected_iteration": detected})
+
+
+def test_slowdown_cost_from_onset_to_resolution() -> None:
+    c = incident_cost(kind="compute_slow", opened_at=T0, resolved_at=T0 + timedelta(hours=1),
+                      timeline=[_det(T0, 1.0, 1.25)], gpus=256, now=T0 + timedelta(hours=5))
+    # 10 iterations of 1.25 s before the detection; 1 - 1/1.25 = 20% of 256 GPUs lost.
+    assert c.onset_at == T0 - timedelta(seconds=12.5)
+    assert c.detection_latency_s == pytest.approx(12.5)
+    assert c.lost_fraction == pytest.approx(0.2) and c.slowdown == pytest.approx(1.25)
+    assert c.gpu_hours_lost == pytest.approx(0.2 * 256 * (3600 + 12.5) / 3600)
+    assert not c.ongoing
+
+
+def test_newest_detection_sets_the_ratio_and_open_incidents_run_to_now() -> None:
+    points = [_det(T0, 1.0, 1.25), _det(T0 + timedelta(minutes=10), 1.0, 2.0)]
+    c = incident_cost(kind="slowdown", opened_at=T0, resolved_at=None, timeline=points, gpus=8,
+                      now=T0 + timedelta(minutes=30))
+    assert c.lost_fraction == pytest.approx(0.5) and c.ongoing
+    assert c.duration_s == pytest.approx(1800 + 12.5)
+
+
+def test_hang_loses_everything_since_the_stall_began() -> None:
+    c = incident_cost(kind="hang_not_entered", opened_at=T0, resolved_at=T0 + timedelta(minutes=9),
+                      timeline=[TimelinePoint("detected", T0, {"before_s": 0.0, "after_s": 60.0,
+                                                               "first_iteration": -1,
+                                                               "detected_iteration": -1})],
+                      gpus=64, now=T0)
+    assert c.lost_fraction == 1.0 and c.duration_s == pytest.approx(600)
+    assert c.gpu_hours_lost == pytest.approx(64 * 600 / 3600)
+
+
+def test_unknown_size_or_ratio_gives_no_number() -> None:
+    c = incident_cost(kind="slowdown", opened_at=T0, resolved_at=None, timeline=[], gpus=None,
+                      now=T0 + timedelta(seconds=5))
+    assert c.gpu_hours_lost is None and c.lost_fraction is None and c.duration_s == 5
+    assert localization_latency_s([TimelinePoint("localized", T0 + timedelta(seconds=7), {})],
+                                  T0) == 7
+
+
+def _inc(n: int, job: str, *, confirmed: bool, days_ago: float = 1.0, kind: str = "compute_slow",
+         culprit: dict[str, object] | None = None) -> FleetIncident:
+    evidence = {"validation": {"verdict": kind}} if confirmed else {}
+    return FleetIncident(f"i{n}", job, kind, T0 - timedelta(days=days_ago),
+                         culprit if culprit is not None else
+                         {"gpus": [{"rank": 3, "host": "h1", "device": 3, "node": 0}]}, evidence)
+
+
+PLACE = {job: {r: Placement(host=f"h{r // 4}", device=r % 4, node=r // 4) for r in range(8)}
+         for job in ("a", "b", "c")}
+
+
+def _fleet(incidents: list[FleetIncident]) -> dict[str, tuple[str, int, int]]:
+    comps = build_fleet(incidents, PLACE, now=T0, window=timedelta(days=7), drain_incidents=3,
+                        drain_jobs=2)
+    return {f"{c.kind}:{c.id}": (c.advice, c.confirmed, len(c.sightings)) for c in comps}
+
+
+def test_drain_needs_confirmed_incidents_across_jobs() -> None:
+    three_jobs = [_inc(1, "a", confirmed=True), _inc(2, "b", confirmed=True),
+                  _inc(3, "b", confirmed=True)]
+    assert _fleet(three_jobs) == {"gpu:h1:3": ("drain", 3, 3), "node:h1": ("drain", 3, 3)}
+    one_job = [_inc(n, "a", confirmed=True) for n in range(3)]
+    assert _fleet(one_job)["gpu:h1:3"] == ("watch", 3, 3)
+    suspected = [_inc(1, "a", confirmed=True), _inc(2, "b", confirmed=False),
+                 _inc(3, "c", confirmed=False)]
+    assert _fleet(suspected)["gpu:h1:3"] == ("watch", 1, 3)
+    old = [*three_jobs[:2], _inc(3, "c", confirmed=True, days_ago=8)]
+    assert _fleet(old)["gpu:h1:3"] == ("ok", 2, 2)
+
+
+def test_job_relative_names_map_to_hardware() -> None:
+    """Rank 6 of job a and rank 2 of job b ran elsewhere; the analyzer's compute ranks and the
+    links between job-relative node numbers both land on host names."""
+    links = [_inc(n, job, confirmed=True, kind="comm_slow", culprit={"links": [[0, 1]]})
+             for n, job in enumerate("abc")]
+    compute = [_inc(9, "a", confirmed=False, culprit={"compute_ranks": [6]}),
+               _inc(10, "b", confirmed=False, kind="hang_not_entered", culprit={"ranks": [2]})]
+    fleet = _fleet(links + compute)
+    assert fleet["link:h0<->h1"] == ("drain", 3, 3)
+    assert fleet["gpu:h1:2"] == ("ok", 0, 1)  # the hang is not charged to hardware
+    assert "gpu:h0:2" not in fleet

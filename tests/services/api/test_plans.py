@@ -1,0 +1,54 @@
+"""Plan decisions: approve or reject a proposed plan once; anything else is a 409."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy import select
+
+from services.common.db.models import WebhookDelivery
+from tests.services.api.conftest import Api
+
+
+async def test_approve_then_conflicts(api: Api) -> None:
+    await api.job("job-p")
+    inc = await api.incident("job-p")
+    plan = await api.plan(inc, "job-p")
+    other = await api.plan(inc, "job-p", strategy="S3")
+    hook = await api.client.post("/v1/webhooks", headers=api.auth("admin"),
+                                 json={"url": "http://127.0.0.1:9/x", "events": ["plan.approved"]})
+    assert hook.status_code == 201
+    op = api.auth("operator")
+    r = await api.client.post(f"/v1/plans/{plan}/approve", headers=op, json={"note": "go"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "approved"
+    assert [(a["decision"], a["approver"], a["comment"]) for a in body["approvals"]] == [
+        ("approve", "operator-user", "go")]
+    assert (await api.client.post(f"/v1/plans/{plan}/approve", headers=op,
+                                  json={})).status_code == 409
+    assert (await api.client.post(f"/v1/plans/{plan}/reject", headers=op,
+                                  json={})).status_code == 409
+    r = await api.client.post(f"/v1/plans/{other}/reject", headers=op, json={"note": "no"})
+    assert r.json()["status"] == "rejected"
+    async with api.ctx.db()() as session:
+        rows = (await session.scalars(select(WebhookDelivery))).all()
+    # Only the approval: the webhook did not ask for plan.rejected.
+    assert [(d.event, d.event_id, d.payload["plan"]["decided_by"]) for d in rows] == [
+        ("plan.approved", f"{plan}.approved", "operator-user")]
+    listed = (await api.client.get("/v1/plans", headers=api.auth("viewer"),
+                                   params={"incident_id": inc})).json()
+    assert {p["id"]: p["status"] for p in listed} == {plan: "approved", other: "rejected"}
+    assert (await api.client.post("/v1/plans/none/approve", headers=op,
+                                  json={})).status_code == 404
+
+
+async def test_two_operators_at_once_get_one_decision(api: Api) -> None:
+    await api.job("job-q")
+    plan = await api.plan(await api.incident("job-q"), "job-q")
+    second = await api.token("operator", "bob")
+    calls = [api.client.post(f"/v1/plans/{plan}/approve", headers=api.auth("operator"), json={}),
+             api.client.post(f"/v1/plans/{plan}/reject",
+                             headers={"Authorization": f"Bearer {second}"}, json={})]
+    codes = sorted(r.status_code for r in await asyncio.gather(*calls))
+    assert codes == [200, 409]

@@ -1,0 +1,54 @@
+"""``greyhound token``: the first admin token of a fresh install, made on the command line,
+works against the API; list shows it without the secret; revoke ends it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from services.api.app import create_app
+from services.common.db.session import make_engine, make_sessionmaker
+from tests.services.api.conftest import TOKEN_KEY, api_settings
+
+
+def _cli(db_url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GREYHOUND_DATABASE_URL": db_url, "GREYHOUND_TOKEN_KEY": TOKEN_KEY,
+           "GREYHOUND_DATA_DIR": str(tmp / "data"), "GREYHOUND_NATS_URL": "nats://127.0.0.1:1"}
+    return subprocess.run([sys.executable, "-m", "greyhound.cli", "token", *args], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+async def test_first_admin_token_from_the_cli(fresh_db_url: str, tmp_path: Path) -> None:
+    made = _cli(fresh_db_url, tmp_path, "create", "--role", "admin", "--name", "first-admin",
+                "--expires", "30d")
+    assert made.returncode == 0, made.stderr
+    secret = made.stdout.strip()
+    assert secret.startswith("gh_") and len(secret) > 40 and "shown once" in made.stderr
+    listed = _cli(fresh_db_url, tmp_path, "list")
+    assert "first-admin" in listed.stdout and "admin" in listed.stdout
+    assert secret not in listed.stdout and secret[:10] in listed.stdout
+
+    engine = make_engine(fresh_db_url)
+    app = create_app(make_sessionmaker(engine), settings=api_settings(
+        "nats://127.0.0.1:1", fresh_db_url, tmp_path))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://a") as c:
+            auth = {"Authorization": f"Bearer {secret}"}
+            me = (await c.get("/v1/me", headers=auth)).json()
+            assert me["name"] == "first-admin" and me["role"] == "admin"
+            audit = (await c.get("/v1/audit", headers=auth)).json()
+            assert audit[0]["action"] == "token.create" and audit[0]["actor"].startswith("cli")
+            revoked = _cli(fresh_db_url, tmp_path, "revoke", "first-admin")
+            assert revoked.returncode == 0 and "revoked" in revoked.stdout
+            assert (await c.get("/v1/me", headers=auth)).status_code == 401
+    finally:
+        await engine.dispose()
+    again = _cli(fresh_db_url, tmp_path, "revoke", "first-admin")
+    assert again.returncode == 1 and "no live token" in again.stderr
+    bad = _cli(fresh_db_url, tmp_path, "create", "--role", "viewer", "--expires", "soon")
+    assert bad.returncode == 2 and "expiry must look like" in bad.stderr

@@ -1,0 +1,80 @@
+"""Webhooks over REST: the secret is shown once and stored encrypted, a test send is signed
+and logged, and deletion and a missing key answer clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from sqlalchemy import select
+
+from services.api.app import create_app
+from services.common.db.models import Webhook
+from services.notifier.secretbox import SecretBox
+from services.notifier.signing import verify
+from tests.services.api.conftest import WEBHOOK_KEY, Api, api_settings
+from tests.services.notifier.receiver import Receiver
+
+
+async def test_create_list_test_send_and_delete(api: Api) -> None:
+    admin = api.auth("admin")
+    secret = "whsec_known-secret-for-this-test"
+    rx = Receiver(secret)
+    await rx.start()
+    try:
+        r = await api.client.post("/v1/webhooks", headers=admin, json={
+            "name": "oncall", "url": rx.url, "secret": secret, "format": "slack",
+            "events": ["incident.opened", "incident.resolved"]})
+        assert r.status_code == 201, r.text
+        made = r.json()
+        assert made["secret"] == secret and made["format"] == "slack"
+        async with api.ctx.db()() as session:
+            row = (await session.scalars(select(Webhook))).one()
+        assert secret not in row.secret_enc and SecretBox(WEBHOOK_KEY).decrypt(row.secret_enc) \
+            == secret
+        listed = (await api.client.get("/v1/webhooks", headers=admin)).json()
+        assert [h["id"] for h in listed] == [made["id"]] and "secret" not in listed[0]
+
+        r = await api.client.post(f"/v1/webhooks/{made['id']}/test", headers=admin)
+        assert r.status_code == 200, r.text
+        sent = r.json()
+        assert sent["status"] == "delivered" and sent["attempts"] == 1
+        assert [a["outcome"] for a in sent["attempt_log"]] == ["delivered"]
+        (got,) = rx.processed
+        assert got.key == sent["event_id"] and set(got.body) == {"text", "blocks"}
+        verify(secret, got.headers["greyhound-signature"], got.raw)
+
+        log = (await api.client.get(f"/v1/webhooks/{made['id']}/deliveries",
+                                    headers=admin)).json()
+        assert [d["event"] for d in log] == ["webhook.test"]
+        assert (await api.client.delete(f"/v1/webhooks/{made['id']}",
+                                        headers=admin)).status_code == 204
+        assert (await api.client.delete(f"/v1/webhooks/{made['id']}",
+                                        headers=admin)).status_code == 404
+    finally:
+        await rx.stop()
+
+
+async def test_a_failing_test_send_is_reported(api: Api) -> None:
+    made = (await api.client.post("/v1/webhooks", headers=api.auth("admin"),
+                                  json={"url": "http://127.0.0.1:9/down"})).json()
+    assert made["secret"].startswith("whsec_") and made["events"] == []
+    r = await api.client.post(f"/v1/webhooks/{made['id']}/test", headers=api.auth("admin"))
+    body = r.json()
+    assert body["status"] == "failed"
+    assert body["attempt_log"][0]["outcome"] == "connection_error"
+
+
+async def test_bad_input_and_missing_key(api: Api, nats_url: str, fresh_db_url: str,
+                                         tmp_path: Path) -> None:
+    admin = api.auth("admin")
+    for bad in ({"url": "not a url"}, {"url": "http://x.test/", "events": ["nope"]},
+                {"url": "http://x.test/", "format": "xml"}, {"url": "http://x.test/", "extra": 1}):
+        r = await api.client.post("/v1/webhooks", headers=admin, json=bad)
+        assert r.status_code == 422, bad
+    keyless = create_app(api.ctx.db(), settings=api_settings(nats_url, fresh_db_url, tmp_path,
+                                                             webhook_key=None))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=keyless),
+                                 base_url="http://a") as c:
+        r = await c.post("/v1/webhooks", headers=admin, json={"url": "http://x.test/"})
+    assert r.status_code == 503 and "GREYHOUND_WEBHOOK_KEY" in r.json()["detail"]
