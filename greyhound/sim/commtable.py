@@ -33,9 +33,6 @@ U8 = npt.NDArray[np.uint8]
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
-_P2P = (int(hookabi.Op.SEND), int(hookabi.Op.RECV))
-
-
 class Progress(IntFlag):
     """What happened to a simulated call so far (bits of a uint8 per record)."""
 
@@ -76,7 +73,7 @@ class CommTables:
         enqueue order; ``entered``, ``returned`` and ``finished`` (done on the GPU) say what is
         true now, including what was counted before."""
         kind = kind_of(rec)
-        coll = ~np.isin(rec["op"], _P2P)
+        coll = ~np.isin(rec["op"], hookabi.P2P_OPS)
         new_in = entered & (state & Progress.ENTERED == 0)
         if new_in.any():
             self._entered(rank[new_in], kind[new_in], rec[new_in], coll[new_in])

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from greyhound.core.slow_localization import NodeLabel, SlowLocalization, localize_slow
-from services.analyzer.hangs import unsigned64
+from greyhound.hookabi import unsigned64
 from services.analyzer.profiling import ProfileBuffer, WindowRule
 from services.common.bus import control
 from services.common.bus.client import publish
