@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 
 from greyhound.agent.collector import Collector, RankIteration
 from greyhound.agent.control import AgentControl
+from greyhound.ids import check_token, slug
 from services.common.bus.client import connect, ensure_streams, publish
 from services.common.bus.contract import (
     AgentHello,
@@ -31,7 +32,6 @@ from services.common.bus.contract import (
     Message,
     RankInfo,
     Subjects,
-    check_token,
     split_columns,
 )
 from services.common.settings import Settings
@@ -52,8 +52,7 @@ def node_of(host: str) -> int | None:
 
 
 def default_agent_id() -> str:
-    host = socket.gethostname().split(".")[0]
-    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in host)[:100] or "agent"
+    return slug(socket.gethostname().split(".")[0], 100) or "agent"
 
 
 class NodeAgent:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 import shutil
 import threading
 import time
@@ -38,13 +37,13 @@ import numpy as np
 
 from greyhound import hookabi
 from greyhound.hookabi import BenchRequest, BenchState, CommRow, RingWriter
+from greyhound.ids import check_token
 from greyhound.sim import livectl
 from greyhound.sim.commtable import CommTables, Progress
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.records import NEVER_NS, RecordCodec, comm_ids
 from greyhound.sim.scenario import Scenario
 
-_JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _PROFILED = np.uint32(hookabi.Flag.PROFILED)
 _GPU_DONE = np.uint32(hookabi.Flag.GPU_DONE)
 GPU_WAIT_S = 2.0  # how long the agent's reader waits for a profiled call's GPU times
@@ -72,8 +71,7 @@ class LiveSimulation:
                  speed: float | None = None, capacity: int = 4096, lead: float = 0.25,
                  max_ahead_s: float = 1.0, chunk_iterations: int = 4, tick_s: float = 0.02,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not _JOB_ID.match(job_id):
-            raise ValueError(f"job id {job_id!r} must match [A-Za-z0-9_-]{{1,128}}")
+        check_token(job_id, "job id")
         if speed is not None and speed <= 0:
             raise ValueError("speed must be positive")
         self.scenario = scenario

@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import httpx
 
 from greyhound.demo import wait_api
+from greyhound.ids import slug
 from greyhound.sim.live import LiveProgress, LiveSimulation
 from greyhound.sim.scenario import Scenario
 from greyhound.stack import Stack
@@ -26,8 +27,7 @@ from services.common.settings import Settings
 
 
 def job_id_for(scenario: Scenario) -> str:
-    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", scenario.name).strip("-")[:40] or "scenario"
-    return f"sim-{slug}-{uuid.uuid4().hex[:6]}"
+    return f"sim-{slug(scenario.name, 40) or 'scenario'}-{uuid.uuid4().hex[:6]}"
 
 
 def incident_line(incident: dict[str, Any], virtual_at: Callable[[int], float]) -> dict[str, Any]:
