@@ -25,12 +25,11 @@ from typing import Any
 
 import httpx
 
-from greyhound.demo import wait_api
 from greyhound.sim.live import LiveSimulation
-from greyhound.sim.live_run import incident_line, job_id_for
 from greyhound.sim.scenario import Scenario, load_scenario
-from greyhound.stack import Stack
 from services.common.settings import Settings
+from stack.sim_live import incident_line, job_id_for
+from stack.up import Stack, wait_api
 
 HANG_KINDS = {"hang_not_entered", "hang_inconsistent", "hang_hardware"}
 

@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from greyhound.demo import for_fake_jobs, wait_api
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
-from greyhound.stack import Stack
 from services.common.settings import Settings
+from stack.demo import for_fake_jobs
+from stack.up import Stack, wait_api
 
 HANG_FLOOR_S = 2.0
 

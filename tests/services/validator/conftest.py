@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from greyhound.agent.service import run_agent
-from greyhound.demo import FAKE_GEMM_N, FAKE_GEMM_REPEAT, FAKE_THRESHOLD
+from services.agent.service import run_agent
 from services.common.bus.client import publish
 from services.common.bus.contract import IncidentEvent, Subjects, Suspicion
 from services.common.db import repository as repo
@@ -23,6 +22,7 @@ from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import run_tracker
 from services.validator.service import Validator, ValidatorConfig, run_validator
+from stack.demo import FAKE_GEMM_N, FAKE_GEMM_REPEAT, FAKE_THRESHOLD
 
 AGENT = "val-agent"
 
@@ -78,7 +78,7 @@ class MiniStack:
 
 @pytest.fixture()
 def validator_config() -> ValidatorConfig:
-    """For the CPU fake NCCL: the demo's settings (greyhound.demo.FAKE_VALIDATION): GEMMs large
+    """For the CPU fake NCCL: the demo's settings (stack.demo.FAKE_VALIDATION): GEMMs large
     enough to rise above the noise of a naive SGEMM on 2 shared cores, best of 9, 25%."""
     return ValidatorConfig(gemm_n=FAKE_GEMM_N, gemm_repeat=FAKE_GEMM_REPEAT,
                            threshold=FAKE_THRESHOLD)

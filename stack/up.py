@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from services.common.db.migrate import upgrade
 from services.common.runtime import Backends, resolve_backends
 from services.common.settings import Settings
@@ -53,7 +55,7 @@ class Stack:
         logdir = Path(self.settings.data_dir) / "logs"
         logdir.mkdir(parents=True, exist_ok=True)
         for name in self.services:
-            argv = [sys.executable, "-m", "greyhound.cli", name]
+            argv = [sys.executable, "-m", "stack.cli", name]
             if name == "api":
                 argv += ["--host", self.host, "--port", str(self.port)]
             out = (logdir / f"{name}.log").open("ab")
@@ -92,3 +94,15 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_api(base: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the API at {base} did not answer within {timeout_s}s")

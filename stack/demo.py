@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
-from greyhound.stack import Stack
 from services.common.settings import Settings
+from stack.up import Stack, wait_api
 
 # The fake NCCL's GPU is a CPU: a naive SGEMM of N=2048 would take seconds, so the demo's
 # validator runs small GEMMs, more repeats, and a looser threshold for the CPU's noise.
@@ -32,18 +32,6 @@ def for_fake_jobs(settings: Settings) -> Settings:
     """Validation sizes suited to jobs on the CPU fake NCCL, unless the operator chose others."""
     chosen = settings.model_fields_set
     return settings.model_copy(update={k: v for k, v in FAKE_VALIDATION.items() if k not in chosen})
-
-
-def wait_api(base: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"the API at {base} did not answer within {timeout_s}s")
 
 
 def find_incident(base: str, job: str) -> dict[str, object] | None:

@@ -22,8 +22,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
-from greyhound.agent.collector import Collector, RankStream
 from greyhound.hookabi import BenchKind, BenchRequest, BenchState, CommState, Control
+from services.agent.collector import Collector, RankStream
 from services.common.bus.contract import (
     BenchItem,
     BenchOutcome,

@@ -11,9 +11,13 @@ import sys
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from services.common.runtime import ServiceContext, resolve_backends, start_service
 from services.common.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from greyhound.sim.scenario import Scenario
 
 ServiceMain = Callable[[ServiceContext, asyncio.Event], Awaitable[None]]
 
@@ -75,7 +79,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from greyhound.agent.service import run_agent
+    from services.agent.service import run_agent
 
     settings = get_settings()
 
@@ -106,7 +110,7 @@ def cmd_db_upgrade(_: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from greyhound.stack import Stack
+    from stack.up import Stack
 
     settings = get_settings()
     stop = False
@@ -132,7 +136,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from greyhound.demo import run_demo
+    from stack.demo import run_demo
 
     return run_demo(get_settings(), ranks=args.ranks, slow_rank=args.slow_rank,
                     factor=args.factor, slow_from=args.slow_from, port=args.port)
@@ -187,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sim_live(scenario: Scenario, args: argparse.Namespace) -> int:
+    """Imported only for a live run, so that offline sweeps never load the services."""
+    from stack.sim_live import run_from_args
+
+    return run_from_args(scenario, args)
+
+
 def _passthrough(argv: Sequence[str]) -> int | None:
     """``detect``, ``sim`` and ``plan`` own their argument parsing; hand them the rest of the line."""
     if argv and argv[0] == "detect":
@@ -196,7 +207,7 @@ def _passthrough(argv: Sequence[str]) -> int | None:
     if argv and argv[0] == "sim":
         from greyhound.sim.cli import main as sim_main
 
-        return sim_main(list(argv[1:]))
+        return sim_main(list(argv[1:]), live=_sim_live)
     if argv and argv[0] == "plan":
         from greyhound.plan_cli import main as plan_main
 

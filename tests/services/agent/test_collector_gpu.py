@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from greyhound.agent.collector import CollectiveRows, Collector
 from greyhound.core.job_hangs import COUNTER_FIELDS, JobHangMonitor
 from greyhound.hookabi import (
     COMM_DTYPE,
@@ -22,6 +21,7 @@ from greyhound.hookabi import (
     Op,
     RingWriter,
 )
+from services.agent.collector import CollectiveRows, Collector
 from services.common.bus.contract import CounterBatch
 
 JOB = "gpumarks"

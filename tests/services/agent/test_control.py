@@ -15,9 +15,9 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from greyhound.agent.service import run_agent
 from greyhound.core.p2p_rounds import ring_rounds
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from services.agent.service import run_agent
 from services.common.bus.client import connect
 from services.common.bus.contract import (
     BenchItem,

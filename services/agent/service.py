@@ -20,9 +20,9 @@ from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 
-from greyhound.agent.collector import Collector, RankIteration
-from greyhound.agent.control import AgentControl
 from greyhound.ids import check_token, slug
+from services.agent.collector import Collector, RankIteration
+from services.agent.control import AgentControl
 from services.common.bus.client import connect, ensure_streams, publish
 from services.common.bus.contract import (
     AgentHello,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from greyhound.agent.service import NodeAgent
+from services.agent.service import NodeAgent
 from services.common.bus.client import connect, ensure_streams
 from services.common.bus.contract import CollectiveBatch, Subjects, split_columns
 from services.common.settings import Settings
