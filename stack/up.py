@@ -18,32 +18,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from pydantic_settings import BaseSettings
 
 from services.common.db.migrate import upgrade
 from services.common.runtime import Backends, resolve_backends
-from services.common.settings import Settings
+from services.common.settings import Settings, as_env
+from services.registry import BY_NAME, UP
 
 log = logging.getLogger(__name__)
 
-SERVICES = ("tracker", "analyzer", "validator", "api", "agent")
-
-
 @dataclass
 class Stack:
+    """``services``: names from the registry (default: those ``greyhound up`` starts);
+    ``service_settings``: settings objects of single services (e.g. the validator's) that the
+    children get instead of what they would read from the environment."""
+
     settings: Settings
     host: str = "127.0.0.1"
     port: int = 8000
-    services: tuple[str, ...] = SERVICES
+    services: tuple[str, ...] = UP
+    service_settings: tuple[BaseSettings, ...] = ()
     backends: Backends | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.services) - set(BY_NAME))
+        if unknown:
+            raise ValueError(f"unknown service(s) {unknown}; the registry has {sorted(BY_NAME)}")
 
     def env(self) -> dict[str, str]:
         """The children get this process's settings (however they were made) plus the URLs."""
         assert self.backends is not None
         env = dict(os.environ)
-        for name, value in self.settings.model_dump().items():
-            if value is not None:
-                env[f"GREYHOUND_{name.upper()}"] = str(value)
+        for s in (self.settings, *self.service_settings):
+            env.update(as_env(s))
         env["GREYHOUND_NATS_URL"] = self.backends.nats_url
         env["GREYHOUND_DATABASE_URL"] = self.backends.database_url
         env["GREYHOUND_DATA_DIR"] = str(Path(self.settings.data_dir).resolve())
@@ -56,7 +64,7 @@ class Stack:
         logdir.mkdir(parents=True, exist_ok=True)
         for name in self.services:
             argv = [sys.executable, "-m", "stack.cli", name]
-            if name == "api":
+            if BY_NAME[name].http:
                 argv += ["--host", self.host, "--port", str(self.port)]
             out = (logdir / f"{name}.log").open("ab")
             self.procs[name] = subprocess.Popen(argv, env=self.env(), stdout=out,
