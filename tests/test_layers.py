@@ -88,7 +88,7 @@ def test_every_package_is_walked() -> None:
     found = modules(REPO)
     for pkg in PACKAGES:
         assert pkg in found, f"package {pkg} not found"
-    assert {"greyhound.hookabi.layout", "services.agent.service", "stack.cli"} <= set(found)
+    assert {"greyhound.core.lifecycle", "services.agent.service", "stack.cli"} <= set(found)
     assert sum(1 for m in found if m.startswith("services.")) > 20
 
 

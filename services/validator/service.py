@@ -283,8 +283,9 @@ class Validator:
             detail.update(_jsonable({"verdict": v.kind, "gpus": v.gpus,
                                      "links": [list(x) for x in v.links], **v.evidence}))
             incident.evidence = {**incident.evidence, "validation": detail}
-            await repo.add_timeline(session, incident, "validated", detail)
-            stage = "validated"
+            if await repo.add_timeline(session, incident, "validated", detail) == "resolved":
+                log.info("incident %s recovered while it was validated: it stays resolved",
+                         incident.id)
             if v.kind == "transient":
                 # The checks found nothing slow: the fail-slow may have ended, or its cause is one
                 # GEMM and P2P checks cannot reproduce (host-side contention). Only the tracker's
@@ -294,7 +295,7 @@ class Validator:
                 incident.kind = v.kind
                 incident.culprit = {**incident.culprit, **culprit(v, ranks)}
             await session.commit()
-            return IncidentEvent(job_id=s.job_id, incident_id=incident.id, stage=stage,
+            return IncidentEvent(job_id=s.job_id, incident_id=incident.id, stage="validated",
                                  kind=incident.kind, severity=incident.severity,
                                  summary=incident.summary)
 

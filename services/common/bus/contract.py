@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from greyhound.core import lifecycle
 from greyhound.ids import TOKEN_PATTERN, check_token
 
 SCHEMA_VERSION = 1
@@ -255,7 +256,7 @@ class DetectionEvent(Message):
         return self.after_s / self.before_s if self.before_s > 0 else float("inf")
 
 
-IncidentStage = Literal["detected", "localized", "validated", "mitigated", "resolved"]
+IncidentStage = lifecycle.Status
 
 
 class IncidentEvent(Message):

@@ -45,11 +45,15 @@ class MiniStack:
     events: list[IncidentEvent] = field(default_factory=list)
 
     async def open_incident(self, job: str) -> str:
+        """A localised slowdown incident of ``job``, as the validator finds them."""
         async with self.ctx.db()() as session:
             inc = await repo.open_incident(
                 session, job_id=job, kind="slowdown", dedup_key="slowdown", severity=1.5,
                 summary=f"job {job} slowdown", culprit={"ranks": []}, evidence={},
                 stage_detail={"by": "test"})
+            # as the analyzer does before it publishes a suspicion (a detected incident cannot
+            # be validated: greyhound.core.lifecycle)
+            await repo.add_timeline(session, inc, "localized", {"by": "test"})
             await session.commit()
             return inc.id
 
