@@ -1,9 +1,10 @@
 """Imports point one way: stack (the composition root) -> services -> greyhound (the library).
 
 Every module of the three packages is parsed (imports inside functions and under TYPE_CHECKING
-included; relative imports resolved) and each import checked against the layer rules. The
-checker is run once on the real tree and once on a forged tree with one violation of each rule,
-which it must report: a check that cannot fail would prove nothing.
+included; relative imports resolved) and each import checked against the layer rules; modules
+that import each other (an import cycle) are reported too. The checkers run once on the real
+tree and once on a forged tree with one violation of each kind, which they must report: a check
+that cannot fail would prove nothing.
 """
 
 from __future__ import annotations
@@ -45,25 +46,48 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-def imported(module: str, path: Path) -> list[tuple[int, str]]:
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, *, runtime: bool) -> list[ast.Import | ast.ImportFrom]:
+    """Import statements anywhere in ``tree``; with ``runtime``, not those under TYPE_CHECKING
+    (they carry types only and never run)."""
+    out: list[ast.Import | ast.ImportFrom] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            out.append(node)
+        if runtime and _is_type_checking(node):
+            assert isinstance(node, ast.If)
+            todo += node.orelse
+            continue
+        todo += ast.iter_child_nodes(node)
+    return out
+
+
+def imported(module: str, path: Path, *, runtime: bool = False) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in the file, wherever it stands."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: list[tuple[int, str]] = []
-    for node in ast.walk(tree):
+    for node in _imports(tree, runtime=runtime):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                target = node.module or ""
-            out.append((node.lineno, target))
-            # ``from services import agent`` imports services.agent
-            out += [(node.lineno, f"{target}.{a.name}") for a in node.names if a.name != "*"]
-    return out
+            continue
+        if node.level:
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            target = ".".join([*base, *([node.module] if node.module else [])])
+        else:
+            target = node.module or ""
+        out.append((node.lineno, target))
+        # ``from services import agent`` imports services.agent
+        out += [(node.lineno, f"{target}.{a.name}") for a in node.names if a.name != "*"]
+    return sorted(out)
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -82,6 +106,35 @@ def violations(root: Path) -> list[str]:
                     found.setdefault((path, line, rule.why), f"{path.relative_to(root)}:{line}: "
                                      f"{module} imports {target} ({rule.why})")
     return sorted(found.values())
+
+
+def cycles(root: Path) -> list[set[str]]:
+    """Groups of modules that import each other, directly or round about (run-time imports,
+    function-level ones included: a deferred import hides a cycle, it does not remove it)."""
+    found = modules(root)
+    graph = {m: {t for _, t in imported(m, p, runtime=True) if t in found and t != m}
+             for m, p in found.items()}
+    # Two modules are in one cycle when each reaches the other.
+    reach: dict[str, set[str]] = {}
+    for m in graph:
+        seen, todo = set(), [m]
+        while todo:
+            for t in graph[todo.pop()] - seen:
+                seen.add(t)
+                todo.append(t)
+        reach[m] = seen
+    groups = {frozenset({m, *(t for t in reach[m] if m in reach[t])}) for m in graph if m in reach[m]}
+    return sorted((set(g) for g in groups), key=sorted)
+
+
+# DETECT is rewriting these three; the fix they need: Detection, LevelState and NORMAL move out
+# of detector.py into a module of their own, which bocd.py and window.py import instead.
+KNOWN_CYCLES = [{"greyhound.core.bocd", "greyhound.core.detector", "greyhound.core.window"}]
+
+
+def test_no_new_import_cycles() -> None:
+    new = [c for c in cycles(REPO) if c not in KNOWN_CYCLES]
+    assert new == []
 
 
 def test_every_package_is_walked() -> None:
@@ -120,3 +173,12 @@ def test_the_checker_reports_each_kind_of_violation(tmp_path: Path) -> None:
     assert any("services/x/__init__.py:1" in v and "imports stack" in v for v in found)
     assert imported("greyhound.sim.rel", tmp_path / "greyhound/sim/rel.py")[0] == (
         1, "greyhound.core")
+    assert imported("greyhound.sim.up", tmp_path / "greyhound/sim/up.py", runtime=True) == [
+        (1, "typing"), (1, "typing.TYPE_CHECKING")]
+    (tmp_path / "greyhound/core/__init__.py").write_text("from greyhound.core import bad\n")
+    (tmp_path / "greyhound/core/other.py").write_text("def f():\n    import greyhound.core\n")
+    forged = {"services.x", "stack"}  # services.x imports stack, which imports services.x
+    assert cycles(tmp_path) == [forged]  # bad does not import the package back
+    (tmp_path / "greyhound/core/bad.py").write_text("from greyhound.core import other\n")
+    assert cycles(tmp_path) == [{"greyhound.core", "greyhound.core.bad", "greyhound.core.other"},
+                                forged]
