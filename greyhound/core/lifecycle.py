@@ -10,6 +10,7 @@ raises :class:`IllegalTransition`. The rules:
 * the same stage again stays (a second localisation adds to the first, a second validation or
   mitigation step follows the first);
 * a ``detected`` entry is a note (a further detection of the open problem): the status stays;
+  so is ``acknowledged`` (an operator took the incident), which only an open incident takes;
 * a new localisation supersedes what followed the old one: validated and mitigated go back to
   localized (the job slowed again; the escalation starts over from the new evidence);
 * results that arrive after the incident was resolved (a localisation or validation still
@@ -26,6 +27,9 @@ from typing import Literal, get_args
 
 Status = Literal["detected", "localized", "validated", "mitigated", "resolved"]
 STATUSES: tuple[Status, ...] = get_args(Status)
+Note = Literal["acknowledged"]  # timeline stages that are never a status
+Stage = Status | Note
+STAGES: tuple[Stage, ...] = (*STATUSES, *get_args(Note))
 OPENED: Status = "detected"
 OPEN: frozenset[Status] = frozenset({"detected", "localized", "validated", "mitigated"})
 
@@ -43,16 +47,23 @@ class IllegalTransition(ValueError):
         self.stage = stage
 
 
-def _known(value: str, what: str) -> Status:
+def _known(value: str) -> Status:
     for s in STATUSES:
         if s == value:
             return s
-    raise IllegalTransition(value, value, f"unknown {what}; one of {', '.join(STATUSES)}")
+    raise IllegalTransition(value, value, f"unknown status; one of {', '.join(STATUSES)}")
 
 
 def advance(status: str, stage: str) -> Status:
     """The incident's status after a timeline entry of ``stage``."""
-    current, entry = _known(status, "status"), _known(stage, "stage")
+    current = _known(status)
+    if stage not in STAGES:
+        raise IllegalTransition(status, stage, f"unknown stage; one of {', '.join(STAGES)}")
+    if stage == "acknowledged":
+        if current == "resolved":
+            raise IllegalTransition(status, stage, "the incident is closed")
+        return current
+    entry = _known(stage)
     if current == "resolved":
         if entry in _LATE_ON_RESOLVED:
             return "resolved"
@@ -67,4 +78,4 @@ def advance(status: str, stage: str) -> Status:
 
 
 def is_open(status: str) -> bool:
-    return _known(status, "status") in OPEN
+    return _known(status) in OPEN

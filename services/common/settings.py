@@ -11,7 +11,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -64,12 +64,17 @@ class Settings(BaseSettings):
 
 
 def as_env(settings: BaseSettings) -> dict[str, str]:
-    """The environment that rebuilds ``settings`` in a child process (lists as JSON)."""
+    """The environment that rebuilds ``settings`` in a child process: lists and dicts as JSON,
+    secrets as their values (their str() is asterisks), unset values left out."""
     prefix = settings.model_config.get("env_prefix", "")
     out = {}
-    for name, value in settings.model_dump(mode="json").items():
-        if value is not None:
-            out[f"{prefix}{name}".upper()] = json.dumps(value) if isinstance(value, list) else str(value)
+    for name, value in settings.model_dump().items():
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if value is None:
+            continue
+        text = json.dumps(value) if isinstance(value, list | dict) else str(value)
+        out[f"{prefix}{name}".upper()] = text
     return out
 
 

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from greyhound.core.lifecycle import OPEN, STATUSES, IllegalTransition, advance, is_open
+from greyhound.core.lifecycle import OPEN, STAGES, STATUSES, IllegalTransition, advance, is_open
 
 # (status before, timeline stage) -> status after; a pair missing here is illegal.
 LEGAL = {
@@ -30,10 +30,15 @@ LEGAL = {
     ("resolved", "detected"): "resolved",  # late results are recorded, the incident stays closed
     ("resolved", "localized"): "resolved",
     ("resolved", "validated"): "resolved",
+    # an operator's acknowledgement is a note on an open incident
+    ("detected", "acknowledged"): "detected",
+    ("localized", "acknowledged"): "localized",
+    ("validated", "acknowledged"): "validated",
+    ("mitigated", "acknowledged"): "mitigated",
 }
 
 
-@pytest.mark.parametrize(("status", "stage"), list(itertools.product(STATUSES, STATUSES)))
+@pytest.mark.parametrize(("status", "stage"), list(itertools.product(STATUSES, STAGES)))
 def test_every_pair_of_states(status: str, stage: str) -> None:
     if (status, stage) in LEGAL:
         assert advance(status, stage) == LEGAL[(status, stage)]
@@ -46,9 +51,11 @@ def test_every_pair_of_states(status: str, stage: str) -> None:
 
 def test_the_table_covers_the_chain_and_some_pairs_are_illegal() -> None:
     assert STATUSES == ("detected", "localized", "validated", "mitigated", "resolved")
-    illegal = set(itertools.product(STATUSES, STATUSES)) - set(LEGAL)
+    assert (*STATUSES, "acknowledged") == STAGES
+    illegal = set(itertools.product(STATUSES, STAGES)) - set(LEGAL)
     assert {("detected", "validated"), ("localized", "mitigated"), ("resolved", "resolved"),
-            ("resolved", "mitigated"), ("mitigated", "validated")} <= illegal
+            ("resolved", "mitigated"), ("mitigated", "validated"),
+            ("resolved", "acknowledged")} <= illegal
 
 
 def test_unknown_names_are_refused() -> None:

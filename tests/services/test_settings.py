@@ -3,8 +3,11 @@ each read by the service that uses it; a moved knob handed to the shared Setting
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.agent.settings import AgentSettings
 from services.common.settings import Settings, as_env
@@ -49,6 +52,25 @@ def test_as_env_rebuilds_the_settings_in_a_child(monkeypatch: pytest.MonkeyPatch
         assert k.startswith("GREYHOUND_VALIDATOR_")
         monkeypatch.setenv(k, v)
     assert ValidatorSettings() == made
+
+
+class _WithSecret(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GREYHOUND_TEST_", extra="forbid")
+
+    key: SecretStr | None = None
+    sizes: list[int] = [1]
+    flag: bool = False
+    where: Path = Path("x")
+
+
+def test_as_env_passes_secrets_flags_and_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _WithSecret(key=SecretStr("s3cret"), sizes=[4, 5], flag=True, where=Path("/a b"))
+    env = as_env(made)
+    assert env["GREYHOUND_TEST_KEY"] == "s3cret"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert _WithSecret() == made
+    assert "GREYHOUND_TEST_KEY" not in as_env(_WithSecret(key=None))
 
 
 def test_cpu_fake_sizes_yield_to_what_the_operator_chose(monkeypatch: pytest.MonkeyPatch) -> None:
