@@ -27,6 +27,7 @@ from services.registry import BY_NAME, UP
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Stack:
     """``services``: names from the registry (default: those ``greyhound up`` starts);

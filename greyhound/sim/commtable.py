@@ -34,6 +34,7 @@ U8 = npt.NDArray[np.uint8]
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
+
 class Progress(IntFlag):
     """What happened to a simulated call so far (bits of a uint8 per record)."""
 

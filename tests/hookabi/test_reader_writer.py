@@ -12,6 +12,7 @@ from greyhound import hookabi as H
 
 REPO = Path(__file__).resolve().parents[2]
 
+
 def _records(n: int, comm_id: int = 7, op: H.Op = H.Op.ALLREDUCE) -> np.ndarray:
     r = np.zeros(n, H.RECORD_DTYPE)
     r["op"] = op

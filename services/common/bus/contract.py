@@ -23,6 +23,7 @@ PREFIX = "gh.v1"
 # Outside gh.v1.* so that no stream's subjects overlap with the dead letters.
 DLQ_PREFIX = "gh.dlq.v1"
 
+
 def _job_subject(job: str, kind: str, agent: str | None = None) -> str:
     subject = f"{PREFIX}.{check_token(job, 'job id')}.{kind}"
     return subject if agent is None else f"{subject}.{check_token(agent, 'agent id')}"
