@@ -25,12 +25,12 @@ from typing import Any
 
 import httpx
 
-from greyhound.demo import wait_api
 from greyhound.sim.live import LiveSimulation
-from greyhound.sim.live_run import incident_line, job_id_for
 from greyhound.sim.scenario import Scenario, load_scenario
-from greyhound.stack import Stack
 from services.common.settings import Settings
+from services.tracker.settings import TrackerSettings
+from stack.sim_live import incident_line, job_id_for
+from stack.up import Stack, wait_api
 
 HANG_KINDS = {"hang_not_entered", "hang_inconsistent", "hang_hardware"}
 
@@ -241,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"services' logs: {tmp}/data/logs", file=sys.stderr)
     # The simulator reports time inside NCCL in virtual seconds: at 4x a validation pause of
     # ~1.5 s shows as ~6 s, so the hang floor stays above that and below the scenarios' tails.
-    settings = Settings(data_dir=tmp / "data", shm_dir=tmp / "shm", hang_floor_s=args.hang_floor,
+    settings = Settings(data_dir=tmp / "data", shm_dir=tmp / "shm",
                         api_anonymous_role="viewer")  # incidents read over REST, no token
-    with Stack(settings, port=port) as stack:
+    hang_floor = TrackerSettings(hang_floor_s=args.hang_floor)
+    with Stack(settings, port=port, service_settings=(hang_floor,)) as stack:
         base = f"http://127.0.0.1:{port}"
         wait_api(base)
         for n, path in enumerate(paths, 1):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from greyhound.cli import main
+from stack.cli import main
 
 
 def test_prints_allocation_and_makespan(capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,7 +38,7 @@ def test_bad_input_exits_2_with_message(
 
 def test_unparsable_times_exit_2_from_the_console_script() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "greyhound.cli", "plan", "microbatch", "--times", "1,x",
+        [sys.executable, "-m", "stack.cli", "plan", "microbatch", "--times", "1,x",
          "--microbatches", "4"], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert "expected comma-separated seconds" in done.stderr

@@ -28,9 +28,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from greyhound.core.localize import Evidence, FloatArray, IntArray, codes, combine_codes
+from greyhound.hookabi.layout import P2P_OP_NAMES
 
 HangKind = Literal["hang_not_entered", "hang_inconsistent", "hang_hardware"]
-P2P_OPS = ("send", "recv")
 SYMPTOMS_LISTED = 256  # communicator ids of cascaded symptoms kept in a diagnosis's evidence
 
 
@@ -162,7 +162,7 @@ def diagnose_hang(
     rank_values, rank_code = codes(counters.rank)
     rank_busy = np.bincount(rank_code[busy], minlength=len(rank_values)) > 0
     p2p_comm = np.zeros(n_comms, bool)
-    p2p_op = np.isin(op_values.astype(str), P2P_OPS)
+    p2p_op = np.isin(op_values.astype(str), P2P_OP_NAMES)
     p2p_comm[r_comm[p2p_op[op_code]]] = True
 
     counter_order, counter_start = _split_by(c_comm, n_comms)

@@ -5,7 +5,7 @@ ships with (HiGHS, through ``highspy``) takes linear objectives, so this is the 
 ``min T s.t. m_i t_i <= T, sum m_i = M, m_i = P q_i, q_i >= 1 integer``, the objective the
 exact solver optimises; the paper's squared-deviation objective would need a mixed-integer
 quadratic solver, none of which comes with cvxpy without a licence. It is kept for tests and the
-benchmark (``bench/microbatch_solver``), never on a planning path: its time grows steeply with D.
+benchmark (``bench/microbatch_solver.py``), never on a planning path: its time grows steeply with D.
 cvxpy is imported only when called.
 """
 

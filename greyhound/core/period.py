@@ -179,24 +179,3 @@ class IterationSegmenter:
         self._since_primary = 0
         self._misses = 0
         self._last_primary_ns = None
-
-
-@dataclass(frozen=True, slots=True)
-class ArrivalSkew:
-    """Per collective instance: how late each rank entered it relative to the first one."""
-
-    late_rank: npt.NDArray[np.int64]
-    skew_s: npt.NDArray[np.float64]
-    mean_lateness_s: npt.NDArray[np.float64]
-
-
-def arrival_skew(enter_ns: npt.ArrayLike) -> ArrivalSkew:
-    """enter_ns: (ranks, instances) entry times of the same collective instances on every rank.
-
-    The last rank to arrive is the compute straggler: the others were waiting inside NCCL.
-    """
-    e = np.asarray(enter_ns, dtype=np.int64)
-    if e.ndim != 2 or e.shape[0] < 1:
-        raise ValueError("enter_ns must be (ranks, instances)")
-    skew = (e - e.min(axis=0, keepdims=True)).astype(np.float64) / 1e9
-    return ArrivalSkew(e.argmax(axis=0).astype(np.int64), skew, skew.mean(axis=1))

@@ -1,22 +1,25 @@
 """``greyhound sim run SCENARIO.yaml [--offline] [--speed X] [--json] [--port P]``.
 
-``--offline`` prints one iteration time in seconds per line (the input of ``greyhound detect``);
-without it the scenario runs live through the whole stack (greyhound.sim.live_run, imported
-only then, so that offline sweeps never load the services).
+``--offline`` prints one iteration time in seconds per line (the input of ``greyhound detect``).
+Without it the scenario runs live through the whole stack, which the library does not know:
+the ``greyhound`` command (stack.cli) passes ``live``, the runner that starts the services, so
+that offline sweeps never load them. ``python -m greyhound.sim.cli`` runs offline only.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from greyhound.sim.offline import run_offline
-from greyhound.sim.scenario import ScenarioError, load_scenario
+from greyhound.sim.scenario import Scenario, ScenarioError, load_scenario
+
+LiveRunner = Callable[[Scenario, argparse.Namespace], int]
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="greyhound sim")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a scenario")
@@ -27,7 +30,11 @@ def main(argv: Sequence[str]) -> int:
     run.add_argument("--port", type=int, default=None, help="REST API port (default: settings)")
     run.add_argument("--settle", type=float, default=5.0,
                      help="seconds to let the services finish after the run")
-    args = parser.parse_args(list(argv))
+    return parser
+
+
+def main(argv: Sequence[str], live: LiveRunner | None = None) -> int:
+    args = build_parser().parse_args(list(argv))
     try:
         scenario = load_scenario(args.scenario)
     except (OSError, ScenarioError) as exc:
@@ -41,13 +48,11 @@ def main(argv: Sequence[str]) -> int:
         print("greyhound sim: --speed must be positive", file=sys.stderr)
         return 2
     if not args.offline:
-        from greyhound.sim.live_run import run_live
-        from services.common.settings import get_settings
-
-        settings = get_settings()
-        return run_live(scenario, settings, port=args.port or settings.api_port,
-                        speed=args.speed, as_json=args.json, out=sys.stdout, err=sys.stderr,
-                        settle_s=args.settle)
+        if live is None:
+            print("greyhound sim: a live run needs the services; run it with the greyhound "
+                  "command, or pass --offline", file=sys.stderr)
+            return 2
+        return live(scenario, args)
     out = sys.stdout
     for seconds in run_offline(scenario):
         out.write(f"{seconds:.6f}\n")

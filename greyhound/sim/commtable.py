@@ -27,13 +27,12 @@ import numpy as np
 import numpy.typing as npt
 
 from greyhound import hookabi
+from greyhound.sim.records import comm_kinds
 
 U64 = npt.NDArray[np.uint64]
 U8 = npt.NDArray[np.uint8]
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
-
-_P2P = (int(hookabi.Op.SEND), int(hookabi.Op.RECV))
 
 
 class Progress(IntFlag):
@@ -44,11 +43,6 @@ class Progress(IntFlag):
     DONE = 4  # counted done on the GPU (its communicator's earlier calls are done too)
     PUBLISHED = 8  # written to the ring
     PROFILED = 16  # the rank was in profile mode when its host enqueued the call
-
-
-def kind_of(rec: np.ndarray) -> IntArray:
-    """The comm-table row of each record's communicator (its CommKind: TP 0, DP 1, PP 2)."""
-    return ((rec["comm_id"] >> np.uint64(32)) & np.uint64(0xFF)).astype(np.int64)
 
 
 def _last_per(keys: IntArray) -> IntArray:
@@ -75,8 +69,8 @@ class CommTables:
         ``rank``/``rec`` hold every call not yet retired, sorted by rank and then in the rank's
         enqueue order; ``entered``, ``returned`` and ``finished`` (done on the GPU) say what is
         true now, including what was counted before."""
-        kind = kind_of(rec)
-        coll = ~np.isin(rec["op"], _P2P)
+        kind = comm_kinds(rec["comm_id"])  # the comm-table row: TP 0, DP 1, PP 2
+        coll = ~np.isin(rec["op"], hookabi.P2P_OPS)
         new_in = entered & (state & Progress.ENTERED == 0)
         if new_in.any():
             self._entered(rank[new_in], kind[new_in], rec[new_in], coll[new_in])

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 import shutil
 import threading
 import time
@@ -37,15 +36,14 @@ from pathlib import Path
 import numpy as np
 
 from greyhound import hookabi
-from greyhound.hookabi import BenchRequest, BenchState
+from greyhound.hookabi import BenchRequest, BenchState, CommRow, RingWriter
+from greyhound.ids import check_token
 from greyhound.sim import livectl
 from greyhound.sim.commtable import CommTables, Progress
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.records import NEVER_NS, RecordCodec, comm_ids
-from greyhound.sim.ringwriter import CommRow, SimRing
 from greyhound.sim.scenario import Scenario
 
-_JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _PROFILED = np.uint32(hookabi.Flag.PROFILED)
 _GPU_DONE = np.uint32(hookabi.Flag.GPU_DONE)
 GPU_WAIT_S = 2.0  # how long the agent's reader waits for a profiled call's GPU times
@@ -73,8 +71,7 @@ class LiveSimulation:
                  speed: float | None = None, capacity: int = 4096, lead: float = 0.25,
                  max_ahead_s: float = 1.0, chunk_iterations: int = 4, tick_s: float = 0.02,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not _JOB_ID.match(job_id):
-            raise ValueError(f"job id {job_id!r} must match [A-Za-z0-9_-]{{1,128}}")
+        check_token(job_id, "job id")
         if speed is not None and speed <= 0:
             raise ValueError("speed must be positive")
         self.scenario = scenario
@@ -117,7 +114,7 @@ class LiveSimulation:
         self._shown_at = time.monotonic()
         self.samples: list[tuple[int, float]] = [(self.wall0_ns, 0.0)]  # (wall ns, virtual s)
 
-    def _ring(self, rank: int, capacity: int) -> SimRing:
+    def _ring(self, rank: int, capacity: int) -> RingWriter:
         job, comms = self.scenario.job, self.model.comms
         ids = comm_ids(comms)
         tp, dp, pp = job.tp, job.dp, job.pp
@@ -129,7 +126,7 @@ class LiveSimulation:
             CommRow(int(ids[comms.pp_base + d * tp + t]), s, pp, peers),
         ]
         gpu = int(self.model.layout.gpu_of_rank[rank])
-        return SimRing(hookabi.ring_path(self.dir.parent, self.job_id, rank), job=self.job_id,
+        return RingWriter(hookabi.ring_path(self.dir.parent, self.job_id, rank), job=self.job_id,
                        rank=rank, host=f"sim-node{gpu // job.gpus_per_node}", pid=os.getpid(),
                        device=gpu % job.gpus_per_node, capacity=capacity,
                        mono_anchor_ns=self.mono0_ns, wall_anchor_ns=self.wall0_ns, comms=rows)
@@ -325,7 +322,7 @@ class LiveSimulation:
         out["gpu_end_ns"] = np.where(timed, out["gpu_end_ns"], np.uint64(0))
         bounds = np.searchsorted(rank[go], np.arange(len(self.rings) + 1))
         for r in np.flatnonzero(np.diff(bounds)).tolist():
-            self.rings[r].publish(out[bounds[r]:bounds[r + 1]])
+            self.rings[r].append(out[bounds[r]:bounds[r + 1]])
         self._written += len(out)
         return state | np.where(go, np.uint8(Progress.PUBLISHED), np.uint8(0))
 
@@ -458,6 +455,5 @@ class LiveSimulation:
     def close(self, *, remove: bool = False) -> None:
         for ring in self.rings:
             ring.close()
-        shutil.rmtree(self.dir / ".staging", ignore_errors=True)
         if remove:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -16,8 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from greyhound import hookabi
-from greyhound.hookabi import BenchKind, BenchRequest, BenchState
-from greyhound.hookabi_writer import HookControl
+from greyhound.hookabi import BenchKind, BenchRequest, BenchState, HookControl
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.records import comm_ids
 
@@ -27,7 +26,6 @@ NCCL_INVALID_ARGUMENT = 4
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xC2B2AE3D27D4EB4F)
 _K3 = np.uint64(0x165667B19E3779F9)
-_P2P = (int(hookabi.Op.SEND), int(hookabi.Op.RECV))
 
 
 def match_keys(rec: np.ndarray) -> IntArray:
@@ -52,7 +50,7 @@ def park_index(rec: np.ndarray, comm_id: int, seq: int, entered: BoolArray) -> i
     has not enqueued yet that matches the pause target; None if none is pending."""
     ok = ~entered
     if comm_id:
-        p2p = np.isin(rec["op"], _P2P)
+        p2p = np.isin(rec["op"], hookabi.P2P_OPS)
         # The hook compares last_seq_entered + 1; the simulated PP comms carry no collectives.
         would_be = np.where(p2p, 1, rec["seq"].astype(np.int64))
         ok &= (rec["comm_id"] == np.uint64(comm_id)) & (would_be >= seq)

@@ -47,6 +47,11 @@ def comm_kind(comm_id: int) -> CommKind:
     return CommKind((comm_id >> 32) & 0xFF)
 
 
+def comm_kinds(comm_id: U64) -> IntArray:
+    """:func:`comm_kind` of many ids at once, as plain integers (a comm table's row index)."""
+    return ((comm_id >> np.uint64(32)) & np.uint64(0xFF)).astype(np.int64)
+
+
 @dataclass(frozen=True, slots=True)
 class RankCoords:
     """Where each global rank sits in its three communicators (Megatron order)."""

@@ -13,27 +13,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 
-FaultKind = Literal[
-    "gpu_slow",
-    "cpu_contention",
-    "link_congestion",
-    "hang_not_entered",
-    "hang_inconsistent",
-    "hang_hardware",
-]
-FAULT_KINDS: tuple[FaultKind, ...] = (
-    "gpu_slow",
-    "cpu_contention",
-    "link_congestion",
-    "hang_not_entered",
-    "hang_inconsistent",
-    "hang_hardware",
-)
-HANG_KINDS = frozenset({"hang_not_entered", "hang_inconsistent", "hang_hardware"})
+from greyhound.core.hang_diagnosis import HangKind
+
+# A hang is injected under the name CCL-D's diagnosis gives its cause, so runs score by kind.
+FaultKind = Literal["gpu_slow", "cpu_contention", "link_congestion", HangKind]
+FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
+HANG_KINDS: frozenset[HangKind] = frozenset(get_args(HangKind))
 DpAlgorithm = Literal["auto", "ring", "tree"]
 
 

@@ -10,25 +10,7 @@ import numpy as np
 
 from greyhound.core.hang_counters import SampledCounters, diagnosis_inputs
 from greyhound.core.hang_diagnosis import HangDiagnosis, diagnose_hang
-from greyhound.hookabi import Op
-
-_U64 = 1 << 64
-
-
-def signed64(v: int) -> int:
-    """Communicator ids are unsigned 64-bit hashes; the numpy cores work in int64."""
-    return v - _U64 if v >= 1 << 63 else v
-
-
-def unsigned64(v: int) -> int:
-    return v + _U64 if v < 0 else v
-
-
-def op_name(code: int) -> str:
-    try:
-        return Op(code).name.lower()
-    except ValueError:
-        return f"op{code}"
+from greyhound.hookabi import op_name, signed64, unsigned64
 
 
 def diagnose_from_rows(rows: dict[str, list[Any]], *, now_ns: int,
@@ -66,3 +48,7 @@ def diagnose_from_rows(rows: dict[str, list[Any]], *, now_ns: int,
 def _op_names(op_codes: np.ndarray) -> np.ndarray:
     names = {int(o): op_name(int(o)) for o in np.unique(op_codes)}
     return np.array([names[int(o)] for o in op_codes.tolist()], dtype=str)
+
+
+# unsigned64 is greyhound.hookabi's; analyzer.service still imports it from here.
+__all__ = ["diagnose_from_rows", "unsigned64"]

@@ -23,8 +23,7 @@ from nats.js import JetStreamContext
 
 from greyhound.core.gpu_timeline import Timeline, choose_timeline
 from greyhound.core.slow_localization import ProfiledCalls, complete_instances
-from greyhound.hookabi import Op
-from services.analyzer.hangs import op_name, signed64
+from greyhound.hookabi import P2P_OPS, op_name, signed64
 from services.common.bus.client import Consumer
 from services.common.bus.contract import CollectiveBatch, Subjects
 from services.common.bus.streams import ANALYZER_COLLECTIVES, ConsumerSpec
@@ -32,7 +31,6 @@ from services.common.bus.streams import ANALYZER_COLLECTIVES, ConsumerSpec
 # ncclDataType_t: Int8, Uint8, Int32, Uint32, Int64, Uint64, Float16, Float32, Float64, Bfloat16,
 # Float8e4m3, Float8e5m2
 DTYPE_BYTES = np.array([1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1], dtype=np.int64)
-P2P_OPS = (int(Op.SEND), int(Op.RECV))
 _COLUMNS = ("rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count", "dtype", "enter_ns",
             "exit_ns", "gpu_start_ns", "gpu_end_ns")
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from greyhound.core.slow_localization import NodeLabel, SlowLocalization, localize_slow
-from services.analyzer.hangs import unsigned64
+from greyhound.hookabi import unsigned64
 from services.analyzer.profiling import ProfileBuffer, WindowRule
 from services.common.bus import control
 from services.common.bus.client import publish
@@ -141,11 +141,10 @@ class SlowLocalizer:
             incident.culprit = culprit
             incident.evidence = {**incident.evidence, "localization": evidence}
             incident.summary = _summary(det, loc, culprit)
-            resolved = incident.status == "resolved"
-            await repo.add_timeline(session, incident, "localized",
-                                    {"kind": loc.kind, "culprit": culprit, "evidence": evidence})
-            if resolved:  # the slowdown ended while profiling: keep it closed
-                incident.status = "resolved"
+            # the slowdown may have ended while profiling: then the lifecycle keeps it closed
+            resolved = await repo.add_timeline(
+                session, incident, "localized",
+                {"kind": loc.kind, "culprit": culprit, "evidence": evidence}) == "resolved"
             await session.commit()
             log.info("incident %s localized: %s", incident.id, incident.summary)
             out: list[tuple[str, Any]] = []

@@ -1,7 +1,13 @@
-"""Process settings: the one place that reads the environment (prefix ``GREYHOUND_``)."""
+"""Settings every process shares: the one place that reads the environment for them.
+
+A service's own knobs are its own settings class, next to it (``services/<name>/settings.py``),
+built by that service, with its own ``GREYHOUND_<NAME>_`` variables. All of them reject unknown
+keyword arguments, so a setting that moved cannot be passed to the wrong class unnoticed.
+"""
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -11,13 +17,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    """Where the bus and the database live, and the knobs every service shares.
+    """Where the bus, the database and the rings live, and what every process needs alike.
 
     A URL left unset means "start the embedded server in ``data_dir``", so one machine with nothing
     configured runs the whole system; production sets the URLs and nothing is started.
     """
 
-    model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="forbid")
 
     nats_url: str | None = None
     database_url: str | None = None
@@ -28,21 +34,9 @@ class Settings(BaseSettings):
     telemetry_max_age_s: float = Field(default=3600.0, gt=0)
     telemetry_max_bytes: int = Field(default=2 * 1024**3, gt=0)
     events_max_age_s: float = Field(default=30 * 24 * 3600.0, gt=0)
-    agent_poll_s: float = Field(default=0.05, gt=0)
-    agent_counters_s: float = Field(default=0.5, gt=0)
-    detector: str = "bocd-v"
-    hang_floor_s: float = Field(default=60.0, gt=0, description="never call a hang sooner than this")
-    hang_multiple: float = Field(default=20.0, gt=0, description="x the job's typical iteration")
     log_level: str = "INFO"
-    # Validation benchmarks. Real GPUs and the simulator take the defaults (the paper's sizes);
-    # the CPU fake NCCL runs a naive SGEMM, so jobs on it want a small GEMM and a loose threshold.
-    validator_gemm_n: int = Field(default=2048, gt=0)
-    validator_gemm_repeat: int = Field(default=3, ge=1, le=64)
-    validator_p2p_bytes: list[int] = Field(default=[16 << 20, 32 << 20, 64 << 20], min_length=1)
-    validator_p2p_repeat: int = Field(default=3, ge=1, le=64)
-    validator_threshold: float = Field(default=0.15, gt=0)
-    validator_pause_timeout_s: float = Field(default=10.0, gt=0)
-    validator_bench_timeout_s: float = Field(default=30.0, gt=0)
+    # The telemetry stream's subjects depend on the partition count, and every process declares
+    # the streams, so both stay here rather than with the tracker.
     tracker_partitions: int = Field(
         default=1, ge=1, le=1024,
         description="jobs are hashed over this many tracker processes (1: one tracker, no hashing)")
@@ -96,12 +90,20 @@ class Settings(BaseSettings):
             raise ValueError(f"GREYHOUND_DATABASE_URL must be a postgresql:// URL, got {v!r}")
         return v
 
-    @field_validator("detector")
-    @classmethod
-    def _known_detector(cls, v: str) -> str:
-        if v not in ("bocd-v", "bocd", "window"):
-            raise ValueError(f"GREYHOUND_DETECTOR must be bocd-v, bocd or window, got {v!r}")
-        return v
+
+def as_env(settings: BaseSettings) -> dict[str, str]:
+    """The environment that rebuilds ``settings`` in a child process: lists and dicts as JSON,
+    secrets as their values (their str() is asterisks), unset values left out."""
+    prefix = settings.model_config.get("env_prefix", "")
+    out = {}
+    for name, value in settings.model_dump().items():
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if value is None:
+            continue
+        text = json.dumps(value) if isinstance(value, list | dict) else str(value)
+        out[f"{prefix}{name}".upper()] = text
+    return out
 
 
 @lru_cache(maxsize=1)

@@ -48,6 +48,7 @@ from services.common.bus.contract import (
 from services.common.bus.streams import tracker_spec
 from services.common.db import repository as repo
 from services.common.runtime import ServiceContext
+from services.tracker.settings import TrackerSettings
 from services.tracker.state_store import TrackerStateStore
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,10 @@ def detection_id(job: str, d: JobDetection) -> str:
 
 class Tracker:
     def __init__(self, ctx: ServiceContext, *, method: Method = "bocd-v",
-                 store: TrackerStateStore | None = None, persist_every_s: float = 5.0) -> None:
+                 store: TrackerStateStore | None = None, persist_every_s: float = 5.0,
+                 settings: TrackerSettings | None = None) -> None:
         self.ctx = ctx
+        self.settings = settings or TrackerSettings()
         self.method: Method = method
         self.store = store
         self.persist_every_s = persist_every_s
@@ -75,7 +78,7 @@ class Tracker:
         self._saved_at = time.monotonic()
 
     def _new_hang_monitor(self) -> JobHangMonitor:
-        s = self.ctx.settings
+        s = self.settings
         return JobHangMonitor(floor_s=s.hang_floor_s, multiple=s.hang_multiple)
 
     async def _job(self, job: str) -> tuple[JobTracker, JobHangMonitor]:
@@ -203,7 +206,8 @@ class Tracker:
 
 async def run_tracker(ctx: ServiceContext, stop: asyncio.Event) -> None:
     store = await TrackerStateStore(ctx.js).open()
-    tracker = Tracker(ctx, method=ctx.settings.detector, store=store)  # type: ignore[arg-type]
+    settings = TrackerSettings()
+    tracker = Tracker(ctx, method=settings.detector, store=store, settings=settings)
     consumer: Consumer[AgentHello | IterationBatch | CounterBatch] = Consumer(
         ctx.js, tracker_spec(ctx.settings), Telemetry, tracker.handle)
     task = asyncio.create_task(consumer.run(idle=tracker.tick))

@@ -13,14 +13,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from greyhound.core.p2p_rounds import binary_tree_parents, ring_rounds, tree_rounds
+from greyhound.hookabi import unsigned64
 
-U64 = (1 << 64) - 1
 PAUSE_AHEAD = 2  # collectives beyond the furthest rank: covers status taken at slightly different times
-
-
-def u64(comm_id: int) -> int:
-    """Comm ids are unsigned 64-bit in the rings; some paths carry them signed."""
-    return comm_id & U64
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +59,7 @@ def pause_plan(comms: Mapping[int, Sequence[CommView]]) -> PausePlan:
     for rank, views in comms.items():
         if not views:
             raise ValueError(f"rank {rank} has no active communicator to pause on")
-        chosen[rank] = max(views, key=lambda c: (c.nranks, c.last_seq_entered, -u64(c.comm_id)))
+        chosen[rank] = max(views, key=lambda c: (c.nranks, c.last_seq_entered, -unsigned64(c.comm_id)))
     if not chosen:
         raise ValueError("no ranks to pause")
     seq = max(c.last_seq_entered for c in chosen.values()) + PAUSE_AHEAD
@@ -80,7 +75,7 @@ def members(comms: Mapping[int, Sequence[CommView]]) -> dict[int, list[int]]:
     size: dict[int, int] = {}
     for rank, views in comms.items():
         for c in views:
-            cid = u64(c.comm_id)
+            cid = unsigned64(c.comm_id)
             seen.setdefault(cid, {})[c.comm_rank] = rank
             size[cid] = c.nranks
     return {cid: [by_rank[i] for i in range(size[cid])] for cid, by_rank in seen.items()
@@ -98,9 +93,9 @@ def gemm_ranks(suspects: Iterable[int], suspect_comms: Iterable[int],
             continue
         picked.add(rank)
         for c in comms[rank]:
-            picked.update(groups.get(u64(c.comm_id), []))
+            picked.update(groups.get(unsigned64(c.comm_id), []))
     for cid in suspect_comms:
-        picked.update(groups.get(u64(cid), []))
+        picked.update(groups.get(unsigned64(cid), []))
     return sorted(picked) if picked else sorted(comms)
 
 
@@ -109,15 +104,15 @@ def suspect_comms(kind: str, comm_ids: Iterable[int], suspects: Iterable[int],
                   ) -> list[int]:
     """Communicators whose links are checked: those the suspicion names; when it names none
     but suspects communication, the largest group of each suspect rank (of every rank if none)."""
-    named = [u64(c) for c in comm_ids if u64(c) in groups]
+    named = [unsigned64(c) for c in comm_ids if unsigned64(c) in groups]
     if named or kind == "compute_slow":
         return sorted(set(named))
     ranks = [r for r in suspects if r in comms] or sorted(comms)
     out: set[int] = set()
     for r in ranks:
-        multi = [c for c in comms[r] if c.nranks > 1 and u64(c.comm_id) in groups]
+        multi = [c for c in comms[r] if c.nranks > 1 and unsigned64(c.comm_id) in groups]
         if multi:
-            out.add(u64(max(multi, key=lambda c: (c.nranks, c.last_seq_entered)).comm_id))
+            out.add(unsigned64(max(multi, key=lambda c: (c.nranks, c.last_seq_entered)).comm_id))
     return sorted(out)
 
 
@@ -128,7 +123,7 @@ def reference_comms(suspect: Iterable[int], groups: Mapping[int, list[int]],
     else the fewest shared nodes. Its links give each class of link (NVLink, network) a healthy
     time; disjoint from the suspects, its rounds run alongside theirs (no extra round). One per
     shape, not per suspect: every extra transfer lengthens the pause."""
-    chosen = {u64(c) for c in suspect}
+    chosen = {unsigned64(c) for c in suspect}
 
     def nodes(cid: int) -> set[object]:
         return {node_of_rank.get(r, f"rank{r}") for r in groups[cid]}
@@ -167,7 +162,7 @@ def transfer_rounds(comm_ids: Iterable[int], groups: Mapping[int, list[int]]) ->
     rounds: list[list[Transfer]] = []
     done: set[frozenset[int]] = set()
     for cid in comm_ids:
-        group = groups[u64(cid)]
+        group = groups[unsigned64(cid)]
         n = len(group)
         if n < 2:
             continue
@@ -178,7 +173,7 @@ def transfer_rounds(comm_ids: Iterable[int], groups: Mapping[int, list[int]]) ->
                     key = frozenset((group[a], group[b]))
                     if key not in done:
                         done.add(key)
-                        todo.append(Transfer(u64(cid), group[a], group[b], a, b))
+                        todo.append(Transfer(unsigned64(cid), group[a], group[b], a, b))
                 if todo:
                     rounds.append(todo)
     return pack_rounds(rounds)

@@ -30,7 +30,7 @@ from greyhound.core.verdict import (
     judge_gemm,
     judge_links_by_class,
 )
-from services.common.bus.client import Consumer, TransientError, publish
+from services.common.bus.client import Consumer, publish
 from services.common.bus.contract import (
     BenchItem,
     BenchOutcome,
@@ -45,7 +45,7 @@ from services.common.bus.control import ControlTimeout, request
 from services.common.bus.streams import VALIDATOR
 from services.common.db import repository as repo
 from services.common.db.models import Rank
-from services.common.runtime import ServiceContext
+from services.common.runtime import ServiceContext, supervise
 from services.validator.plan import (
     CommView,
     Transfer,
@@ -57,24 +57,9 @@ from services.validator.plan import (
     suspect_comms,
     transfer_rounds,
 )
+from services.validator.settings import ValidatorSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ValidatorConfig:
-    """Benchmark sizes and patience. The CPU fake NCCL runs a naive SGEMM, so tests against it
-    use a small ``gemm_n`` with more repeats; the simulator and real GPUs take the defaults."""
-
-    gemm_n: int = 2048
-    gemm_repeat: int = 3
-    p2p_sizes: tuple[int, ...] = (16 << 20, 32 << 20, 64 << 20)
-    p2p_repeat: int = 3
-    status_timeout_s: float = 5.0
-    pause_timeout_s: float = 10.0
-    bench_timeout_s: float = 30.0
-    poll_s: float = 0.02
-    threshold: float = 0.15
 
 
 class ValidationFailed(RuntimeError):
@@ -92,25 +77,21 @@ class Run:
 
 
 class Validator:
-    def __init__(self, ctx: ServiceContext, config: ValidatorConfig | None = None) -> None:
+    def __init__(self, ctx: ServiceContext, settings: ValidatorSettings | None = None) -> None:
         self.ctx = ctx
-        self.config = config or ValidatorConfig()
+        self.config = settings or ValidatorSettings()
         self.runs: list[Run] = []
 
     async def handle(self, subject: str, s: Suspicion) -> None:
-        try:
-            if await self._handled_before(s.event_id):
-                return
-            async with self.ctx.db()() as session:
-                ranks = list(await repo.job_ranks(session, s.job_id))
-        except OSError as exc:
-            raise TransientError(f"database unreachable: {exc}") from exc
+        """A database or bus failure propagates: the consumer tells a transient one (retried
+        later) from a permanent one (dead-lettered) with bus.errors.classify."""
+        if await self._handled_before(s.event_id):
+            return
+        async with self.ctx.db()() as session:
+            ranks = list(await repo.job_ranks(session, s.job_id))
         run = await self.validate(s, ranks)
         self.runs.append(run)
-        try:
-            announce = await self._record(s, ranks, run)
-        except OSError as exc:
-            raise TransientError(f"database unreachable: {exc}") from exc
+        announce = await self._record(s, ranks, run)
         if announce is not None:
             await publish(self.ctx.js, Subjects.incident(s.job_id), announce)
 
@@ -261,7 +242,7 @@ class Validator:
         for transfers in rounds:
             items: list[BenchItem] = []
             for t in transfers:
-                for size in c.p2p_sizes:
+                for size in c.p2p_bytes:
                     items.append(BenchItem(rank=t.src, kind="send", size=size, repeat=c.p2p_repeat,
                                            comm_id=t.comm_id, peer=t.dst_comm_rank))
                     items.append(BenchItem(rank=t.dst, kind="recv", size=size, repeat=c.p2p_repeat,
@@ -269,7 +250,7 @@ class Validator:
             outs = await self._bench(job, agents, items, drain)
             for t in transfers:
                 seq: list[float] = []
-                for size in c.p2p_sizes:
+                for size in c.p2p_bytes:
                     send = next(o for o in outs if o.item.rank == t.src and o.item.kind == "send"
                                 and o.item.size == size and o.item.peer == t.dst_comm_rank)
                     recv = next(o for o in outs if o.item.rank == t.dst and o.item.kind == "recv"
@@ -302,8 +283,9 @@ class Validator:
             detail.update(_jsonable({"verdict": v.kind, "gpus": v.gpus,
                                      "links": [list(x) for x in v.links], **v.evidence}))
             incident.evidence = {**incident.evidence, "validation": detail}
-            await repo.add_timeline(session, incident, "validated", detail)
-            stage = "validated"
+            if await repo.add_timeline(session, incident, "validated", detail) == "resolved":
+                log.info("incident %s recovered while it was validated: it stays resolved",
+                         incident.id)
             if v.kind == "transient":
                 # The checks found nothing slow: the fail-slow may have ended, or its cause is one
                 # GEMM and P2P checks cannot reproduce (host-side contention). Only the tracker's
@@ -313,7 +295,7 @@ class Validator:
                 incident.kind = v.kind
                 incident.culprit = {**incident.culprit, **culprit(v, ranks)}
             await session.commit()
-            return IncidentEvent(job_id=s.job_id, incident_id=incident.id, stage=stage,
+            return IncidentEvent(job_id=s.job_id, incident_id=incident.id, stage="validated",
                                  kind=incident.kind, severity=incident.severity,
                                  summary=incident.summary)
 
@@ -362,11 +344,15 @@ def _jsonable(value: Any) -> Any:
 
 
 async def run_validator(ctx: ServiceContext, stop: asyncio.Event,
-                        config: ValidatorConfig | None = None, *,
+                        settings: ValidatorSettings | None = None, *,
                         validator: Validator | None = None) -> None:
-    validator = validator or Validator(ctx, config)
+    """The service: its settings from the environment unless given; ends when ``stop`` is set,
+    or raises when its consumer cannot go on (the process exits for its supervisor)."""
+    validator = validator or Validator(ctx, settings)
     consumer: Consumer[Suspicion] = Consumer(ctx.js, VALIDATOR, Suspicion, validator.handle)
-    task = asyncio.create_task(consumer.run())
-    await stop.wait()
-    consumer.stop()
-    await task
+
+    async def stopper() -> None:
+        await stop.wait()
+        consumer.stop()
+
+    await supervise(consumer.run(), stopper())

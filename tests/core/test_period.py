@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from greyhound.core.period import IterationSegmenter, arrival_skew, find_period, lag_agreement
+from greyhound.core.period import IterationSegmenter, find_period, lag_agreement
 
 PATTERN = np.array([5, 5, 5, 7, 9, 5, 5, 11, 13, 13, 2], dtype=np.int64)
 
@@ -73,12 +73,3 @@ def test_segmenter_relearns_when_the_pattern_changes():
     out = seg.feed(k2, t2, t2)
     assert seg.period == len(other)
     assert out and abs(out[-1].duration_s - 0.1) < 0.03
-
-
-def test_arrival_skew_names_the_late_rank():
-    rng = np.random.default_rng(7)
-    enter = rng.integers(0, 1000, (4, 50)) + np.arange(50) * 10**8
-    enter[2] += 5 * 10**6
-    skew = arrival_skew(enter)
-    assert (skew.late_rank == 2).mean() > 0.9
-    assert int(np.argmax(skew.mean_lateness_s)) == 2

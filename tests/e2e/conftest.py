@@ -11,10 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from greyhound.demo import for_fake_jobs, wait_api
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
-from greyhound.stack import Stack
 from services.common.settings import Settings
+from services.tracker.settings import TrackerSettings
+from services.validator.settings import for_cpu_fake
+from stack.up import Stack, wait_api
 
 HANG_FLOOR_S = 2.0
 
@@ -28,11 +29,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="package")
 def stack(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("e2e")
-    settings = for_fake_jobs(Settings(nats_url=nats_url, database_url=pg_url,
-                                      data_dir=root / "data", shm_dir=root / "shm",
-                                      hang_floor_s=HANG_FLOOR_S, api_anonymous_role="viewer"))
+    settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=root / "data",
+                        shm_dir=root / "shm", api_anonymous_role="viewer")
     port = _free_port()
-    with Stack(settings, port=port) as st:
+    with Stack(settings, port=port, service_settings=(
+            for_cpu_fake(), TrackerSettings(hang_floor_s=HANG_FLOOR_S))) as st:
         wait_api(f"http://127.0.0.1:{port}")
         yield st
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from greyhound.stack import Stack
+from stack.up import Stack
 from tests.e2e.conftest import HANG_FLOOR_S, fake_job, incidents, wait_incident
 
 # 40 ms iterations x 20 is under the floor, so the threshold is the floor.

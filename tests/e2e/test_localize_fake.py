@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from greyhound.stack import Stack
+from stack.up import Stack
 from tests.e2e.conftest import fake_job, incidents
 
 

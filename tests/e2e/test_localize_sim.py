@@ -12,7 +12,7 @@ import pytest
 
 from greyhound.sim.live import LiveSimulation
 from greyhound.sim.scenario import parse_scenario
-from greyhound.stack import Stack
+from stack.up import Stack
 from tests.e2e.conftest import incidents
 
 JOB = {"tp": 2, "dp": 4, "pp": 2, "gpus_per_node": 4, "microbatches": 4,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from greyhound.stack import Stack
+from stack.up import Stack
 from tests.e2e.conftest import fake_job, incidents, wait_incident
 
 

@@ -41,3 +41,24 @@ def test_simulator_core_imports_no_service_packages() -> None:
         "sys.exit(1 if bad else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_a_live_run_goes_to_the_runner_the_caller_gives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        "job: {tp: 1, dp: 2, pp: 1, gpus_per_node: 2, microbatches: 2, microbatch_compute_s: 0.1,\n"
+        "      dp_allreduce_bytes: 1.0e6, pp_activation_bytes: 1.0e6, link_gbps: 400,\n"
+        "      nvlink_gbps: 3600}\nduration_s: 2\nname: live-one\n"
+    )
+    assert main(["run", str(path)]) == 2  # the library alone cannot run the services
+    assert "needs the services" in capsys.readouterr().err
+    calls = []
+
+    def live(scenario, args):
+        calls.append((scenario.name, args.speed, args.json))
+        return 7
+
+    assert main(["run", str(path), "--speed", "3", "--json"], live=live) == 7
+    assert calls == [("live-one", 3.0, True)]

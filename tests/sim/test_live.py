@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from greyhound.agent.collector import Collector, RankIteration
 from greyhound.hookabi import (
     BenchKind,
     BenchRequest,
@@ -26,6 +25,7 @@ from greyhound.sim.live import LiveSimulation
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.records import RecordCodec, comm_kind
 from greyhound.sim.scenario import Scenario
+from services.agent.collector import Collector, RankIteration
 from tests.sim.helpers import job, scenario
 
 J = job(tp=2, dp=2, pp=2, gpus_per_node=4, microbatches=4, microbatch_compute_s=0.05,

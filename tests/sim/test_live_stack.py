@@ -9,8 +9,8 @@ import json
 import socket
 from pathlib import Path
 
-from greyhound.sim.live_run import run_live
 from services.common.settings import Settings
+from stack.sim_live import run_live
 from tests.sim.helpers import job, scenario
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from greyhound.agent.collector import Collector
 from greyhound.core.slow_localization import localize_slow
 from greyhound.hookabi import RingReader, list_rings
 from greyhound.sim.live import LiveSimulation
 from greyhound.sim.scenario import load_scenario
+from services.agent.collector import Collector
 from services.analyzer.profiling import ProfileBuffer
 from services.common.bus.contract import CollectiveBatch
 

@@ -9,26 +9,19 @@ that a tracker can absorb tens of thousands of rank-iterations per second.
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from greyhound.core import lifecycle
+from greyhound.ids import TOKEN_PATTERN, check_token
+
 SCHEMA_VERSION = 1
 PREFIX = "gh.v1"
 # Outside gh.v1.* so that no stream's subjects overlap with the dead letters.
 DLQ_PREFIX = "gh.dlq.v1"
-
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-
-
-def check_token(value: str, what: str) -> str:
-    """Job ids and agent ids become subject tokens: no dots, spaces or wildcards allowed."""
-    if not _TOKEN.match(value):
-        raise ValueError(f"{what} {value!r} must match [A-Za-z0-9_-]{{1,128}} (it is a NATS subject token)")
-    return value
 
 
 def _job_subject(job: str, kind: str, agent: str | None = None) -> str:
@@ -139,7 +132,7 @@ class Message(BaseModel):
     schema_version: Literal[1] = 1
     event_id: str = Field(default_factory=new_event_id, min_length=8, max_length=64)
     ts: float = Field(default_factory=time.time, description="Unix seconds when the event was made")
-    job_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+    job_id: Annotated[str, Field(pattern=TOKEN_PATTERN)]
 
 
 class RankInfo(BaseModel):
@@ -273,7 +266,7 @@ class DetectionEvent(Message):
         return self.after_s / self.before_s if self.before_s > 0 else float("inf")
 
 
-IncidentStage = Literal["detected", "localized", "validated", "mitigated", "resolved"]
+IncidentStage = lifecycle.Status
 
 
 class IncidentEvent(Message):

@@ -12,6 +12,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
+from greyhound.core import lifecycle
 from services.common.db.models import (
     ApiToken,
     Approval,
@@ -86,22 +87,26 @@ async def open_incident(session: AsyncSession, *, job_id: str, kind: str, dedup_
                         severity: float, summary: str, culprit: dict[str, Any],
                         evidence: dict[str, Any], stage_detail: dict[str, Any]) -> Incident:
     incident = Incident(job_id=job_id, kind=kind, dedup_key=dedup_key, severity=severity,
-                        summary=summary, culprit=culprit, evidence=evidence, status="detected")
+                        summary=summary, culprit=culprit, evidence=evidence, status=lifecycle.OPENED)
     session.add(incident)
     await session.flush()
-    await add_timeline(session, incident, "detected", stage_detail)
+    await add_timeline(session, incident, lifecycle.OPENED, stage_detail)
     return incident
 
 
 async def add_timeline(session: AsyncSession, incident: Incident, stage: str,
-                       detail: dict[str, Any]) -> None:
+                       detail: dict[str, Any]) -> lifecycle.Status:
+    """Record one stage and move the status as the lifecycle says (greyhound.core.lifecycle);
+    raises IllegalTransition, before anything is added, for an entry the status does not allow.
+    Returns the new status."""
+    status = lifecycle.advance(incident.status, stage)
     session.add(IncidentEvent(incident_id=incident.id, stage=stage, detail=detail))
-    incident.updated_at = datetime.now(UTC)
-    if stage == "resolved":
-        incident.status = "resolved"
-        incident.resolved_at = datetime.now(UTC)
-    elif stage != "detected":
-        incident.status = stage
+    now = datetime.now(UTC)
+    incident.updated_at = now
+    if status == "resolved" and incident.status != "resolved":
+        incident.resolved_at = now
+    incident.status = status
+    return status
 
 
 def _incident_filter(q: Select[Any], *, job_id: str | None, status: str | None,

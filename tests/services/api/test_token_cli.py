@@ -18,7 +18,7 @@ from tests.services.api.conftest import TOKEN_KEY, api_settings
 def _cli(db_url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GREYHOUND_DATABASE_URL": db_url, "GREYHOUND_TOKEN_KEY": TOKEN_KEY,
            "GREYHOUND_DATA_DIR": str(tmp / "data"), "GREYHOUND_NATS_URL": "nats://127.0.0.1:1"}
-    return subprocess.run([sys.executable, "-m", "greyhound.cli", "token", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "stack.cli", "token", *args], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
 
 

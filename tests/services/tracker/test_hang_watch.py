@@ -16,11 +16,14 @@ from services.common.bus.streams import EVENTS
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import Tracker
+from services.tracker.settings import TrackerSettings
+
+HANG_FLOOR = TrackerSettings(hang_floor_s=2.0)
 
 
 @pytest.fixture()
 async def ctx(nats_url: str) -> AsyncIterator[ServiceContext]:
-    settings = Settings(nats_url=nats_url, hang_floor_s=2.0)
+    settings = Settings(nats_url=nats_url)
     c = await start_service("hang-watch-test", settings, need_db=False,
                             backends=Backends(nats_url=nats_url, database_url=""))
     yield c
@@ -56,7 +59,7 @@ async def _events(ctx: ServiceContext, job: str) -> list[DetectionEvent]:
 async def test_collective_pending_on_the_gpu_is_a_hang_with_no_host_inside_nccl(
         ctx: ServiceContext) -> None:
     job = f"gpuhang-{uuid.uuid4().hex[:6]}"
-    tracker = Tracker(ctx)
+    tracker = Tracker(ctx, settings=HANG_FLOOR)
     await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 0.5))
     assert await _events(ctx, job) == []  # pending, but under the 2 s floor
     await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 5.0))
@@ -69,6 +72,6 @@ async def test_collective_pending_on_the_gpu_is_a_hang_with_no_host_inside_nccl(
 
 async def test_without_gpu_marks_only_host_time_counts(ctx: ServiceContext) -> None:
     job = f"hosthang-{uuid.uuid4().hex[:6]}"
-    tracker = Tracker(ctx)
+    tracker = Tracker(ctx, settings=HANG_FLOOR)
     await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 5.0, marks=0))
     assert await _events(ctx, job) == []  # the GPU columns are not read; no host is inside

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from greyhound.agent.service import run_agent
-from greyhound.demo import FAKE_GEMM_N, FAKE_GEMM_REPEAT, FAKE_THRESHOLD
+from services.agent.service import run_agent
+from services.agent.settings import AgentSettings
 from services.common.bus.client import publish
 from services.common.bus.contract import IncidentEvent, Subjects, Suspicion
 from services.common.db import repository as repo
@@ -22,7 +22,8 @@ from services.common.embedded import EmbeddedNats
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import run_tracker
-from services.validator.service import Validator, ValidatorConfig, run_validator
+from services.validator.service import Validator, run_validator
+from services.validator.settings import ValidatorSettings, for_cpu_fake
 
 AGENT = "val-agent"
 
@@ -44,11 +45,15 @@ class MiniStack:
     events: list[IncidentEvent] = field(default_factory=list)
 
     async def open_incident(self, job: str) -> str:
+        """A localised slowdown incident of ``job``, as the validator finds them."""
         async with self.ctx.db()() as session:
             inc = await repo.open_incident(
                 session, job_id=job, kind="slowdown", dedup_key="slowdown", severity=1.5,
                 summary=f"job {job} slowdown", culprit={"ranks": []}, evidence={},
                 stage_detail={"by": "test"})
+            # as the analyzer does before it publishes a suspicion (a detected incident cannot
+            # be validated: greyhound.core.lifecycle)
+            await repo.add_timeline(session, inc, "localized", {"by": "test"})
             await session.commit()
             return inc.id
 
@@ -77,21 +82,21 @@ class MiniStack:
 
 
 @pytest.fixture()
-def validator_config() -> ValidatorConfig:
-    """For the CPU fake NCCL: the demo's settings (greyhound.demo.FAKE_VALIDATION): GEMMs large
-    enough to rise above the noise of a naive SGEMM on 2 shared cores, best of 9, 25%."""
-    return ValidatorConfig(gemm_n=FAKE_GEMM_N, gemm_repeat=FAKE_GEMM_REPEAT,
-                           threshold=FAKE_THRESHOLD)
+def validator_config() -> ValidatorSettings:
+    """For the CPU fake NCCL: the demo's settings (GEMMs large enough to rise above the noise
+    of a naive SGEMM on 2 shared cores, best of 9, 25%), with the paper's P2P sizes."""
+    return for_cpu_fake(ValidatorSettings(p2p_bytes=[16 << 20, 32 << 20, 64 << 20]))
 
 
 @pytest.fixture()
 async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path,
-                     validator_config: ValidatorConfig) -> AsyncIterator[MiniStack]:
+                     validator_config: ValidatorSettings) -> AsyncIterator[MiniStack]:
     settings = Settings(nats_url=own_nats, database_url=fresh_db_url, shm_dir=tmp_path / "shm",
-                        data_dir=tmp_path / "data", agent_poll_s=0.02, agent_counters_s=0.5)
+                        data_dir=tmp_path / "data")
     backends = Backends(nats_url=own_nats, database_url=fresh_db_url)
     ctx = await start_service("validator-test", settings, backends=backends)
     tracker_ctx = await start_service("tracker-test", settings, backends=backends)
+    agent_ctx = await start_service("agent-test", settings, need_db=False, backends=backends)
     stop = asyncio.Event()
     validator = Validator(ctx, validator_config)
     stack = MiniStack(settings, ctx, validator)
@@ -101,7 +106,8 @@ async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path,
 
     sub = await ctx.nc.subscribe(Subjects.ALL_INCIDENTS, cb=on_event)
     tasks = [
-        asyncio.create_task(run_agent(settings, own_nats, agent_id=AGENT, stop=stop)),
+        asyncio.create_task(run_agent(agent_ctx, stop, agent_id=AGENT,
+                                      settings=AgentSettings(poll_s=0.02, counters_s=0.5))),
         asyncio.create_task(run_tracker(tracker_ctx, stop)),
         asyncio.create_task(run_validator(ctx, stop, validator=validator)),
     ]
@@ -111,5 +117,6 @@ async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path,
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await sub.unsubscribe()
+        await agent_ctx.close()
         await tracker_ctx.close()
         await ctx.close()

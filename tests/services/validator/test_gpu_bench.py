@@ -24,7 +24,8 @@ from services.common.bus.contract import (
 from services.common.db.models import Rank
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
-from services.validator.service import Validator, ValidatorConfig
+from services.validator.service import Validator
+from services.validator.settings import ValidatorSettings
 
 JOB, AGENT, WORLD, COMM = "gpubench", "gpu-agent", 4, 0xABC
 MS = 1_000_000
@@ -89,7 +90,7 @@ async def test_drain_is_recorded_per_rank_and_a_late_peer_is_not_a_slow_link(
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])
     try:
-        run = await Validator(ctx, ValidatorConfig(poll_s=0.01)).validate(s, ranks)
+        run = await Validator(ctx, ValidatorSettings(poll_s=0.01)).validate(s, ranks)
     finally:
         await sub.unsubscribe()
     assert run.verdict is not None, run.failure

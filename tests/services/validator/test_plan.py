@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from greyhound.hookabi import unsigned64
 from services.validator.plan import (
     CommView,
     gemm_ranks,
@@ -14,7 +15,6 @@ from services.validator.plan import (
     reference_comms,
     suspect_comms,
     transfer_rounds,
-    u64,
 )
 
 WORLD_ID = (1 << 64) - 5  # a comm id with the top bit set, as hashes often are
@@ -82,7 +82,7 @@ def test_ring_and_tree_rounds_use_each_rank_once_per_round(n: int, rounds: int,
         assert len(used) == len(set(used))
         for t in batch:
             assert group[t.src_comm_rank] == t.src and group[t.dst_comm_rank] == t.dst
-            assert t.comm_id == u64(7)
+            assert t.comm_id == unsigned64(7)
 
 
 def test_disjoint_groups_share_rounds() -> None:

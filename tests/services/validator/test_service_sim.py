@@ -11,7 +11,7 @@ import pytest
 
 from greyhound.sim.live import LiveSimulation
 from services.common.bus.contract import Suspicion
-from services.validator.service import ValidatorConfig
+from services.validator.settings import ValidatorSettings
 from tests.services.validator.conftest import MiniStack
 from tests.sim.helpers import job, scenario
 
@@ -19,8 +19,8 @@ WORLD = 4
 
 
 @pytest.fixture()
-def validator_config() -> ValidatorConfig:
-    return ValidatorConfig()  # the defaults: N = 2048, 16/32/64 MB, 3x each (virtual time)
+def validator_config() -> ValidatorSettings:
+    return ValidatorSettings()  # the defaults: N = 2048, 16/32/64 MB, 3x each (virtual time)
 
 
 async def test_gpu_slow_and_link_congestion_in_the_simulator(mini_stack: MiniStack,

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from greyhound.agent.collector import Collector, RankIteration
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from services.agent.collector import Collector, RankIteration
 
 ITERS = 90
 

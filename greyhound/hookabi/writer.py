@@ -1,21 +1,26 @@
-"""The hook's side of the ring layout, in Python: the simulator plays simulated ranks with it.
+"""The hook's side of a ring, in Python: the simulator plays ranks with it, tests forge rings.
 
-It writes exactly what native/hook writes (same header, comm counters, drop rule and control
-block answers), so the agent cannot tell a simulated rank from a hooked process. Import it as
-`greyhound.hookabi.RingWriter`.
+It writes what native/hook writes (the file created under a temporary name and renamed once
+complete, the header with its clock anchors, the communicators registered as
+``ncclCommInitRank`` registers them, records under the hook's drop rule, control block answers),
+so the agent cannot tell a simulated rank from a hooked process.
+
+It does not count calls into the comm table: the hook's counters of every rank move together,
+and the simulator keeps them for all ranks at once (``greyhound.sim.commtable.CommTables``),
+then overwrites each ring's rows with :meth:`RingWriter.set_rows`.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from greyhound.hookabi import (
-    BENCH_SLOTS,
-    COLLECTIVE_OPS,
+from greyhound.hookabi.layout import (
     COMM_DTYPE,
     CONTROL_DTYPE,
     HEADER_BYTES,
@@ -29,9 +34,13 @@ from greyhound.hookabi import (
     BenchRequest,
     BenchState,
     CommState,
-    Op,
-    _Mapping,
+    ModeName,
+    mode_name,
 )
+from greyhound.hookabi.mapping import RingMapping
+
+# A stand-in for the ncclComm_t pointer the hook stores (only its distinctness matters).
+_HANDLE_BASE = 0x5500_0000_0000
 
 
 def _page_up(n: int) -> int:
@@ -45,8 +54,8 @@ class HookControl:
         self._ctl = ctl
 
     @property
-    def mode(self) -> str:
-        return "profile" if int(self._ctl["mode"]) == 1 else "monitor"
+    def mode(self) -> ModeName:
+        return mode_name(int(self._ctl["mode"]))
 
     def pause_requested(self) -> bool:
         return bool(self._ctl["pause_request"])
@@ -89,7 +98,7 @@ class HookControl:
         s["state"] = int(state)
 
 
-def write_records(ring: _Mapping, records: np.ndarray) -> int:
+def write_records(ring: RingMapping, records: np.ndarray) -> int:
     """Put RECORD_DTYPE rows into a mapped ring as the hook does: what does not fit is dropped
     and counted, and each slot's stamp is set only after its body, so a reader never takes a
     half-written record. Returns how many were written."""
@@ -111,22 +120,38 @@ def write_records(ring: _Mapping, records: np.ndarray) -> int:
     return len(keep)
 
 
+@dataclass(frozen=True, slots=True)
+class CommRow:
+    """A communicator the rank belongs to, registered in the comm table at creation."""
+
+    comm_id: int
+    rank: int  # this rank's index in the communicator
+    nranks: int
+    peers: tuple[int, ...] = ()  # P2P peers (comm ranks), in the order the hook met them
+    gpu_marks: bool = True  # the hook records GPU completion marks (False: host-only process)
+
+
 class RingWriter:
-    """Creates the ring file (temporary name, then rename) and appends records to it."""
+    """One rank's ring file: created complete (an agent never sees it half-made), then records
+    appended and comm rows overwritten.
+
+    ``comms`` go into rows 0, 1, ... of the comm table in the order given. The clock anchors
+    default to now; a simulation passes its own so that every rank shares one virtual clock.
+    """
 
     def __init__(self, path: Path, *, job: str, rank: int, host: str, pid: int, device: int,
-                 capacity: int) -> None:
+                 capacity: int, comms: Sequence[CommRow] = (), mono_anchor_ns: int | None = None,
+                 wall_anchor_ns: int | None = None) -> None:
         if capacity < 16 or capacity & (capacity - 1):
             raise ValueError("capacity must be a power of two >= 16")
+        if len(comms) > MAX_COMMS:
+            raise ValueError(f"{len(comms)} communicators: a ring holds at most {MAX_COMMS}")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         control_off = HEADER_BYTES
         comms_off = _page_up(control_off + CONTROL_DTYPE.itemsize)
         records_off = _page_up(comms_off + MAX_COMMS * COMM_DTYPE.itemsize)
         size = records_off + capacity * RECORD_DTYPE.itemsize
-        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.truncate(size)
         hdr = np.zeros((), HEADER_DTYPE)
         hdr["magic"] = MAGIC
         hdr["version"] = LAYOUT_VERSION
@@ -144,14 +169,36 @@ class RingWriter:
         hdr["rank"] = rank
         hdr["pid"] = pid
         hdr["device"] = device
-        hdr["mono_anchor_ns"] = time.monotonic_ns()
-        hdr["wall_anchor_ns"] = time.time_ns()
+        hdr["mono_anchor_ns"] = time.monotonic_ns() if mono_anchor_ns is None else mono_anchor_ns
+        hdr["wall_anchor_ns"] = time.time_ns() if wall_anchor_ns is None else wall_anchor_ns
         hdr["ready"] = 1
-        with open(tmp, "r+b") as f:
+        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.truncate(size)
             f.write(hdr.tobytes())
-        os.replace(tmp, path)
-        self._map = _Mapping(path)
-        self._table = self._map.comm_table
+        self._map = RingMapping(tmp)
+        self._register(rank, comms)
+        os.replace(tmp, path)  # only now may the agent see it: header and rows are final
+        self._map.path = path
+        self.nrows = len(comms)
+        self.control = HookControl(self._map.ctl)
+        self.capacity = self._map.capacity
+
+    def _register(self, rank: int, comms: Sequence[CommRow]) -> None:
+        for i, c in enumerate(comms):
+            if len(c.peers) > MAX_PEERS:
+                raise ValueError(f"communicator {c.comm_id}: at most {MAX_PEERS} peers")
+            row = self._map.comm_table[i]
+            row["comm_id"] = c.comm_id
+            row["rank"] = c.rank
+            row["nranks"] = c.nranks
+            row["color"] = -1
+            row["handle"] = _HANDLE_BASE + rank * 0x1000 + i * 0x10
+            row["peer_ids"] = -1
+            row["peer_ids"][: len(c.peers)] = c.peers
+            row["npeers"] = len(c.peers)
+            row["gpu_marks"] = int(c.gpu_marks)
+            row["state"] = int(CommState.ACTIVE)
 
     @property
     def path(self) -> Path:
@@ -162,80 +209,35 @@ class RingWriter:
         return int(self._map.hdr["head"])
 
     @property
+    def consumed(self) -> int:
+        return int(self._map.hdr["consumed"])
+
+    @property
     def dropped(self) -> int:
         return int(self._map.hdr["dropped"])
 
-    def append(self, records: np.ndarray) -> None:
-        """Append RECORD_DTYPE rows (stamps are set here); drop what does not fit, like the hook."""
+    def lag(self) -> int:
+        """Records written that the agent has not consumed yet."""
+        return self.head - self.consumed
+
+    def append(self, records: np.ndarray) -> int:
+        """Records in this rank's call order (stamps are set here); what does not fit is
+        dropped and counted, like the hook does. Returns how many were written."""
         if records.dtype != RECORD_DTYPE:
             if records.dtype.names != RECORD_DTYPE.names:
                 raise TypeError("records must have RECORD_DTYPE fields")
             records = records.astype(RECORD_DTYPE)  # e.g. np.concatenate drops the padding
-        self._count(records)
-        write_records(self._map, records)
+        return write_records(self._map, records)
 
-    def _row(self, comm_id: int, rank: int, nranks: int) -> np.ndarray | None:
-        t = self._table
-        hit = np.flatnonzero((t["comm_id"] == comm_id) & (t["state"] == CommState.ACTIVE))
-        if hit.size:
-            row: np.ndarray = t[int(hit[0])]
-            return row
-        free = np.flatnonzero(t["state"] == CommState.FREE)
-        if free.size == 0:
-            return None
-        row = t[int(free[0])]
-        row["comm_id"] = comm_id
-        row["rank"] = rank
-        row["nranks"] = nranks
-        row["color"] = -1
-        row["peer_ids"] = -1
-        row["state"] = int(CommState.ACTIVE)
-        return row
+    def rows(self) -> np.ndarray:
+        """A copy of the registered comm rows, in registration order."""
+        out: np.ndarray = self._map.comm_table[: self.nrows].copy()
+        return out
 
-    def _count(self, records: np.ndarray) -> None:
-        """The comm table counters the hook keeps: calls, collective seq, per-peer P2P counts."""
-        data = records[(records["op"] >= Op.ALLREDUCE) & (records["op"] <= Op.RECV)]
-        for cid in np.unique(data["comm_id"]):
-            mine = data[data["comm_id"] == cid]
-            row = self._row(int(cid), int(mine["comm_rank"][0]), int(mine["nranks"][0]))
-            if row is None:
-                continue
-            row["calls_entered"] += len(mine)
-            row["calls_completed"] += len(mine)
-            row["last_op"] = int(mine["op"][-1])
-            coll = mine[np.isin(mine["op"], [int(o) for o in COLLECTIVE_OPS])]
-            if len(coll):
-                row["last_seq_entered"] = max(int(row["last_seq_entered"]), int(coll["seq"].max()))
-                row["last_seq_completed"] = row["last_seq_entered"]
-            for op, field in ((Op.SEND, "send_count"), (Op.RECV, "recv_count")):
-                peers, counts = np.unique(mine["peer"][mine["op"] == op], return_counts=True)
-                for peer, n in zip(peers.tolist(), counts.tolist(), strict=True):
-                    ids = row["peer_ids"][: int(row["npeers"])]
-                    at = np.flatnonzero(ids == peer)
-                    if at.size:
-                        pi = int(at[0])
-                    elif int(row["npeers"]) < MAX_PEERS:
-                        pi = int(row["npeers"])
-                        row["peer_ids"][pi] = peer
-                        row["npeers"] += 1
-                    else:
-                        continue
-                    row[field][pi] += n
-
-    def set_inflight(self, comm_id: int, enter_ns: int, seq: int = 0) -> None:
-        """Mark a collective as inside NCCL (enter_ns 0 clears), as the hook does between enter
-        and return: a hung call shows as last_seq_entered > last_seq_completed."""
-        row = self._row(comm_id, -1, 0)
-        if row is not None:
-            row["inflight_enter_ns"] = enter_ns
-            row["last_seq_entered"] = max(int(row["last_seq_entered"]), seq)
-
-    def control_view(self) -> HookControl:
-        return HookControl(self._map.ctl)
+    def set_rows(self, rows: np.ndarray) -> None:
+        """Overwrite the registered rows (the counters as the hook has moved them)."""
+        self._map.comm_table[: self.nrows] = rows
 
     def close(self) -> None:
-        del self._table
+        del self.control
         self._map.close()
-
-
-__all__ = ["BENCH_SLOTS", "HookControl", "RingWriter"]

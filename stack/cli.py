@@ -1,4 +1,8 @@
-"""The ``greyhound`` command."""
+"""The ``greyhound`` command.
+
+One subcommand per service of the registry (services.registry), ``up`` (all of them), ``db``,
+``demo``, and the library's offline ``detect``, ``sim`` and ``plan``.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,15 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from services.common.runtime import ServiceContext, resolve_backends, start_service
+from services.common.runtime import resolve_backends, start_service
 from services.common.settings import Settings, get_settings
+from services.registry import SERVICES, Service
 
-ServiceMain = Callable[[ServiceContext, asyncio.Event], Awaitable[None]]
+if TYPE_CHECKING:
+    from greyhound.sim.scenario import Scenario
 
 
 def _install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
@@ -23,73 +30,20 @@ def _install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def _serve(name: str, main: ServiceMain, *, need_db: bool = True) -> None:
+async def _serve(service: Service, options: dict[str, Any]) -> None:
     stop = asyncio.Event()
     _install_stop(asyncio.get_running_loop(), stop)
-    ctx = await start_service(name, get_settings(), need_db=need_db)
+    ctx = await start_service(service.name, get_settings(), need_db=service.postgres)
     try:
-        await main(ctx, stop)
+        await service.run(ctx, stop, options)
     finally:
         await ctx.close()
 
 
-def cmd_tracker(_: argparse.Namespace) -> int:
-    from services.tracker.service import run_tracker
-
-    asyncio.run(_serve("tracker", run_tracker))
-    return 0
-
-
-def cmd_analyzer(_: argparse.Namespace) -> int:
-    from services.analyzer.service import run_analyzer
-
-    asyncio.run(_serve("analyzer", run_analyzer))
-    return 0
-
-
-def cmd_validator(_: argparse.Namespace) -> int:
-    from services.validator.service import ValidatorConfig, run_validator
-
-    s = get_settings()
-    config = ValidatorConfig(
-        gemm_n=s.validator_gemm_n, gemm_repeat=s.validator_gemm_repeat,
-        p2p_sizes=tuple(s.validator_p2p_bytes), p2p_repeat=s.validator_p2p_repeat,
-        pause_timeout_s=s.validator_pause_timeout_s, bench_timeout_s=s.validator_bench_timeout_s,
-        threshold=s.validator_threshold)
-
-    async def main(ctx: ServiceContext, stop: asyncio.Event) -> None:
-        await run_validator(ctx, stop, config)
-
-    asyncio.run(_serve("validator", main))
-    return 0
-
-
-def cmd_api(args: argparse.Namespace) -> int:
-    from services.api.service import run_api
-
-    async def main(ctx: ServiceContext, stop: asyncio.Event) -> None:
-        await run_api(ctx, stop, host=args.host, port=args.port)
-
-    asyncio.run(_serve("api", main))
-    return 0
-
-
-def cmd_agent(args: argparse.Namespace) -> int:
-    from greyhound.agent.service import run_agent
-
-    settings = get_settings()
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        _install_stop(asyncio.get_running_loop(), stop)
-        backends = resolve_backends(settings, need_db=False)
-        try:
-            await run_agent(settings, backends.nats_url, agent_id=args.agent_id,
-                            jobs=args.job or None, stop=stop)
-        finally:
-            backends.stop()
-
-    asyncio.run(main())
+def cmd_service(args: argparse.Namespace) -> int:
+    """Any service of the registry: connect as it needs, then run its entry point."""
+    service: Service = args.service
+    asyncio.run(_serve(service, {o.dest: getattr(args, o.dest) for o in service.cli_options()}))
     return 0
 
 
@@ -112,7 +66,7 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from greyhound.stack import Stack
+    from stack.up import Stack
 
     settings = get_settings()
     stop = False
@@ -138,14 +92,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from greyhound.demo import run_demo
+    from stack.demo import run_demo
 
     return run_demo(get_settings(), ranks=args.ranks, slow_rank=args.slow_rank,
                     factor=args.factor, slow_from=args.slow_from, port=args.port)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="greyhound", description=__doc__)
+    p = argparse.ArgumentParser(prog="greyhound", description=__doc__.split("\n\n")[0])
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default from settings)")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -154,20 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=None)
     up.set_defaults(func=cmd_up)
 
-    sub.add_parser("tracker", help="run the tracker service").set_defaults(func=cmd_tracker)
-    sub.add_parser("analyzer", help="run the analyzer service").set_defaults(func=cmd_analyzer)
-    sub.add_parser("validator", help="run the validator service (pauses and benchmarks suspects)"
-                   ).set_defaults(func=cmd_validator)
-
-    api = sub.add_parser("api", help="run the REST API service")
-    api.add_argument("--host", default=None)
-    api.add_argument("--port", type=int, default=None)
-    api.set_defaults(func=cmd_api)
-
-    agent = sub.add_parser("agent", help="run the node agent (drains the hook's rings)")
-    agent.add_argument("--job", action="append", help="only these job ids (repeatable)")
-    agent.add_argument("--agent-id", default=None, help="default: the host name")
-    agent.set_defaults(func=cmd_agent)
+    for service in SERVICES:
+        sp = sub.add_parser(service.name, help=service.help)
+        for opt in service.cli_options():
+            sp.add_argument(opt.flag, type=opt.type, default=None, help=opt.help,
+                            action="append" if opt.repeat else "store")
+        sp.set_defaults(func=cmd_service, service=service)
 
     db = sub.add_parser("db", help="database administration")
     dbsub = db.add_subparsers(dest="db_command", required=True)
@@ -198,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sim_live(scenario: Scenario, args: argparse.Namespace) -> int:
+    """Imported only for a live run, so that offline sweeps never load the services."""
+    from stack.sim_live import run_from_args
+
+    return run_from_args(scenario, args)
+
+
 def _passthrough(argv: Sequence[str]) -> int | None:
     """``detect``, ``sim`` and ``plan`` own their argument parsing; hand them the rest of the line."""
     if argv and argv[0] == "detect":
@@ -207,7 +160,7 @@ def _passthrough(argv: Sequence[str]) -> int | None:
     if argv and argv[0] == "sim":
         from greyhound.sim.cli import main as sim_main
 
-        return sim_main(list(argv[1:]))
+        return sim_main(list(argv[1:]), live=_sim_live)
     if argv and argv[0] == "plan":
         from greyhound.plan_cli import main as plan_main
 

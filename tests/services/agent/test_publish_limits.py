@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from greyhound.agent.service import NodeAgent
+from services.agent.service import NodeAgent
 from services.common.bus.client import connect, ensure_streams
 from services.common.bus.contract import CollectiveBatch, Subjects, split_columns
 from services.common.settings import Settings
@@ -40,7 +40,7 @@ async def test_oversized_batch_is_split_and_later_messages_still_flow(nats_url: 
         await ensure_streams(js, settings)
         job = f"lim{uuid.uuid4().hex[:6]}"
         assert len(big_batch(job).model_dump_json()) > nc.max_payload
-        agent = NodeAgent(settings, js, agent_id="lim", jobs=[])
+        agent = NodeAgent(settings.shm_dir, js, agent_id="lim", jobs=[])
         subject = Subjects.collectives(job, "lim")
         agent.backlog.append((subject, big_batch(job)))
         small = CollectiveBatch(job_id=job, agent_id="lim",

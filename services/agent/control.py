@@ -22,8 +22,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
-from greyhound.agent.collector import Collector, RankStream
-from greyhound.hookabi import BenchKind, BenchRequest, BenchState, Control
+from greyhound.hookabi import BenchKind, BenchRequest, BenchState, CommState, Control
+from services.agent.collector import Collector, RankStream
 from services.common.bus.contract import (
     BenchItem,
     BenchOutcome,
@@ -40,7 +40,6 @@ POLL_S = 0.003  # benchmark results are polled; this keeps the event loop free b
 _KINDS = {"gemm": BenchKind.GEMM, "send": BenchKind.SEND, "recv": BenchKind.RECV}
 _STATES: dict[BenchState, Literal["done", "unsupported", "failed"]] = {
     BenchState.DONE: "done", BenchState.UNSUPPORTED: "unsupported", BenchState.FAILED: "failed"}
-_ACTIVE = 1  # hookabi.CommState.ACTIVE: destroyed communicators can neither pause nor bench
 
 
 class ControlError(ValueError):
@@ -160,10 +159,11 @@ class AgentControl:
         return ctl
 
     def _status(self, s: RankStream) -> RankStatus:
+        # destroyed or aborted communicators can neither pause nor bench
         comms = [CommStatus(comm_id=int(c["comm_id"]), comm_rank=int(c["rank"]),
                             nranks=int(c["nranks"]), last_seq_entered=int(c["last_seq_entered"]),
                             last_seq_completed=int(c["last_seq_completed"]))
-                 for c in s.reader.comms() if int(c["state"]) == _ACTIVE]
+                 for c in s.reader.comms() if int(c["state"]) == CommState.ACTIVE]
         h = s.reader.header
         return RankStatus(rank=s.rank, host=h.host, device=h.device,
                           mode="profile" if s.keep_records else "monitor",

@@ -20,9 +20,11 @@ from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 
-from greyhound.agent.collector import Collector, RankIteration
-from greyhound.agent.control import AgentControl
-from services.common.bus.client import connect, ensure_streams, publish
+from greyhound.ids import check_token, slug
+from services.agent.collector import Collector, RankIteration
+from services.agent.control import AgentControl
+from services.agent.settings import AgentSettings
+from services.common.bus.client import publish
 from services.common.bus.contract import (
     AgentHello,
     CollectiveBatch,
@@ -31,10 +33,9 @@ from services.common.bus.contract import (
     Message,
     RankInfo,
     Subjects,
-    check_token,
     split_columns,
 )
-from services.common.settings import Settings
+from services.common.runtime import ServiceContext
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,14 @@ def node_of(host: str) -> int | None:
 
 
 def default_agent_id() -> str:
-    host = socket.gethostname().split(".")[0]
-    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in host)[:100] or "agent"
+    return slug(socket.gethostname().split(".")[0], 100) or "agent"
 
 
 class NodeAgent:
-    def __init__(self, settings: Settings, js: JetStreamContext, *, agent_id: str,
-                 jobs: list[str] | None = None) -> None:
-        self.settings = settings
+    def __init__(self, shm_dir: Path, js: JetStreamContext, *, agent_id: str,
+                 jobs: list[str] | None = None, settings: AgentSettings | None = None) -> None:
+        self.shm_dir = Path(shm_dir)
+        self.settings = settings or AgentSettings()
         self.js = js
         self.agent_id = check_token(agent_id, "agent id")
         self.fixed_jobs = jobs
@@ -71,7 +72,7 @@ class NodeAgent:
     def _job_dirs(self) -> list[str]:
         if self.fixed_jobs is not None:
             return self.fixed_jobs
-        root = Path(self.settings.shm_dir)
+        root = self.shm_dir
         if not root.is_dir():
             return []
         return sorted(p.name for p in root.iterdir() if p.is_dir())
@@ -83,7 +84,7 @@ class NodeAgent:
             except ValueError:
                 log.warning("ignoring ring directory %r: not a valid job id", job)
                 continue
-            col = self.collectors.setdefault(job, Collector(Path(self.settings.shm_dir), job))
+            col = self.collectors.setdefault(job, Collector(self.shm_dir, job))
             new = col.scan()
             if new:
                 ranks = [RankInfo(rank=s.rank, host=s.reader.header.host, pid=s.reader.header.pid,
@@ -160,26 +161,26 @@ class NodeAgent:
             self.collect_iterations()
             if now >= next_counters:
                 self.collect_counters()
-                next_counters = now + self.settings.agent_counters_s
+                next_counters = now + self.settings.counters_s
             await self.flush()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.settings.agent_poll_s)
+                await asyncio.wait_for(stop.wait(), timeout=self.settings.poll_s)
         self.collect_iterations()
         await self.flush()
         for col in self.collectors.values():
             col.close()
 
 
-async def run_agent(settings: Settings, nats_url: str, *, agent_id: str | None = None,
-                    jobs: list[str] | None = None, stop: asyncio.Event) -> None:
-    nc = await connect(nats_url, name="greyhound-agent")
-    js = nc.jetstream()
-    await ensure_streams(js, settings)
-    agent = NodeAgent(settings, js, agent_id=agent_id or default_agent_id(), jobs=jobs)
+async def run_agent(ctx: ServiceContext, stop: asyncio.Event, *, job: list[str] | None = None,
+                    agent_id: str | None = None, settings: AgentSettings | None = None) -> None:
+    """The service: the rings of ``job`` (default: every job under the shm dir) until ``stop``.
+
+    The caller owns ``ctx`` (its connection is drained when the caller closes it)."""
+    agent = NodeAgent(ctx.settings.shm_dir, ctx.js, agent_id=agent_id or default_agent_id(),
+                      jobs=job or None, settings=settings)
     control = AgentControl(agent.agent_id, agent.collectors)
-    log.info("agent %s watching %s", agent.agent_id, settings.shm_dir)
+    log.info("agent %s watching %s", agent.agent_id, ctx.settings.shm_dir)
     try:
-        await agent.run(stop, nc=nc, control=control)
+        await agent.run(stop, nc=ctx.nc, control=control)
     finally:
         await control.close()
-        await nc.drain()

@@ -17,35 +17,42 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import SecretStr
+import httpx
+from pydantic_settings import BaseSettings
 
 from services.common.db.migrate import upgrade
 from services.common.runtime import Backends, resolve_backends
-from services.common.settings import Settings
+from services.common.settings import Settings, as_env
+from services.registry import BY_NAME, UP
 
 log = logging.getLogger(__name__)
-
-SERVICES = ("tracker", "analyzer", "validator", "api", "agent")
 
 
 @dataclass
 class Stack:
+    """``services``: names from the registry (default: those ``greyhound up`` starts);
+    ``service_settings``: settings objects of single services (e.g. the validator's) that the
+    children get instead of what they would read from the environment."""
+
     settings: Settings
     host: str = "127.0.0.1"
     port: int = 8000
-    services: tuple[str, ...] = SERVICES
+    services: tuple[str, ...] = UP
+    service_settings: tuple[BaseSettings, ...] = ()
     backends: Backends | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.services) - set(BY_NAME))
+        if unknown:
+            raise ValueError(f"unknown service(s) {unknown}; the registry has {sorted(BY_NAME)}")
 
     def env(self) -> dict[str, str]:
         """The children get this process's settings (however they were made) plus the URLs."""
         assert self.backends is not None
         env = dict(os.environ)
-        for name, value in self.settings.model_dump().items():
-            if isinstance(value, SecretStr):  # str() of a secret is asterisks
-                value = value.get_secret_value()
-            if value is not None:
-                env[f"GREYHOUND_{name.upper()}"] = str(value)
+        for s in (self.settings, *self.service_settings):
+            env.update(as_env(s))
         env["GREYHOUND_NATS_URL"] = self.backends.nats_url
         env["GREYHOUND_DATABASE_URL"] = self.backends.database_url
         env["GREYHOUND_DATA_DIR"] = str(Path(self.settings.data_dir).resolve())
@@ -57,8 +64,8 @@ class Stack:
         logdir = Path(self.settings.data_dir) / "logs"
         logdir.mkdir(parents=True, exist_ok=True)
         for name in self.services:
-            argv = [sys.executable, "-m", "greyhound.cli", name]
-            if name == "api":
+            argv = [sys.executable, "-m", "stack.cli", name]
+            if BY_NAME[name].http:
                 argv += ["--host", self.host, "--port", str(self.port)]
             out = (logdir / f"{name}.log").open("ab")
             self.procs[name] = subprocess.Popen(argv, env=self.env(), stdout=out,
@@ -96,3 +103,15 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_api(base: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the API at {base} did not answer within {timeout_s}s")

@@ -9,18 +9,19 @@ from pathlib import Path
 
 import numpy as np
 
-from greyhound.agent.collector import CollectiveRows, Collector
 from greyhound.core.job_hangs import COUNTER_FIELDS, JobHangMonitor
 from greyhound.hookabi import (
     COMM_DTYPE,
     HEADER_DTYPE,
     MAX_COMMS,
     RECORD_DTYPE,
+    CommRow,
     CommState,
     Flag,
     Op,
     RingWriter,
 )
+from services.agent.collector import CollectiveRows, Collector
 from services.common.bus.contract import CounterBatch
 
 JOB = "gpumarks"
@@ -50,10 +51,15 @@ def _comm_table(path: Path) -> np.memmap:
 def test_gpu_fields_of_a_ring_become_counter_columns(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     writer = RingWriter(shm / JOB / "rank-3.ring", job=JOB, rank=3, host="h", pid=0, device=0,
-                        capacity=64)
+                        capacity=64, comms=[CommRow(c, 3, 4) for c in (MARKED, HOST_ONLY, GONE)])
     writer.append(np.concatenate((_calls(MARKED, 12), _calls(HOST_ONLY, 5), _calls(GONE, 2))))
     now = time.monotonic_ns()
     table = _comm_table(writer.path)
+    for cid, n in ((MARKED, 12), (HOST_ONLY, 5), (GONE, 2)):  # the hook's host counters
+        row = table[int(np.flatnonzero(table["comm_id"] == cid)[0])]
+        row["calls_entered"] = row["calls_completed"] = n
+        row["last_seq_entered"] = row["last_seq_completed"] = n
+        row["last_op"] = Op.ALLREDUCE
     marked = int(np.flatnonzero(table["comm_id"] == MARKED)[0])
     host_only = int(np.flatnonzero(table["comm_id"] == HOST_ONLY)[0])
     e = table[marked]
@@ -111,15 +117,11 @@ def _profiled_ring(tmp_path: Path, *, marks: int) -> tuple[Collector, RingWriter
     """A ring whose first two calls were enqueued in monitor mode (no flags) and whose last
     three were handled in profile mode (timed, lost, captured); the agent keeps records."""
     writer = RingWriter(tmp_path / "shm" / JOB / "rank-0.ring", job=JOB, rank=0, host="h", pid=0,
-                        device=0, capacity=64)
+                        device=0, capacity=64, comms=[CommRow(MARKED, 0, 4, gpu_marks=bool(marks))])
     recs = _calls(MARKED, 5)
     recs["flags"] = [0, 0, Flag.PROFILED | Flag.GPU_DONE, Flag.PROFILED | Flag.GPU_LOST,
                      Flag.CAPTURED]
     writer.append(recs)
-    table = _comm_table(writer.path)
-    table["gpu_marks"][table["comm_id"] == MARKED] = marks
-    table.flush()
-    del table
     col = Collector(tmp_path / "shm", JOB)
     (stream,) = col.scan()
     stream.keep_records = True

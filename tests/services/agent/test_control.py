@@ -15,9 +15,10 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from greyhound.agent.service import run_agent
 from greyhound.core.p2p_rounds import ring_rounds
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from services.agent.service import run_agent
+from services.agent.settings import AgentSettings
 from services.common.bus.client import connect
 from services.common.bus.contract import (
     BenchItem,
@@ -27,6 +28,7 @@ from services.common.bus.contract import (
     Subjects,
 )
 from services.common.bus.control import request
+from services.common.runtime import Backends, start_service
 from services.common.settings import Settings
 
 AGENT = "ctl-agent"
@@ -59,16 +61,17 @@ async def _until(pred: Callable[[], Awaitable[bool]], timeout_s: float, what: st
 async def running(nats_url: str, tmp_path_factory: pytest.TempPathFactory
                   ) -> AsyncIterator[Running]:
     root = tmp_path_factory.mktemp("ctl")
-    settings = Settings(nats_url=nats_url, shm_dir=root / "shm", data_dir=root / "data",
-                        agent_poll_s=0.02)
+    settings = Settings(nats_url=nats_url, shm_dir=root / "shm", data_dir=root / "data")
     spec = FakeJobSpec(world_size=WORLD, iters=500, compute_ms=5.0, bytes=1 << 16, job_id=JOB,
                        compute_busy=0.0)
     job = FakeJob(spec, workdir=root / "w", hook=native_build_dir() / "libgreyhound_hook.so",
                   shm_dir=Path(settings.shm_dir))
     stop = asyncio.Event()
     with job:
-        agent = asyncio.create_task(run_agent(settings, nats_url, agent_id=AGENT, jobs=[JOB],
-                                              stop=stop))
+        ctx = await start_service("agent", settings, need_db=False,
+                                  backends=Backends(nats_url=nats_url, database_url=""))
+        agent = asyncio.create_task(run_agent(ctx, stop, agent_id=AGENT, job=[JOB],
+                                              settings=AgentSettings(poll_s=0.02)))
         nc = await connect(nats_url, name="ctl-test")
 
         async def all_ranks() -> bool:
@@ -82,6 +85,7 @@ async def running(nats_url: str, tmp_path_factory: pytest.TempPathFactory
         finally:
             stop.set()
             await agent
+            await ctx.close()
             await nc.drain()
 
 

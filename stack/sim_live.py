@@ -1,5 +1,7 @@
 """``greyhound sim run SCENARIO.yaml`` live: the simulated job through the whole real stack.
 
+The live branch of greyhound.sim.cli, which the library leaves to the composition root.
+
 The services (agent, tracker, analyzer, API; embedded NATS and Postgres when no URLs are set)
 run as in production and know nothing of the fault list; the simulator only writes rings. At
 the end the incidents come from the REST API, their times mapped back to virtual seconds.
@@ -7,8 +9,10 @@ the end the incidents come from the REST API, their times mapped back to virtual
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -18,16 +22,15 @@ from typing import Any, TextIO
 
 import httpx
 
-from greyhound.demo import wait_api
+from greyhound.ids import slug
 from greyhound.sim.live import LiveProgress, LiveSimulation
 from greyhound.sim.scenario import Scenario
-from greyhound.stack import Stack
-from services.common.settings import Settings
+from services.common.settings import Settings, get_settings
+from stack.up import Stack, wait_api
 
 
 def job_id_for(scenario: Scenario) -> str:
-    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", scenario.name).strip("-")[:40] or "scenario"
-    return f"sim-{slug}-{uuid.uuid4().hex[:6]}"
+    return f"sim-{slug(scenario.name, 40) or 'scenario'}-{uuid.uuid4().hex[:6]}"
 
 
 def incident_line(incident: dict[str, Any], virtual_at: Callable[[int], float]) -> dict[str, Any]:
@@ -128,3 +131,10 @@ def _drain(sim: LiveSimulation, stack: Stack, settle_s: float, timeout_s: float 
     while any(r.lag() for r in sim.rings) and time.monotonic() < deadline and not stack.dead():
         time.sleep(0.1)
     time.sleep(settle_s)
+
+
+def run_from_args(scenario: Scenario, args: argparse.Namespace) -> int:
+    """greyhound.sim.cli's live runner: its arguments, the process's settings."""
+    settings = get_settings()
+    return run_live(scenario, settings, port=args.port or settings.api_port, speed=args.speed,
+                    as_json=args.json, out=sys.stdout, err=sys.stderr, settle_s=args.settle)

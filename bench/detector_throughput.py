@@ -43,7 +43,7 @@ def _grid(ranks: int, steps: int, seed: int = 0) -> np.ndarray:
 
 
 def batched(method: str, grid: np.ndarray) -> float:
-    det = make_batch_detector(method, grid.shape[1])  # type: ignore[arg-type]
+    det = make_batch_detector(method, grid.shape[1])
     t0 = time.perf_counter()
     for row in grid:
         det.update_many(row)

@@ -105,8 +105,8 @@ def reference_iteration(j: JobSpec) -> tuple[float, int]:
 def live_speed(scenario: Scenario, wall_budget_s: float = 45.0) -> tuple[float, float, int]:
     """(virtual s per wall s, virtual s reached, records written) through agent, NATS, tracker."""
     from greyhound.sim.live import LiveSimulation
-    from greyhound.stack import Stack
     from services.common.settings import Settings
+    from stack.up import Stack
 
     root = Path(tempfile.mkdtemp(prefix="gh-simbench-"))
     settings = Settings(data_dir=root / "data", shm_dir=Path("/dev/shm") / root.name)

@@ -17,33 +17,9 @@ from pathlib import Path
 import httpx
 
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
-from greyhound.stack import Stack
 from services.common.settings import Settings
-
-# The fake NCCL's GPU is a CPU: a naive SGEMM of N=2048 would take seconds, so the demo's
-# validator runs small GEMMs, more repeats, and a looser threshold for the CPU's noise.
-FAKE_GEMM_N, FAKE_GEMM_REPEAT, FAKE_THRESHOLD = 256, 9, 0.25
-FAKE_VALIDATION: dict[str, object] = {
-    "validator_gemm_n": FAKE_GEMM_N, "validator_gemm_repeat": FAKE_GEMM_REPEAT,
-    "validator_threshold": FAKE_THRESHOLD, "validator_p2p_bytes": [1 << 20, 2 << 20, 4 << 20]}
-
-
-def for_fake_jobs(settings: Settings) -> Settings:
-    """Validation sizes suited to jobs on the CPU fake NCCL, unless the operator chose others."""
-    chosen = settings.model_fields_set
-    return settings.model_copy(update={k: v for k, v in FAKE_VALIDATION.items() if k not in chosen})
-
-
-def wait_api(base: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"the API at {base} did not answer within {timeout_s}s")
+from services.validator.settings import for_cpu_fake
+from stack.up import Stack, wait_api
 
 
 def find_incident(base: str, job: str) -> dict[str, object] | None:
@@ -74,7 +50,7 @@ def run_demo(settings: Settings, *, ranks: int = 4, slow_rank: int = 2, factor: 
     if factor <= 1.0:
         raise SystemExit(f"--factor must be > 1, got {factor}")
     # The demo reads its incident over REST on loopback without a token.
-    settings = for_fake_jobs(settings).model_copy(update={"api_anonymous_role": "viewer"})
+    settings = settings.model_copy(update={"api_anonymous_role": "viewer"})
     port = port or settings.api_port
     base = f"http://127.0.0.1:{port}"
     job = f"demo-{uuid.uuid4().hex[:8]}"
@@ -84,7 +60,8 @@ def run_demo(settings: Settings, *, ranks: int = 4, slow_rank: int = 2, factor: 
           flush=True)
     work = Path(tempfile.mkdtemp(prefix="gh-demo-"))
     try:
-        with Stack(settings, port=port) as stack:
+        # The fake NCCL's GPU is a CPU: validation sizes for it, unless the operator chose others.
+        with Stack(settings, port=port, service_settings=(for_cpu_fake(),)) as stack:
             wait_api(base)
             print(f"API up at {base}; launching job {job}: {ranks} ranks, rank {slow_rank} "
                   f"{factor}x slower from iteration {slow_from}", flush=True)

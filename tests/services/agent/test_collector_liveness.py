@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from greyhound.agent.collector import Collector
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from services.agent.collector import Collector
 
 
 def test_dead_ranks_stop_reporting_counters(tmp_path: Path) -> None:

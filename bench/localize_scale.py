@@ -144,9 +144,9 @@ def naive(slow, hang, groups):
         members[(c, q)].append((r, e, x))
         history[r].append((e, x, c, q))
     gap = {}
-    for r, rows in history.items():
-        rows.sort()
-        for prev, cur in itertools.pairwise(rows):
+    for r, calls in history.items():
+        calls.sort()
+        for prev, cur in itertools.pairwise(calls):
             gap[(cur[2], cur[3], r)] = max(cur[0] - prev[1], 0.0)
     comm_times = defaultdict(list)
     delay = defaultdict(list)

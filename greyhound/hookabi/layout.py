@@ -1,0 +1,316 @@
+"""The hook's shared-memory layout in Python: constants, enums and numpy dtypes of
+native/include/greyhound_ring.h, and the value types read from and written to a ring.
+
+Nothing here touches a file. Any change must match a GH_LAYOUT_VERSION bump in the C header;
+tests/hookabi compares offsets, sizes, enum values and constants with the header itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+LAYOUT_VERSION = 3
+MAGIC = 0x31474E4952484721
+HEADER_BYTES = 4096
+DEFAULT_RECORDS = 65536
+MAX_COMMS = 64
+MAX_PEERS = 64
+BENCH_SLOTS = 16
+BENCH_MAX_REPEAT = 64
+NO_REDOP = 255
+
+
+class Op(IntEnum):
+    NONE = 0
+    ALLREDUCE = 1
+    ALLGATHER = 2
+    REDUCESCATTER = 3
+    BROADCAST = 4
+    REDUCE = 5
+    ALLTOALL = 6
+    SEND = 7
+    RECV = 8
+    GROUP_START = 16
+    GROUP_END = 17
+    COMM_INIT = 32
+    COMM_INIT_ALL = 33
+    COMM_SPLIT = 34
+    COMM_DESTROY = 35
+    COMM_ABORT = 36
+    ASYNC_ERROR = 37
+
+
+class Flag(IntFlag):
+    CAPTURED = 0x01
+    ABORTED = 0x02
+    IN_PROGRESS = 0x04
+    PROFILED = 0x08
+    GPU_DONE = 0x10
+    IN_GROUP = 0x20
+    GPU_LOST = 0x40
+
+
+class Mode(IntEnum):
+    """What the hook records: counters only, or every call with its GPU times."""
+
+    MONITOR = 0
+    PROFILE = 1
+
+
+ModeName = Literal["monitor", "profile"]
+
+
+def mode_name(value: int) -> ModeName:
+    """The name the bus and the agent use for a control block's mode word."""
+    return "profile" if value == Mode.PROFILE else "monitor"
+
+
+class CommState(IntEnum):
+    FREE = 0
+    ACTIVE = 1
+    DESTROYED = 2
+    ABORTED = 3
+
+
+class BenchKind(IntEnum):
+    SEND = 1
+    RECV = 2
+    GEMM = 3
+
+
+class BenchState(IntEnum):
+    EMPTY = 0
+    SUBMITTED = 1
+    RUNNING = 2
+    DONE = 3
+    UNSUPPORTED = 4
+    FAILED = 5
+
+
+# Tuples, not sets: numpy's isin takes them as they are (a set would be one object).
+COLLECTIVE_OPS: tuple[Op, ...] = (
+    Op.ALLREDUCE, Op.ALLGATHER, Op.REDUCESCATTER, Op.BROADCAST, Op.REDUCE, Op.ALLTOALL)
+P2P_OPS: tuple[Op, ...] = (Op.SEND, Op.RECV)
+P2P_OP_NAMES: tuple[str, ...] = tuple(op.name.lower() for op in P2P_OPS)  # as op_name() spells them
+
+_U64 = 1 << 64
+
+
+def op_name(code: int) -> str:
+    """An op code as the cores and the incidents spell it (``allreduce``, ``send``)."""
+    try:
+        return Op(code).name.lower()
+    except ValueError:
+        return f"op{code}"
+
+
+def unsigned64(v: int) -> int:
+    """Communicator ids are unsigned 64-bit hashes in the rings; some paths carry them signed."""
+    return v % _U64
+
+
+def signed64(v: int) -> int:
+    """The same id as int64, the type the numpy cores index with."""
+    v %= _U64
+    return v - _U64 if v >= 1 << 63 else v
+
+
+def _struct(fields: list[tuple[str, Any, int]], itemsize: int) -> np.dtype[Any]:
+    """A C struct as a numpy dtype with explicit offsets, so padding never drifts from the header."""
+    return np.dtype(
+        {
+            "names": [f[0] for f in fields],
+            "formats": [f[1] for f in fields],
+            "offsets": [f[2] for f in fields],
+            "itemsize": itemsize,
+        }
+    )
+
+
+HEADER_DTYPE = _struct(
+    [
+        ("magic", "<u8", 0),
+        ("version", "<u4", 8),
+        ("header_bytes", "<u4", 12),
+        ("capacity", "<u4", 16),
+        ("record_bytes", "<u4", 20),
+        ("max_comms", "<u4", 24),
+        ("max_peers", "<u4", 28),
+        ("control_offset", "<u8", 32),
+        ("comms_offset", "<u8", 40),
+        ("records_offset", "<u8", 48),
+        ("file_bytes", "<u8", 56),
+        ("job", "S64", 64),
+        ("host", "S64", 128),
+        ("rank", "<i4", 192),
+        ("pid", "<i4", 196),
+        ("device", "<i4", 200),
+        ("ready", "<u4", 204),
+        ("mono_anchor_ns", "<u8", 208),
+        ("wall_anchor_ns", "<u8", 216),
+        ("head", "<u8", 256),
+        ("dropped", "<u8", 264),
+        ("gpu_dropped", "<u8", 272),
+        ("consumed", "<u8", 320),
+    ],
+    384,
+)
+
+RECORD_DTYPE = _struct(
+    [
+        ("stamp", "<u8", 0),
+        ("comm_id", "<u8", 8),
+        ("count", "<u8", 16),
+        ("seq", "<u8", 24),
+        ("enter_ns", "<u8", 32),
+        ("return_ns", "<u8", 40),
+        ("stream", "<u8", 48),
+        ("group_id", "<u8", 56),
+        ("gpu_start_ns", "<u8", 64),
+        ("gpu_end_ns", "<u8", 72),
+        ("comm_rank", "<i4", 80),
+        ("nranks", "<i4", 84),
+        ("peer", "<i4", 88),
+        ("result", "<i4", 92),
+        ("op", "<u2", 96),
+        ("datatype", "u1", 98),
+        ("redop", "u1", 99),
+        ("flags", "<u4", 100),
+        ("tid", "<u4", 104),
+    ],
+    128,
+)
+
+COMM_DTYPE = _struct(
+    [
+        ("comm_id", "<u8", 0),
+        ("parent_id", "<u8", 8),
+        ("state", "<u4", 16),
+        ("rank", "<i4", 20),
+        ("nranks", "<i4", 24),
+        ("color", "<i4", 28),
+        ("calls_entered", "<u8", 32),
+        ("calls_completed", "<u8", 40),
+        ("last_seq_entered", "<u8", 48),
+        ("last_seq_completed", "<u8", 56),
+        ("inflight_enter_ns", "<u8", 64),
+        ("last_op", "<u4", 72),
+        ("npeers", "<u4", 76),
+        ("handle", "<u8", 80),
+        ("splits", "<u8", 88),
+        ("peer_ids", ("<i4", (MAX_PEERS,)), 96),
+        ("send_count", ("<u8", (MAX_PEERS,)), 352),
+        ("recv_count", ("<u8", (MAX_PEERS,)), 864),
+        ("last_count", "<u8", 1376),
+        ("last_dtype", "<u4", 1384),
+        ("gpu_marks", "<u4", 1388),
+        ("gpu_calls_done", "<u8", 1392),
+        ("gpu_seq_done", "<u8", 1400),
+        ("gpu_pending_ns", "<u8", 1408),
+        ("gpu_pending_seq", "<u8", 1416),
+        ("gpu_pending_op", "<u4", 1424),
+        ("gpu_pending_dtype", "<u4", 1428),
+        ("gpu_pending_count", "<u8", 1432),
+        ("gpu_marks_lost", "<u8", 1440),
+    ],
+    1448,
+)
+
+BENCH_SLOT_DTYPE = _struct(
+    [
+        ("req_id", "<u8", 0),
+        ("state", "<u4", 8),
+        ("kind", "<u4", 12),
+        ("comm_id", "<u8", 16),
+        ("size", "<u8", 24),
+        ("peer", "<i4", 32),
+        ("repeat", "<i4", 36),
+        ("result", "<i4", 40),
+        ("n_done", "<u4", 44),
+        ("total_ns", "<u8", 48),
+        ("drain_ns", "<u8", 56),
+        ("durations_ns", ("<u8", (BENCH_MAX_REPEAT,)), 64),
+    ],
+    576,
+)
+
+CONTROL_DTYPE = _struct(
+    [
+        ("mode", "<u4", 0),
+        ("pause_request", "<u4", 4),
+        ("paused", "<u4", 8),
+        ("paused_tid", "<i4", 12),
+        ("pause_count", "<u8", 16),
+        ("pause_comm_id", "<u8", 24),
+        ("pause_seq", "<u8", 32),
+        ("slots", (BENCH_SLOT_DTYPE, (BENCH_SLOTS,)), 64),
+    ],
+    9280,
+)
+
+FINAL_BENCH_STATES = frozenset({BenchState.DONE, BenchState.UNSUPPORTED, BenchState.FAILED})
+
+
+def ring_path(shm_dir: Path, job: str, rank: int) -> Path:
+    return Path(shm_dir) / job / f"rank-{rank}.ring"
+
+
+def list_rings(shm_dir: Path, job: str | None = None) -> list[Path]:
+    """Ring files sorted by (job, rank); temporaries of a rank still being created are skipped."""
+    root = Path(shm_dir)
+    jobs = [root / job] if job is not None else sorted(p for p in root.glob("*") if p.is_dir())
+    found = [p for d in jobs for p in d.glob("rank-*.ring")]
+
+    def key(p: Path) -> tuple[str, int]:
+        return (p.parent.name, int(p.stem.split("-", 1)[1]))
+
+    return sorted((p for p in found if p.stem.split("-", 1)[1].isdigit()), key=key)
+
+
+@dataclass(frozen=True)
+class RingHeader:
+    version: int
+    job: str
+    rank: int
+    host: str
+    pid: int
+    device: int
+    capacity: int
+    head: int
+    dropped: int
+    mono_anchor_ns: int
+    wall_anchor_ns: int
+
+    def to_wall_ns(self, mono_ns: int) -> int:
+        return mono_ns - self.mono_anchor_ns + self.wall_anchor_ns
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    kind: BenchKind
+    size: int  # P2P: bytes; GEMM: matrix dimension N
+    repeat: int = 1
+    comm_id: int = 0
+    peer: int = -1
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    req_id: int
+    state: BenchState
+    result: int  # ncclResult_t / cublasStatus_t of the first failure, 0 when fine
+    durations_ns: tuple[int, ...]
+    drain_ns: int = 0  # time the rank waited for its queued GPU work before measuring
+
+    @property
+    def ok(self) -> bool:
+        return self.state == BenchState.DONE
+
+    @property
+    def unsupported(self) -> bool:
+        return self.state == BenchState.UNSUPPORTED

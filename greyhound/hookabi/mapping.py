@@ -1,0 +1,84 @@
+"""One ring file mapped into memory, checked against the layout before any view is made."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from greyhound.hookabi.layout import (
+    COMM_DTYPE,
+    CONTROL_DTYPE,
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    LAYOUT_VERSION,
+    MAGIC,
+    MAX_COMMS,
+    RECORD_DTYPE,
+    RingHeader,
+)
+
+
+class RingMapping:
+    """A shared mapping of one ring file with numpy views of its regions (header, control
+    block, comm table, records); the agent's reader and the simulator's writer both work on it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise ValueError(f"{path}: {size} bytes is too small for a ring")
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.hdr = np.ndarray((), HEADER_DTYPE, buffer=self.mm, offset=0)
+        if int(self.hdr["magic"]) != MAGIC:
+            raise ValueError(f"{path}: not a Greyhound ring")
+        if int(self.hdr["version"]) != LAYOUT_VERSION:
+            raise ValueError(f"{path}: layout {int(self.hdr['version'])}, need {LAYOUT_VERSION}")
+        cap = int(self.hdr["capacity"])
+        if int(self.hdr["file_bytes"]) > size or cap & (cap - 1):
+            raise ValueError(f"{path}: header does not match the file")
+        self.capacity = cap
+        self.ctl = np.ndarray(
+            (), CONTROL_DTYPE, buffer=self.mm, offset=int(self.hdr["control_offset"])
+        )
+        self.comm_table = np.ndarray(
+            (MAX_COMMS,), COMM_DTYPE, buffer=self.mm, offset=int(self.hdr["comms_offset"])
+        )
+        self.records = np.ndarray(
+            (cap,), RECORD_DTYPE, buffer=self.mm, offset=int(self.hdr["records_offset"])
+        )
+
+    def header(self) -> RingHeader:
+        h = self.hdr
+        return RingHeader(
+            version=int(h["version"]),
+            job=bytes(h["job"].item()).decode(errors="replace"),
+            rank=int(h["rank"]),
+            host=bytes(h["host"].item()).decode(errors="replace"),
+            pid=int(h["pid"]),
+            device=int(h["device"]),
+            capacity=int(h["capacity"]),
+            head=int(h["head"]),
+            dropped=int(h["dropped"]),
+            mono_anchor_ns=int(h["mono_anchor_ns"]),
+            wall_anchor_ns=int(h["wall_anchor_ns"]),
+        )
+
+    def slice_copy(self, start: int, n: int) -> np.ndarray:
+        """Records [start, start + n) copied out of the ring, at most two slices (wrap)."""
+        cap = self.capacity
+        s = start & (cap - 1)
+        if s + n <= cap:
+            return self.records[s : s + n].copy()
+        return np.concatenate((self.records[s:], self.records[: s + n - cap]))
+
+    def close(self) -> None:
+        for name in ("hdr", "ctl", "comm_table", "records"):
+            self.__dict__.pop(name, None)
+        self.mm.close()
