@@ -221,6 +221,8 @@ class BocdVConfig:
     min_seen: int = 12
     z: float = 2.0
     healthy_rate: float = 1.0 / 96.0
+    healthy_step: float = 1.0
+    noise_clip: float = 2.5
     spike: float = 4.0
     spike_persist: int = 8
     refine: int = 3
@@ -291,7 +293,7 @@ class BocdVBatch:
         # Noise scale from successive differences (immune to level steps), clipped so a spike
         # moves it by a bounded amount; the prior mean of a new run is the median of the last
         # few points, which follows warm-up and drift but not a single spike.
-        d = np.minimum(np.abs(y - self.last[sel]) / 1.128, 4.0 * noise)
+        d = np.minimum(np.abs(y - self.last[sel]) / 1.128, c.noise_clip * noise)
         self.noise[sel] = np.maximum(noise + c.noise_rate * (d - noise), c.noise_floor)
         self.last[sel] = y
         t = seen  # position of this point in its stream
@@ -303,7 +305,8 @@ class BocdVBatch:
         # sub-threshold steps), is the level itself during the first points, and holds while slow.
         h = self.healthy[sel]
         h = np.where(t < c.min_seen, level,
-                     np.where(self.slow[sel], h, h + c.healthy_rate * (level - h)))
+                     np.where(self.slow[sel], h, h + c.healthy_rate * np.clip(
+                         level - h, -c.healthy_step, c.healthy_step)))
         self.healthy[sel] = h
         kmap = logp.argmax(axis=1)
         start = t - kmap
@@ -322,7 +325,7 @@ class BocdVBatch:
         idx = idx[sure | moved[idx]]
         if c.validate and idx.size:
             idx = idx[self._plausible(rr[idx], t[idx], ref[idx])]
-        lookback = np.where(bocd, start - c.refine, t - c.recent + 1)
+        lookback = np.where(bocd, start - c.refine, t - self.hist + 1)
         for j in idx.tolist():
             row = int(rr[j])
             out[row] = self._validate(row, int(t[j]), int(lookback[j]))
