@@ -117,6 +117,7 @@ def test_a_slow_job_reports_a_further_slowdown_then_a_partial_and_a_full_recover
         ("slowdown", "onset"), ("slowdown", "further"), ("recovery", "partial"),
         ("recovery", "full")], events
     (t1, *_, b1, a1), (t2, *_, b2, a2), (t3, *_, b3, a3), (t4, *_, b4, a4) = events
+    assert b4 == pytest.approx(a3, rel=0.05)
     assert 100 <= t1 <= 104 and 200 <= t2 <= 204 and 300 <= t3 <= 304 and 400 <= t4 <= 404
     assert a1 / b1 == pytest.approx(1.5, rel=0.05)
     assert a2 / b2 == pytest.approx(1.3, rel=0.05) and b2 == pytest.approx(a1, rel=0.05)

@@ -16,7 +16,7 @@ def _loc(**kw: object) -> SlowLocalization:
         "compute_ranks": [9], "comm_ids": [COMM], "slow_groups": [COMM], "nodes": [1, 4, 5],
         "links": [(4, 5)], "evidence": {"calls": 10}}
     base.update(kw)
-    return SlowLocalization(**base)  # type: ignore[arg-type]
+    return SlowLocalization(**base)
 
 
 GPU_INCIDENT = ("inc-gpu", {"ranks": [9], "compute_ranks": [9], "comm_ids": [], "nodes": [1],
