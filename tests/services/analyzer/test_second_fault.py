@@ -23,6 +23,7 @@ from services.common.bus.contract import (
     ControlReply,
     ControlRequest,
     DetectionEvent,
+    DetectionKind,
     Subjects,
 )
 from services.common.bus.streams import TELEMETRY, ConsumerSpec
@@ -81,9 +82,9 @@ async def _agents(ctx: ServiceContext, job: str) -> list[int]:
     return served
 
 
-def _det(job: str, kind: str, change: str, first: int, before: float, after: float
+def _det(job: str, kind: DetectionKind, change: str, first: int, before: float, after: float
          ) -> DetectionEvent:
-    return DetectionEvent(job_id=job, kind=kind,  # type: ignore[arg-type]
+    return DetectionEvent(job_id=job, kind=kind,
                           ranks=[0, 1, 2, 3], first_iteration=first,
                           detected_iteration=first + 4, before_s=before, after_s=after,
                           detected_ns=0, evidence={"change": change, "healthy_s": 0.031})
