@@ -56,6 +56,7 @@ import numpy as np
 import numpy.typing as npt
 
 from greyhound.core.detector import NORMAL, SLOW, Detection, LevelState
+from greyhound.core.recurring import BurstConfig, RecurringBursts
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -227,6 +228,8 @@ class BocdVConfig:
     spike_persist: int = 8
     refine: int = 3
     trigger: float = 1.0
+    burst: float = 1.5
+    learn: bool = True
     persist: int = 6
 
 
@@ -256,6 +259,8 @@ class BocdVBatch:
         self.slow = np.zeros(streams, dtype=bool)
         self.hist = c.recent + c.before
         self.ring = np.zeros((streams, self.hist))
+        self.expected = np.zeros((streams, self.hist), dtype=bool)
+        self.bursts = RecurringBursts(streams, BurstConfig(factor=c.burst))
         self.last_index = np.full(streams, -1, dtype=np.int64)
         self.states = [LevelState() for _ in range(streams)]
         self._all = np.arange(streams)
@@ -289,6 +294,14 @@ class BocdVBatch:
             self.level[rr[fresh]] = y[fresh]
             self.last[rr[fresh]] = y[fresh]
         noise = self.noise[sel]
+        t = seen  # position of this point in its stream
+        if c.learn and c.validate:
+            # Points of a recurring burst (evaluation, checkpoint) that came when expected.
+            prev = np.where(self.slow[sel], self.ref[sel], self.healthy[sel])
+            expected = self.bursts.observe(rr, t, (y > prev + math.log(c.burst)) & (t > 0))
+        else:
+            expected = np.zeros(rr.shape[0], dtype=bool)
+        self.expected[rr, t % self.hist] = expected
         logp = self.core.step(y, self.level[sel], noise, rows)
         # Noise scale from successive differences (immune to level steps), clipped so a spike
         # moves it by a bounded amount; the prior mean of a new run is the median of the last
@@ -296,7 +309,6 @@ class BocdVBatch:
         d = np.minimum(np.abs(y - self.last[sel]) / 1.128, c.noise_clip * noise)
         self.noise[sel] = np.maximum(noise + c.noise_rate * (d - noise), c.noise_floor)
         self.last[sel] = y
-        t = seen  # position of this point in its stream
         self.ring[rr, t % self.hist] = xs
         cols = (t[:, None] - self._lag) % self.hist
         level = np.log(np.median(self.ring[rr[:, None], cols], axis=1))
@@ -317,7 +329,7 @@ class BocdVBatch:
         ref = np.where(self.slow[sel], self.ref[sel], h)
         bocd = (kmap >= c.confirm - 1) & (kmap < c.recent) & (start > last_index)
         moved = np.abs(level - ref) >= c.trigger * math.log1p(c.rel)
-        cand = (t >= c.min_seen) & (bocd | moved)
+        cand = (t >= c.min_seen) & (bocd | moved) & ~expected
         if not cand.any():
             return out
         idx = np.flatnonzero(cand)
@@ -355,13 +367,14 @@ class BocdVBatch:
             return None
         # Small Python lists beat numpy here: a candidate touches at most `hist` values.
         ring = self.ring[row].tolist()
-        logs = {i: math.log(ring[i % h]) for i in range(first, now + 1)}
+        quiet = self.expected[row].tolist()
+        logs = {i: math.log(ring[i % h]) for i in range(first, now + 1) if not quiet[i % h]}
         state = self.states[row]
         sigma = float(self.noise[row])
         rough, _ = self._reference(row, state, lo, first, logs)
         index = self._split(lo, now, rough, logs)
         ref, ref_var = self._reference(row, state, index, first, logs)
-        run = [logs[i] for i in range(index, now + 1)]
+        run = [v for i in range(index, now + 1) if (v := logs.get(i)) is not None]
         cap = ref + math.log(c.spike)
         kept = [v for v in run if v < cap]
         if len(kept) < c.confirm:
@@ -409,7 +422,7 @@ class BocdVBatch:
             span = min(seen, (2.0 - c.healthy_rate) / c.healthy_rate)
             return float(self.healthy[row]), (1.2533 * sigma) ** 2 / max(span, 1.0)
         lo = max(first, index - c.before)
-        pts = [logs[i] for i in range(lo, index)]
+        pts = [v for i in range(lo, index) if (v := logs.get(i)) is not None]
         if len(pts) < 2 * c.confirm:
             return math.log(state.slow_s), 0.0
         return _median(pts), (1.2533 * sigma) ** 2 / len(pts)
@@ -427,12 +440,15 @@ class BocdVBatch:
         hi = now - c.confirm + 1
         if hi <= lo:
             return lo
-        up = _median([logs[i] for i in range(hi, now + 1)]) >= ref
+        tail = [v for i in range(hi, now + 1) if (v := logs.get(i)) is not None]
+        up = _median(tail) >= ref if tail else True
         drift = math.log1p(c.rel)
         best, best_k, acc = -math.inf, hi, 0
         for k in range(now, lo - 1, -1):
-            d = logs[k] - ref if up else ref - logs[k]
-            acc += 1 if d > drift else -1
+            v = logs.get(k)
+            if v is not None:  # an expected burst's points count for neither side
+                d = v - ref if up else ref - v
+                acc += 1 if d > drift else -1
             if k <= hi and acc > best:
                 best, best_k = acc, k
         return best_k
@@ -445,6 +461,7 @@ class BocdVBatch:
             "level": self.level.tolist(), "noise": self.noise.tolist(),
             "last": self.last.tolist(), "healthy": self.healthy.tolist(),
             "ref": self.ref.tolist(), "slow": self.slow.tolist(), "ring": self.ring.tolist(),
+            "expected": self.expected.tolist(), "bursts": self.bursts.state_dict(),
             "last_index": self.last_index.tolist(),
             "states": [s.to_json() for s in self.states],
         }
@@ -462,6 +479,8 @@ class BocdVBatch:
         out.ref = np.asarray(state["ref"], dtype=np.float64)
         out.slow = np.asarray(state["slow"], dtype=bool)
         out.ring = np.asarray(state["ring"], dtype=np.float64).reshape(core.streams, out.hist)
+        out.expected = np.asarray(state["expected"], dtype=bool).reshape(core.streams, out.hist)
+        out.bursts = RecurringBursts.from_state(state["bursts"])
         out.last_index = np.asarray(state["last_index"], dtype=np.int64)
         out.states = [LevelState.from_json(s) for s in state["states"]]
         return out

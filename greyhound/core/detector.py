@@ -135,6 +135,8 @@ def make_batch_detector(method: Method = "bocd-v", streams: int = 1,
                   "refine", "persist"):
             if k in fields:
                 fields[k] = int(fields[k])
+        if "learn" in fields:
+            fields["learn"] = bool(fields["learn"])
         config = BocdVConfig(validate=(method == "bocd-v"), **fields)  # type: ignore[arg-type]
         return BocdVBatch(streams, config=config)
     if method == "window":
