@@ -258,7 +258,7 @@ class BocdVBatch:
         self.ref = np.zeros(streams)
         self.slow = np.zeros(streams, dtype=bool)
         self.hist = c.recent + c.before
-        self.ring = np.zeros((streams, self.hist))
+        self.ring = np.zeros((streams, self.hist))  # the last `hist` log values
         self.expected = np.zeros((streams, self.hist), dtype=bool)
         self.bursts = RecurringBursts(streams, BurstConfig(factor=c.burst))
         self.last_index = np.full(streams, -1, dtype=np.int64)
@@ -290,7 +290,7 @@ class BocdVBatch:
         fresh = seen == 0
         if fresh.any():
             # A new stream starts with its first value as history, so medians are defined.
-            self.ring[rr[fresh]] = xs[fresh, None]
+            self.ring[rr[fresh]] = y[fresh, None]
             self.level[rr[fresh]] = y[fresh]
             self.last[rr[fresh]] = y[fresh]
         noise = self.noise[sel]
@@ -309,9 +309,9 @@ class BocdVBatch:
         d = np.minimum(np.abs(y - self.last[sel]) / 1.128, c.noise_clip * noise)
         self.noise[sel] = np.maximum(noise + c.noise_rate * (d - noise), c.noise_floor)
         self.last[sel] = y
-        self.ring[rr, t % self.hist] = xs
+        self.ring[rr, t % self.hist] = y
         cols = (t[:, None] - self._lag) % self.hist
-        level = np.log(np.median(self.ring[rr[:, None], cols], axis=1))
+        level = np.median(self.ring[rr[:, None], cols], axis=1)
         self.level[sel] = level
         # The healthy level follows that robust level slowly while the stream is not slow (drift,
         # sub-threshold steps), is the level itself during the first points, and holds while slow.
@@ -337,10 +337,11 @@ class BocdVBatch:
         idx = idx[sure | moved[idx]]
         if c.validate and idx.size:
             idx = idx[self._plausible(rr[idx], t[idx], ref[idx])]
-        lookback = np.where(bocd, start - c.refine, t - self.hist + 1)
-        for j in idx.tolist():
-            row = int(rr[j])
-            out[row] = self._validate(row, int(t[j]), int(lookback[j]))
+        if idx.size:
+            lookback = np.where(bocd, start - c.refine, t - self.hist + 1)
+            for row, det in zip(rr[idx].tolist(), self._validate(rr[idx], t[idx], lookback[idx]),
+                                strict=True):
+                out[row] = det
         return out
 
     def _plausible(self, rows: npt.NDArray[np.intp], t: npt.NDArray[np.int64],
@@ -353,62 +354,79 @@ class BocdVBatch:
         """
         c = self.config
         cols = (t[:, None] - self._tail) % self.hist
-        tail = np.log(self.ring[rows[:, None], cols])
+        tail = self.ring[rows[:, None], cols]
         tail = np.minimum(tail, ref[:, None] + math.log(c.spike))
         gap = np.abs(tail.mean(axis=1) - ref) - self.noise[rows] / math.sqrt(c.confirm)
         return gap >= 0.5 * math.log1p(c.rel)
 
-    def _validate(self, row: int, now: int, lookback: int) -> Detection | None:
+    def _validate(self, rows: npt.NDArray[np.intp], now: npt.NDArray[np.int64],
+                  lookback: npt.NDArray[np.int64]) -> list[Detection | None]:
+        """Verify the candidates of `rows` together, as (m, hist) arrays over each one's ring
+        (oldest point first, the newest in the last column); Python only for the decisions."""
         c = self.config
         h = self.hist
-        first = max(int(self.last_index[row]) + 1, now - h + 1, 0)
-        lo = max(lookback, first)
-        if now - lo + 1 < c.confirm:
-            return None
-        # Small Python lists beat numpy here: a candidate touches at most `hist` values.
-        ring = self.ring[row].tolist()
-        quiet = self.expected[row].tolist()
-        logs = {i: math.log(ring[i % h]) for i in range(first, now + 1) if not quiet[i % h]}
-        state = self.states[row]
-        sigma = float(self.noise[row])
-        rough, _ = self._reference(row, state, lo, first, logs)
-        index = self._split(lo, now, rough, logs)
-        ref, ref_var = self._reference(row, state, index, first, logs)
-        run = [v for i in range(index, now + 1) if (v := logs.get(i)) is not None]
-        cap = ref + math.log(c.spike)
-        kept = [v for v in run if v < cap]
-        if len(kept) < c.confirm:
-            # Mostly spikes: an evaluation or checkpoint burst, unless it lasts.
-            if len(run) < c.spike_persist or 2 * len(kept) > len(run):
-                return None
-            kept = run
-        a, var = _location(kept, sigma)
-        var += ref_var
+        m = rows.shape[0]
+        col = np.arange(h)
+        pos = now[:, None] - (h - 1) + col                      # stream position of each column
+        first = np.maximum(np.maximum(self.last_index[rows] + 1, now - h + 1), 0)
+        lo = np.maximum(lookback, first)
+        y = self.ring[rows[:, None], pos % h]
+        valid = (pos >= first[:, None]) & ~self.expected[rows[:, None], pos % h]
+        slow = self.slow[rows]
+        sigma = self.noise[rows]
+        enough = now - lo + 1 >= c.confirm
+        # The start: a sign CUSUM over [lo, now] around a rough reference (see _split).
+        rough, _ = self._reference(rows, slow, sigma, lo, first, pos, y, valid)
+        index = self._split(lo, now, rough, pos, y, valid)
+        ref, ref_var = self._reference(rows, slow, sigma, index, first, pos, y, valid)
+        run = valid & (pos >= index[:, None])
+        kept = run & (y < ref[:, None] + math.log(c.spike))
+        n_run, n_kept = run.sum(axis=1), kept.sum(axis=1)
+        # Mostly spikes: an evaluation or checkpoint burst, unless it lasts.
+        spiky = n_kept < c.confirm
+        lasting = spiky & (n_run >= c.spike_persist) & (2 * n_kept <= n_run)
+        kept = np.where(lasting[:, None], run, kept)
+        n = np.where(lasting, n_run, n_kept)
+        ok = enough & (~spiky | lasting) & (n >= 1)
+        nn = np.maximum(n, 1)
+        a = np.where(kept, y, 0.0).sum(axis=1) / nn
+        # Mean and spread of the log points, never below the stream's jitter (see _location).
+        ss = np.where(kept, (y - a[:, None]) ** 2, 0.0).sum(axis=1)
+        sd = np.where(n > 1, np.sqrt(ss / np.maximum(n - 1, 1)), sigma)
+        var = np.maximum(sigma, sd) ** 2 / nn + ref_var
         if c.validate and c.persist > 0:
             # Persistence: a level holds on (nearly) every point. A two-iteration transient
             # next to a stall, or an intermittent blip, leaves points back at the old level.
             mid = 0.5 * (a + ref)
-            wrong = sum(1 for v in kept if (v < mid) == (a > ref))
-            if wrong > (len(kept) - 1) // c.persist:
-                return None
-        if c.validate:
-            rel, spread = c.rel, math.exp(c.z * math.sqrt(var))
-        else:
-            rel, spread = 0.0, 1.0
-        det = state.judge(index=index, now=now, before_s=math.exp(ref), after_s=math.exp(a),
-                          rel=rel, spread=spread)
-        if det is not None:
-            self.last_index[row] = index
-            self.slow[row] = state.mode == SLOW
-            self.ref[row] = math.log(state.slow_s) if state.mode == SLOW else 0.0
-        elif state.mode == NORMAL and a - ref + c.z * math.sqrt(var) < -math.log1p(rel):
-            # A confident fall while healthy: the end of warm-up or a faster phase.
-            self.healthy[row] = a
-            self.last_index[row] = index
-        return det
+            wrong = (kept & ((y < mid[:, None]) == (a > ref)[:, None])).sum(axis=1)
+            ok &= wrong <= (n - 1) // c.persist
+        rel = c.rel if c.validate else 0.0
+        spread = np.exp(c.z * np.sqrt(var)) if c.validate else np.ones(m)
+        move = a - ref
+        # Python only where a decision can come out: a move beyond the threshold either way.
+        look = ok & (np.abs(move) > math.log1p(rel / 2.0) + np.log(spread) - 1e-12)
+        out: list[Detection | None] = [None] * m
+        for j in np.flatnonzero(look).tolist():
+            row = int(rows[j])
+            state = self.states[row]
+            k = int(index[j])
+            det = state.judge(index=k, now=int(now[j]), before_s=math.exp(ref[j]),
+                              after_s=math.exp(a[j]), rel=rel, spread=float(spread[j]))
+            if det is not None:
+                self.last_index[row] = k
+                self.slow[row] = state.mode == SLOW
+                self.ref[row] = math.log(state.slow_s) if state.mode == SLOW else 0.0
+            elif state.mode == NORMAL and move[j] + c.z * math.sqrt(var[j]) < -math.log1p(rel):
+                # A confident fall while healthy: the end of warm-up or a faster phase.
+                self.healthy[row] = a[j]
+                self.last_index[row] = k
+            out[j] = det
+        return out
 
-    def _reference(self, row: int, state: LevelState, index: int, first: int,
-                   logs: dict[int, float]) -> tuple[float, float]:
+    def _reference(self, rows: npt.NDArray[np.intp], slow: npt.NDArray[np.bool_],
+                   sigma: FloatArray, index: npt.NDArray[np.int64],
+                   first: npt.NDArray[np.int64], pos: npt.NDArray[np.int64], y: FloatArray,
+                   valid: npt.NDArray[np.bool_]) -> tuple[FloatArray, FloatArray]:
         """Log level a change at `index` is measured against, and the variance of that level.
 
         Healthy: the slow-moving healthy level (its variance from the points it has averaged).
@@ -416,42 +434,46 @@ class BocdVBatch:
         level of that decision when too few are kept.
         """
         c = self.config
-        sigma = float(self.noise[row])
-        if state.mode == NORMAL:
-            seen = float(self.core.seen[row])
-            span = min(seen, (2.0 - c.healthy_rate) / c.healthy_rate)
-            return float(self.healthy[row]), (1.2533 * sigma) ** 2 / max(span, 1.0)
-        lo = max(first, index - c.before)
-        pts = [v for i in range(lo, index) if (v := logs.get(i)) is not None]
-        if len(pts) < 2 * c.confirm:
-            return math.log(state.slow_s), 0.0
-        return _median(pts), (1.2533 * sigma) ** 2 / len(pts)
+        jitter = (1.2533 * sigma) ** 2
+        span = np.minimum(self.core.seen[rows], (2.0 - c.healthy_rate) / c.healthy_rate)
+        ref = self.healthy[rows].copy()
+        var = jitter / np.maximum(span, 1.0)
+        if slow.any():
+            s = np.flatnonzero(slow)
+            lo = np.maximum(first[s], index[s] - c.before)
+            mask = valid[s] & (pos[s] >= lo[:, None]) & (pos[s] < index[s, None])
+            count = mask.sum(axis=1)
+            some = count >= 2 * c.confirm
+            med = _masked_median(y[s], mask)
+            ref[s] = np.where(some, med, self.ref[rows[s]])
+            var[s] = np.where(some, jitter[s] / np.maximum(count, 1), 0.0)
+        return ref, var
 
-    def _split(self, lo: int, now: int, ref: float, logs: dict[int, float]) -> int:
+    def _split(self, lo: npt.NDArray[np.int64], now: npt.NDArray[np.int64], ref: FloatArray,
+               pos: npt.NDArray[np.int64], y: FloatArray,
+               valid: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
         """Where the newest stretch beyond the threshold begins.
 
         A sign CUSUM: the argmax over k of the count of points in [k, now] beyond the threshold
         (in the direction the last `confirm` points moved) minus the count of those that are not.
         Counting instead of summing keeps a lone stall just before a step from being taken as
         its start, and a mild elevation before a real step from being taken as part of it; ties
-        go to the later k.
+        go to the later k. An expected burst's points count for neither side.
         """
         c = self.config
         hi = now - c.confirm + 1
-        if hi <= lo:
-            return lo
-        tail = [v for i in range(hi, now + 1) if (v := logs.get(i)) is not None]
-        up = _median(tail) >= ref if tail else True
-        drift = math.log1p(c.rel)
-        best, best_k, acc = -math.inf, hi, 0
-        for k in range(now, lo - 1, -1):
-            v = logs.get(k)
-            if v is not None:  # an expected burst's points count for neither side
-                d = v - ref if up else ref - v
-                acc += 1 if d > drift else -1
-            if k <= hi and acc > best:
-                best, best_k = acc, k
-        return best_k
+        tail = valid & (pos >= hi[:, None])
+        med = _masked_median(y, tail)
+        up = np.where(tail.any(axis=1), med >= ref, True)
+        d = np.where(up[:, None], y - ref[:, None], ref[:, None] - y)
+        step = np.where(valid & (pos >= lo[:, None]),
+                        np.where(d > math.log1p(c.rel), 1, -1), 0)
+        acc = np.cumsum(step[:, ::-1], axis=1)[:, ::-1]          # sum over [k, now]
+        allowed = (pos >= lo[:, None]) & (pos <= hi[:, None])
+        score = np.where(allowed, acc, np.iinfo(np.int64).min)
+        latest = score.shape[1] - 1 - np.argmax(score[:, ::-1], axis=1)
+        out: npt.NDArray[np.int64] = np.where(hi > lo, pos[np.arange(pos.shape[0]), latest], lo)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         c = self.config
@@ -486,18 +508,12 @@ class BocdVBatch:
         return out
 
 
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    m = len(v) // 2
-    return v[m] if len(v) % 2 else 0.5 * (v[m - 1] + v[m])
-
-
-def _location(values: list[float], sigma: float) -> tuple[float, float]:
-    """Mean of the log points and its variance, from their own spread but never below the
-    stream's noise: an intermittent slowdown (CPU contention) is as uncertain as it looks, and
-    four points that happen to agree are not more certain than the stream's jitter allows."""
-    m = len(values)
-    a = sum(values) / m
-    sd = math.sqrt(sum((x - a) ** 2 for x in values) / (m - 1)) if m > 1 else sigma
-    s = max(sigma, sd)
-    return a, s * s / m
+def _masked_median(x: FloatArray, mask: npt.NDArray[np.bool_]) -> FloatArray:
+    """Row medians over the masked entries (NaN for a row with none), as numpy's median."""
+    count = mask.sum(axis=1)
+    srt = np.sort(np.where(mask, x, np.inf), axis=1)
+    rows = np.arange(x.shape[0])
+    lo = srt[rows, np.maximum((count - 1) // 2, 0)]
+    hi = srt[rows, np.maximum(count // 2, 0)]
+    out: FloatArray = np.where(count > 0, 0.5 * (lo + hi), np.nan)
+    return out
