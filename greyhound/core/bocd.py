@@ -40,9 +40,14 @@ x1.2 and x2.2. The paper's rule (before/after means differ by >= 10%) fires on a
   flickering ones wait for the evidence, and a run of x1.1 that merely looks like 12% does not
   pass. Persistence: at most one point in `persist` may sit back on the old side of the
   midpoint, so a two-iteration transient next to a stall is not a slowdown.
+- Recurring bursts (`recurring.RecurringBursts`): an evaluation that takes a few iterations
+  every N looks like a short fail-slow each time; once its period is learned, the points of a
+  burst that comes on time are left out of the evidence for the burst's learned length, and no
+  decision is taken inside one.
 - The decision itself (onset, further slowdown, partial or full recovery) is `LevelState`'s.
 
-Cost per step is O(R * W) numpy plus Python work for the few streams holding a candidate.
+Cost per step is O(R * W) numpy for the BOCD step, plus O(m * (recent + before)) numpy for the m
+streams holding a candidate, verified together; Python runs only for the decisions.
 """
 
 from __future__ import annotations
