@@ -26,7 +26,8 @@ x1.2 and x2.2. The paper's rule (before/after means differ by >= 10%) fires on a
   a step on top of a mild elevation, whose run posterior spreads over several starts.
 - Reference: while healthy, a healthy level that follows the robust level slowly
   (`healthy_rate`), so drift and sub-threshold plateaus are absorbed but a slowdown, or the dip
-  after one, is not; it is held while slow. While slow, the median of the slow points before
+  after one, is not; it is held while slow, and reset at once only by a confident fall of
+  `fall` thresholds (the end of warm-up): the return from a dip is no slowdown. While slow, the median of the slow points before
   the change (since the last decision), so that a further change is measured from where the job
   is.
 - Start: a sign CUSUM over the candidate stretch places the change where the points turn beyond
@@ -227,7 +228,7 @@ class BocdVConfig:
     min_seen: int = 12
     z: float = 2.0
     healthy_rate: float = 1.0 / 96.0
-    healthy_step: float = 1.0
+    fall: float = 2.0
     noise_clip: float = 2.5
     spike: float = 4.0
     spike_persist: int = 8
@@ -322,8 +323,7 @@ class BocdVBatch:
         # sub-threshold steps), is the level itself during the first points, and holds while slow.
         h = self.healthy[sel]
         h = np.where(t < c.min_seen, level,
-                     np.where(self.slow[sel], h, h + c.healthy_rate * np.clip(
-                         level - h, -c.healthy_step, c.healthy_step)))
+                     np.where(self.slow[sel], h, h + c.healthy_rate * (level - h)))
         self.healthy[sel] = h
         kmap = logp.argmax(axis=1)
         start = t - kmap
@@ -421,8 +421,11 @@ class BocdVBatch:
                 self.last_index[row] = k
                 self.slow[row] = state.mode == SLOW
                 self.ref[row] = math.log(state.slow_s) if state.mode == SLOW else 0.0
-            elif state.mode == NORMAL and move[j] + c.z * math.sqrt(var[j]) < -math.log1p(rel):
-                # A confident fall while healthy: the end of warm-up or a faster phase.
+            elif (state.mode == NORMAL
+                  and move[j] + c.z * math.sqrt(var[j]) < -c.fall * math.log1p(rel)):
+                # A confident large fall while healthy (the end of warm-up, a faster phase) is
+                # a new baseline at once; a smaller one, such as the dip after a slowdown ends,
+                # only moves the healthy level slowly, so the return from it is no slowdown.
                 self.healthy[row] = a[j]
                 self.last_index[row] = k
             out[j] = det

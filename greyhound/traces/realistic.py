@@ -5,7 +5,7 @@ jitter, heavy spikes, a healthy level that wanders by a few percent between plat
 detector can be tuned on thousands of such traces instead of the two recorded ones:
 
 - a healthy level ``t0 * h`` where ``h`` holds plateaus of 100-600 iterations around 0.97
-  (0.90-1.05), with jitter of 1.5-6% per plateau, sometimes heavy-tailed;
+  (0.90-1.05), with jitter of 2.5-7% per plateau, sometimes heavy-tailed;
 - warm-up: a decaying start, or the alternation of compiled and not yet compiled steps;
 - periodic evaluation spikes (x5-30, now and then a short burst after them) and rarer periodic
   checkpoints (x10-60, sometimes one slow iteration after);
@@ -13,7 +13,9 @@ detector can be tuned on thousands of such traces instead of the two recorded on
   row), and short slow runs of 3-7 iterations;
 - intermittent slowdowns of x1.15-2.2 lasting 10-600 iterations, steady (another process on the
   GPU), fluctuating (CPU contention) or bursty (on and off), a few just under the threshold;
-- aftermath stretches of x1.15-1.3 after some slowdowns, and mild sub-threshold elevations.
+- aftermath stretches of x1.15-1.3 after some slowdowns, dips of x0.88-0.95 after some (the
+  level comes back from below), mild sub-threshold elevations, and contention flicker (every
+  other iteration or so x1.12-1.25 for 8-40 iterations).
 
 The ground truth is not the injected factors but `hindsight.label_by_hindsight` on the realised
 trace, the rules the recorded traces were labelled with; the injected disturbances are kept as
@@ -60,7 +62,7 @@ def _healthy(rng: np.random.Generator, n: int, noise: list[NoiseEvent]) -> Float
         k = np.arange(seg.stop - seg.start, dtype=np.float64)
         ramp = float(rng.integers(5, 40))
         level[seg] = target + (prev - target) * np.exp(-k / ramp)
-        sigma[seg] = _log_uniform(rng, 0.015, 0.06)
+        sigma[seg] = _log_uniform(rng, 0.025, 0.07)
         noise.append(NoiseEvent("plateau", seg.start, seg.stop, float(np.exp(target))))
         prev = target
         i = seg.stop
@@ -124,6 +126,13 @@ def _stalls(rng: np.random.Generator, logf: FloatArray, w: int,
         f = rng.uniform(1.03, 1.10)
         logf[s:e] += np.log(f)
         noise.append(NoiseEvent("mild", s, e, float(f)))
+    for _ in range(int(rng.integers(0, 4))):  # contention flicker: every other iteration slow
+        s = int(rng.integers(w, n - 45))
+        e = s + int(rng.integers(8, 41))
+        f = rng.uniform(1.12, 1.25)
+        hits = np.flatnonzero(rng.random(e - s) < rng.uniform(0.3, 0.6)) + s
+        logf[hits] += np.log(f)
+        noise.append(NoiseEvent("flicker", s, e, float(f)))
 
 
 def _slowdown(rng: np.random.Generator, n: int, s: int, cfg: RealisticConfig
@@ -178,6 +187,12 @@ def generate_realistic(rng: np.random.Generator, name: str, *, positive: bool,
                 a = rng.uniform(1.15, 1.3)
                 logf[end:tail] += np.log(a)
                 noise.append(NoiseEvent("aftermath", end, tail, float(a)))
+                end = tail
+            if rng.random() < 0.4 and end + 30 < n:  # a dip after it, then back to normal
+                tail = min(n, end + int(rng.integers(30, 151)))
+                a = rng.uniform(0.88, 0.95)
+                logf[end:tail] += np.log(a)
+                noise.append(NoiseEvent("dip", end, tail, float(a)))
                 end = tail
             cursor = end + int(rng.integers(50, 800))
     t0 = _log_uniform(rng, 0.01, 2.0)
