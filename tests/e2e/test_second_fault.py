@@ -44,48 +44,54 @@ def _run(stack: Stack, name: str, job: str,
     return incidents(stack, job)
 
 
-def _slow(rows: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [r for r in rows if r["kind"] == kind]
-
-
 def _describe(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     return [(r["kind"], r["status"], r["culprit"], [e["stage"] for e in r["timeline"]])
             for r in rows]
+
+
+def _named(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Localised slowdown incidents, oldest first."""
+    return sorted((r for r in rows if r["kind"].endswith("_slow")), key=lambda r: r["opened_at"])
 
 
 def test_link_congested_while_a_gpu_is_slow(stack: Stack) -> None:
     job = f"second-link-{uuid.uuid4().hex[:6]}"
 
     def done(rows: list[dict[str, Any]], virtual_s: float) -> bool:
-        links = _slow(rows, "comm_slow")
-        return bool(links) and links[0]["status"] == "resolved" and virtual_s > 400
+        named = _named(rows)
+        return len(named) >= 2 and named[1]["status"] == "resolved" and virtual_s > 400
 
     rows = _run(stack, "second-fault-link-m64", job, done)
-    gpu, link = _slow(rows, "compute_slow"), _slow(rows, "comm_slow")
-    assert len(gpu) == 1 and len(link) == 1, _describe(rows)
-    assert gpu[0]["culprit"]["compute_ranks"] == [9], gpu[0]["culprit"]
-    assert gpu[0]["status"] != "resolved", _describe(rows)
-    culprit = link[0]["culprit"]
-    assert culprit["links"] == [[4, 5]], culprit
-    assert 9 not in culprit["compute_ranks"], culprit
-    # The link's incident says what it was opened for: a further slowdown, levels either side.
-    detected = link[0]["timeline"][0]["detail"]
+    named = _named(rows)
+    assert len(named) == 2, _describe(rows)
+    gpu, link = named
+    assert gpu["kind"] == "compute_slow" and gpu["culprit"]["compute_ranks"] == [9], \
+        _describe(rows)
+    assert gpu["status"] != "resolved", _describe(rows)
+    # The link's own incident: the link, not the GPU named before it.
+    culprit = link["culprit"]
+    assert link["kind"] in ("comm_slow", "mixed_slow"), _describe(rows)
+    assert culprit["links"] == [[4, 5]] and 9 not in culprit["compute_ranks"], _describe(rows)
+    # It says what it was opened for: a further slowdown, with the levels either side.
+    detected = link["timeline"][0]["detail"]
     assert detected["change"] == "further", detected
     assert detected["after_s"] > 1.1 * detected["before_s"] > 1.1 * detected["healthy_s"]
     # It ended at ~400 s with a partial recovery; the GPU's incident heard of both changes.
-    resolved = [e["detail"] for e in link[0]["timeline"] if e["stage"] == "resolved"]
+    resolved = [e["detail"] for e in link["timeline"] if e["stage"] == "resolved"]
     assert resolved and resolved[0]["change"] == "partial", _describe(rows)
-    notes = [e["detail"].get("further") for e in gpu[0]["timeline"]]
-    assert link[0]["id"] in notes, _describe(rows)
+    notes = [e["detail"].get("further") for e in gpu["timeline"]]
+    assert link["id"] in notes, _describe(rows)
 
 
 def test_second_gpu_slows_while_the_first_is_slow(stack: Stack) -> None:
     job = f"second-gpu-{uuid.uuid4().hex[:6]}"
 
     def done(rows: list[dict[str, Any]], virtual_s: float) -> bool:
-        return len(_slow(rows, "compute_slow")) >= 2
+        return len(_named(rows)) >= 2
 
     rows = _run(stack, "second-gpu-m64", job, done)
-    named = sorted(tuple(r["culprit"]["compute_ranks"]) for r in _slow(rows, "compute_slow"))
-    assert named == [(9,), (42,)], _describe(rows)
-    assert all(r["status"] != "resolved" for r in _slow(rows, "compute_slow")), _describe(rows)
+    named = _named(rows)
+    assert [r["culprit"]["compute_ranks"] for r in named] == [[9], [42]], _describe(rows)
+    assert all(r["kind"] == "compute_slow" for r in named), _describe(rows)
+    assert all(r["status"] != "resolved" for r in named), _describe(rows)
+    assert named[1]["timeline"][0]["detail"]["change"] == "further", _describe(rows)
