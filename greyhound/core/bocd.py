@@ -491,7 +491,7 @@ class BocdVBatch:
             "level": self.level.tolist(), "noise": self.noise.tolist(),
             "last": self.last.tolist(), "healthy": self.healthy.tolist(),
             "ref": self.ref.tolist(), "slow": self.slow.tolist(), "ring": self.ring.tolist(),
-            "expected": self.expected.tolist(), "bursts": self.bursts.state_dict(),
+            "expected": np.argwhere(self.expected).tolist(), "bursts": self.bursts.state_dict(),
             "last_index": self.last_index.tolist(),
             "states": [s.to_json() for s in self.states],
         }
@@ -509,7 +509,8 @@ class BocdVBatch:
         out.ref = np.asarray(state["ref"], dtype=np.float64)
         out.slow = np.asarray(state["slow"], dtype=bool)
         out.ring = np.asarray(state["ring"], dtype=np.float64).reshape(core.streams, out.hist)
-        out.expected = np.asarray(state["expected"], dtype=bool).reshape(core.streams, out.hist)
+        at = np.asarray(state["expected"], dtype=np.int64).reshape(-1, 2)
+        out.expected[at[:, 0], at[:, 1]] = True  # stored sparse: (stream, slot) pairs
         out.bursts = RecurringBursts.from_state(state["bursts"])
         out.last_index = np.asarray(state["last_index"], dtype=np.int64)
         out.states = [LevelState.from_json(s) for s in state["states"]]
