@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from greyhound.core.detector import detect_series, make_detector
+from greyhound.core.detector import detect_series, detector_from_state, make_detector
 from greyhound.core.recurring import RecurringBursts
 
 
@@ -99,3 +99,13 @@ def test_a_slowdown_between_or_at_evaluations_is_still_found() -> None:
     assert [(d.change, d.index) for d in slow] == [("onset", 1650), ("onset", slow[1].index)]
     assert 1650 <= slow[0].detected_at <= 1654
     assert slow[1].index >= 2600 and slow[1].detected_at <= 2600 + 6 + 5
+
+
+def test_detector_state_keeps_what_it_learned() -> None:
+    """Restarted in the middle of an expected burst, the detector goes on identically."""
+    x = _evals(5)
+    a = make_detector("bocd-v")
+    for v in x[:1103]:
+        a.update(v)
+    b = detector_from_state(json.loads(json.dumps(a.state_dict())))
+    assert [a.update(v) for v in x[1103:]] == [b.update(v) for v in x[1103:]]
