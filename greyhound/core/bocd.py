@@ -27,9 +27,9 @@ x1.2 and x2.2. The paper's rule (before/after means differ by >= 10%) fires on a
 - Reference: while healthy, a healthy level that follows the robust level slowly
   (`healthy_rate`), so drift and sub-threshold plateaus are absorbed but a slowdown, or the dip
   after one, is not; it is held while slow, and reset at once only by a confident fall of
-  `fall` thresholds (the end of warm-up): the return from a dip is no slowdown. While slow, the median of the slow points before
-  the change (since the last decision), so that a further change is measured from where the job
-  is.
+  `fall` thresholds (the end of warm-up): the return from a dip is no slowdown. While slow, the
+  median of the slow points before the change (since the last decision), so that a further
+  change is measured from where the job is.
 - Start: a sign CUSUM over the candidate stretch places the change where the points turn beyond
   the threshold, not at a stall before it nor at the start of a mild elevation.
 - Spikes: points above `spike` x the reference are dropped from the evidence (evaluation,
@@ -395,7 +395,9 @@ class BocdVBatch:
         ok = enough & (~spiky | lasting) & (n >= 1)
         nn = np.maximum(n, 1)
         a = np.where(kept, y, 0.0).sum(axis=1) / nn
-        # Mean and spread of the log points, never below the stream's jitter (see _location).
+        # Mean and spread of the log points, the spread never below the stream's jitter: an
+        # intermittent slowdown is as uncertain as it looks, and four points that happen to
+        # agree are not more certain than the stream's noise allows.
         ss = np.where(kept, (y - a[:, None]) ** 2, 0.0).sum(axis=1)
         sd = np.where(n > 1, np.sqrt(ss / np.maximum(n - 1, 1)), sigma)
         var = np.maximum(sigma, sd) ** 2 / nn + ref_var
