@@ -2,7 +2,9 @@
 
 Each file holds one iteration time in seconds per line. The series is fed one value at a time to
 the same online detector the tracker runs (`make_detector` / `update`), so `detected_at` is the
-iteration by which the tracker would have raised the event.
+iteration by which the tracker would have raised the event. Each detection also says which
+change it is (`change`: onset, further slowdown while slow, partial or full recovery) and the
+healthy level it is judged against (`healthy_s`).
 """
 
 from __future__ import annotations

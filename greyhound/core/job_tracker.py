@@ -5,6 +5,13 @@ the detectors of most ranks within an iteration or two, while noise that touches
 measurement fires one. A quorum of ranks therefore decides for the job; the ranks that fired are
 kept as a first hint for the analyzer.
 
+A slow job stays under watch: when a quorum of ranks reports a further slowdown (a second fault
+on top of the first) or a partial recovery (one of two causes ended), the job reports that too,
+with the level before and after, so that the analyzer localises again. Each rank reports one
+change once, but not all in the same round; a rank's report counts towards a new job decision
+only when its change began ``settle`` rounds after the change the last decision was about, so
+the stragglers of one change never add up to a second one.
+
 All ranks of a job advance together through one batched detector (one vectorised step per
 "round", a round taking the next pending value of every rank), which is what lets one tracker
 process absorb tens of thousands of rank-iterations per second. A rank that falls behind (paused,
@@ -33,12 +40,16 @@ from greyhound.core.detector import (
 
 @dataclass(frozen=True, slots=True)
 class JobDetection:
+    """A job-level decision; ``change`` as in `Detection` (onset, further, partial, full)."""
+
     kind: str  # "slowdown" | "recovery"
     ranks: tuple[int, ...]
     first_iteration: int
     detected_iteration: int
     before_s: float
     after_s: float
+    change: str = "onset"
+    healthy_s: float = 0.0
 
 
 class _Pending:
@@ -131,6 +142,7 @@ class JobTracker:
     method: Method = "bocd-v"
     quorum: float = 0.5
     max_lag: int = 8
+    settle: int = 16
     slow: bool = False
     index: dict[int, int] = field(default_factory=dict)  # rank -> stream
     _queue: _Pending = field(default_factory=lambda: _Pending(0))
@@ -138,6 +150,9 @@ class JobTracker:
     _batch: BatchDetector | None = None
     _slow: list[bool] = field(default_factory=list)
     _last: list[Detection | None] = field(default_factory=list)
+    _began: list[int] = field(default_factory=list)  # round in which each rank's change began
+    _mark: int = -(1 << 40)  # round in which the change of the last job decision began
+    rounds: int = 0
     updates: int = 0
 
     def _stream(self, rank: int) -> int:
@@ -148,6 +163,7 @@ class JobTracker:
             s = self.index[rank] = len(self._slow)
             self._slow.append(False)
             self._last.append(None)
+            self._began.append(-(1 << 40))
             if rank >= self._lut.size:
                 grown = np.full(max(2 * self._lut.size, rank + 1, 8), -1, dtype=np.intp)
                 grown[: self._lut.size] = self._lut
@@ -193,6 +209,7 @@ class JobTracker:
                 break
             assert self._batch is not None
             vec = q.pop_round()
+            self.rounds += 1
             self.updates += int(np.count_nonzero(np.isfinite(vec)))
             found = [(s, det) for s, det in enumerate(self._batch.update_many(vec))
                      if det is not None]
@@ -210,46 +227,67 @@ class JobTracker:
         """Judge the quorum after a whole round, so the decision does not depend on rank order."""
         for stream, det in found:
             self._last[stream] = det
-            self._slow[stream] = det.kind == "slowdown"
+            self._slow[stream] = det.change != "full"
+            self._began[stream] = self.rounds - (det.detected_at - det.index)
         fired = [r for r, s in self.index.items() if self._slow[s]]
-        if not self.slow and len(fired) >= self._needed():
-            self.slow = True
-            return self._decision("slowdown", fired)
-        recovering = any(det.kind == "recovery" for _, det in found)
-        if self.slow and recovering and len(fired) < self._needed():
+        needed = self._needed()
+        if not self.slow:
+            if len(fired) >= needed:
+                self.slow = True
+                return self._decision("slowdown", "onset", fired)
+            return None
+        if any(det.change == "full" for _, det in found) and len(fired) < needed:
             self.slow = False
-            recovered = [r for r, s in self.index.items()
-                         if (d := self._last[s]) is not None and d.kind == "recovery"]
-            return self._decision("recovery", recovered)
+            return self._decision("recovery", "full", self._latest("full"))
+        for change, kind in (("further", "slowdown"), ("partial", "recovery")):
+            ranks = self._latest(change)
+            if len(ranks) >= needed:
+                return self._decision(kind, change, ranks)
         return None
 
-    def _decision(self, kind: str, ranks: list[int]) -> JobDetection:
-        dets = [d for r in ranks if (d := self._last[self.index[r]]) is not None]
+    def _latest(self, change: str) -> list[int]:
+        """Ranks whose newest report is `change` about a change after the last decision's."""
+        after = self._mark + self.settle
+        return [r for r, s in self.index.items()
+                if (d := self._last[s]) is not None and d.change == change
+                and self._began[s] > after]
+
+    def _decision(self, kind: str, change: str, ranks: list[int]) -> JobDetection:
+        streams = [self.index[r] for r in ranks]
+        dets = [d for s in streams if (d := self._last[s]) is not None]
+        self._mark = min(self._began[s] for s in streams)
         return JobDetection(
             kind=kind, ranks=tuple(sorted(ranks)),
             first_iteration=min(d.index for d in dets),
             detected_iteration=max(d.detected_at for d in dets),
             before_s=float(median(d.before_s for d in dets)),
             after_s=float(median(d.after_s for d in dets)),
+            change=change, healthy_s=float(median(d.healthy_s for d in dets)),
         )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume after a tracker restart (pending values included)."""
         return {
             "method": self.method, "quorum": self.quorum, "max_lag": self.max_lag,
-            "slow": self.slow, "index": {str(r): s for r, s in self.index.items()},
+            "settle": self.settle, "slow": self.slow,
+            "index": {str(r): s for r, s in self.index.items()},
             "pending": self._queue.lists(len(self._slow)), "stream_slow": list(self._slow),
             "last": [d.to_json() if d is not None else None for d in self._last],
+            "began": list(self._began), "mark": self._mark, "rounds": self.rounds,
             "batch": batch_state(self.method, self._batch) if self._batch is not None else None,
         }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> JobTracker:
         t = cls(method=state["method"], quorum=float(state["quorum"]),
-                max_lag=int(state["max_lag"]), slow=bool(state["slow"]))
+                max_lag=int(state["max_lag"]), settle=int(state.get("settle", 16)),
+                slow=bool(state["slow"]))
         t.index = {int(r): int(s) for r, s in state["index"].items()}
         t._slow = [bool(x) for x in state["stream_slow"]]
-        t._last = [Detection(**d) if d is not None else None for d in state["last"]]
+        t._last = [Detection.from_json(d) if d is not None else None for d in state["last"]]
+        t._began = [int(x) for x in state.get("began", [-(1 << 40)] * len(t._slow))]
+        t._mark = int(state.get("mark", -(1 << 40)))
+        t.rounds = int(state.get("rounds", 0))
         t._batch = batch_from_state(state["batch"]) if state["batch"] is not None else None
         rows = t._batch.streams if t._batch is not None else len(t._slow)
         t._queue = _Pending.from_lists([list(q) for q in state["pending"]], rows)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from greyhound.core.detector import Detection, LevelState
+from greyhound.core.detector import SLOW, Detection, LevelState
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,8 @@ class WindowBatch:
             row = int(rows[j])
             state = self.states[row]
             now = int(self.seen[row] - 1)
-            out[row] = state.judge(index=now - c.confirm + 1, now=now, before_s=float(base[j]),
+            ref = state.slow_s if state.mode == SLOW else float(base[j])
+            out[row] = state.judge(index=now - c.confirm + 1, now=now, before_s=ref,
                                    after_s=float(recent[j]), rel=c.rel)
         return out
 

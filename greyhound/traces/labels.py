@@ -3,6 +3,12 @@
 A fail-slow episode is a sustained slowdown of at least 12% lasting at least 8 iterations. What a
 job also shows but is *not* a fail-slow is kept as labelled noise (spikes, checkpoints, transients
 of one or two iterations, steps under 10%), so that a detector firing on it is a false alarm.
+
+Traces labelled by hindsight (recorded ones, and the realistic generator's) also carry `ignore`
+stretches, neither to be found nor to be avoided (warm-up, slow runs too short to be episodes,
+levels too close to the 10% threshold to demand either way), the healthy iteration time `t0` and
+an `onset_tolerance`: the centred medians that place such onsets are only accurate to a few
+iterations, so a detection may precede the labelled start by that much.
 """
 
 from __future__ import annotations
@@ -55,11 +61,34 @@ class Trace:
     times: npt.NDArray[np.float64]
     episodes: list[Episode] = field(default_factory=list)
     noise: list[NoiseEvent] = field(default_factory=list)
+    ignore: list[tuple[int, int]] = field(default_factory=list)
+    t0: float | None = None
+    onset_tolerance: int = 0
 
     @property
     def positive(self) -> bool:
         return bool(self.episodes)
 
     def labels_json(self) -> dict[str, Any]:
-        return {"episodes": [e.to_json() for e in self.episodes],
-                "noise": [n.to_json() for n in self.noise]}
+        out: dict[str, Any] = {"episodes": [e.to_json() for e in self.episodes],
+                               "noise": [n.to_json() for n in self.noise]}
+        if self.ignore:
+            out["ignore"] = [list(span) for span in self.ignore]
+        if self.t0 is not None:
+            out["t0"] = self.t0
+            out["onset_tolerance"] = self.onset_tolerance
+        return out
+
+    @classmethod
+    def from_labels(cls, name: str, times: npt.NDArray[np.float64],
+                    raw: dict[str, Any]) -> Trace:
+        """Either label layout: ours (episodes as objects) or the recorded traces' one
+        (episodes as ``[start, end, factor]``, ``ignore`` spans, ``t0``)."""
+        episodes = [Episode.from_json(e) if isinstance(e, dict)
+                    else Episode(int(e[0]), int(e[1]), float(e[2]), int(e[0]))
+                    for e in raw.get("episodes", [])]
+        t0 = raw.get("t0")
+        return cls(name, times, episodes,
+                   [NoiseEvent.from_json(n) for n in raw.get("noise", [])],
+                   [(int(a), int(b)) for a, b in raw.get("ignore", [])],
+                   float(t0) if t0 is not None else None, int(raw.get("onset_tolerance", 0)))

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from greyhound.traces.labels import Episode, NoiseEvent, Trace
+from greyhound.traces.labels import Trace
 
 LABELS_FILE = "labels.json"
 
@@ -70,8 +70,5 @@ def load_traces(directory: str | Path) -> list[Trace]:
     labels = json.loads(label_path.read_text()) if label_path.exists() else {}
     out = []
     for path in sorted(d.glob("*.txt")):
-        raw = labels.get(path.stem, {})
-        out.append(Trace(path.stem, read_series(path),
-                         [Episode.from_json(e) for e in raw.get("episodes", [])],
-                         [NoiseEvent.from_json(n) for n in raw.get("noise", [])]))
+        out.append(Trace.from_labels(path.stem, read_series(path), labels.get(path.stem, {})))
     return out

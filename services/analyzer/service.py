@@ -1,47 +1,116 @@
 """Analyzer: detections in, incidents out.
 
-A slowdown opens (or updates) the job's open slowdown incident; a recovery resolves it. Each
-incident change is committed first, then announced on the bus, then the detection is acked.
-A slowdown also starts its localisation (``slow.SlowLocalizer``) as a task of its own, fed by
-the collectives consumer, so detections keep flowing while a job is profiled.
+A slowdown opens (or updates) the job's slowdown incident; a recovery resolves it. Each incident
+change is committed first, then announced on the bus, then the detection is acked. A slowdown
+also starts its localisation (``slow.SlowLocalizer``) as a task of its own, fed by the
+collectives consumer, so detections keep flowing while a job is profiled.
+
+A second fault while the first is open is its own incident. When the tracker reports a further
+slowdown of a job that is already slow, a new incident opens (the open ones get a timeline entry
+that points to it) and the job is profiled again; the localisation names only what the open
+incidents do not already name (``known_causes.new_causes``), and closes the new incident as "a
+known cause got worse" when nothing new shows. Its own incident rather than a second culprit on
+the first one, because the two causes live apart: each is validated on its own hardware, gets its
+own mitigation, and ends on its own (the congested link clears while the GPU stays slow). A
+partial recovery therefore resolves one incident: the one whose own step best matches the fall
+(``known_causes.ended_by``); a full recovery resolves them all. Localisations of one job run one
+after the other, since a job is profiled through one window at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from greyhound.core.known_causes import KnownCauses, OpenStep, ended_by
 from services.analyzer.hangs import diagnose_from_rows, unsigned64
 from services.analyzer.profiling import CollectiveFeed
 from services.analyzer.slow import SlowLocalizer
 from services.common.bus.client import Consumer, TransientError, publish
-from services.common.bus.contract import DetectionEvent, IncidentEvent, Subjects
+from services.common.bus.contract import DetectionEvent, IncidentEvent, IncidentStage, Subjects
 from services.common.bus.streams import ANALYZER
 from services.common.db import repository as repo
+from services.common.db.models import Incident
 from services.common.runtime import ServiceContext
 
 log = logging.getLogger(__name__)
 
 _HANG_PRIORITY = {"hang_not_entered": 0, "hang_inconsistent": 1, "hang_hardware": 2}
+SLOW_KEY = "slowdown"
+
+
+@dataclass
+class Recorded:
+    """What one detection did: the incident events to announce, and the localisation to run
+    (incident id, and whether only causes the other open incidents do not name count)."""
+
+    events: list[IncidentEvent] = field(default_factory=list)
+    localize: str | None = None
+    second: bool = False
 
 
 class Analyzer:
     def __init__(self, ctx: ServiceContext, localizer: SlowLocalizer | None = None) -> None:
         self.ctx = ctx
         self.localizer = localizer
+        self._chains: dict[str, asyncio.Task[None]] = {}
 
     async def handle(self, subject: str, det: DetectionEvent) -> None:
         try:
-            announce = await self._record(det)
+            done = await self._record(det)
         except OSError as exc:
             raise TransientError(f"database unreachable: {exc}") from exc
-        if announce is None:
+        for announce in done.events:
+            await publish(self.ctx.js, Subjects.incident(det.job_id), announce)
+        if done.localize is not None and self.localizer is not None:
+            self._localize(done.localize, det, second=done.second)
+
+    def _localize(self, incident_id: str, det: DetectionEvent, *, second: bool) -> None:
+        """Queue a localisation behind the job's running one; a repeat of the first one is
+        dropped while one is running or queued, a second fault's always waits its turn."""
+        assert self.localizer is not None
+        localizer = self.localizer
+        job = det.job_id
+        before = self._chains.get(job) or localizer.tasks.get(job)
+        if not second:
+            if before is None and localizer.start(incident_id, det):
+                self._chain(job, localizer.tasks[job])
             return
-        await publish(self.ctx.js, Subjects.incident(det.job_id), announce)
-        if det.kind == "slowdown" and self.localizer is not None \
-                and announce.stage != "resolved":
-            self.localizer.start(announce.incident_id, det)
+
+        async def run() -> None:
+            if before is not None:
+                await asyncio.gather(before, return_exceptions=True)
+            known = await self._known(job, incident_id)
+            running = localizer.tasks.get(job)
+            if running is not None:
+                await asyncio.gather(running, return_exceptions=True)
+            if localizer.start(incident_id, det, known=known):
+                await asyncio.gather(localizer.tasks[job], return_exceptions=True)
+
+        self._chain(job, asyncio.create_task(run(), name=f"localize-chain-{job}"))
+
+    def _chain(self, job: str, task: asyncio.Task[None]) -> None:
+        self._chains[job] = task
+        task.add_done_callback(
+            lambda t: self._chains.pop(job, None) if self._chains.get(job) is t else None)
+
+    async def _known(self, job: str, exclude: str) -> KnownCauses:
+        """What the job's other open slowdown incidents name, read when the localisation runs
+        (the first incident's own localisation may have finished only just now)."""
+        async with self.ctx.db()() as session:
+            rows = await repo.open_incidents(session, job, SLOW_KEY)
+            await session.commit()
+        return KnownCauses.from_culprits((i.id, i.culprit) for i in rows if i.id != exclude)
+
+    async def stop(self) -> None:
+        for task in list(self._chains.values()):
+            task.cancel()
+        await asyncio.gather(*self._chains.values(), return_exceptions=True)
 
     @staticmethod
     def _classify(det: DetectionEvent) -> tuple[str, float, dict[str, Any], str]:
@@ -73,42 +142,102 @@ class Analyzer:
             f"job {det.job_id}: {d.kind} on communicator {comm} at {d.op} #{d.seq}; "
             f"ranks {d.ranks[:16]}; stalled {stalled:.1f}s")
 
-    async def _record(self, det: DetectionEvent) -> IncidentEvent | None:
+    async def _record(self, det: DetectionEvent) -> Recorded:
+        change = str(det.evidence.get("change", "onset")) if det.kind != "hang" else None
         detail = {"event_id": det.event_id, "ranks": det.ranks[:64], "method": det.method,
                   "first_iteration": det.first_iteration,
                   "detected_iteration": det.detected_iteration,
                   "before_s": det.before_s, "after_s": det.after_s}
-        # One open incident per job and problem family: a hang stalls many communicators at once.
-        dedup = "slowdown" if det.kind in ("slowdown", "recovery") else "hang"
-        kind, severity, culprit, summary = self._classify(det)
+        if change is not None:
+            detail.update(change=change, healthy_s=det.evidence.get("healthy_s"))
         async with self.ctx.db()() as session:
             if not await repo.claim_event(session, ANALYZER.durable, det.event_id):
-                return None
+                return Recorded()
             await repo.touch_job(session, det.job_id)
-            incident = await repo.find_open_incident(session, det.job_id, dedup)
-            if det.kind == "recovery":
-                if incident is None:
-                    await session.commit()
-                    return None
-                await repo.add_timeline(session, incident, "resolved", detail)
-                stage = "resolved"
-            elif incident is None:
-                incident = await repo.open_incident(
-                    session, job_id=det.job_id, kind=kind, dedup_key=dedup, severity=severity,
-                    summary=summary, culprit=culprit,
-                    evidence={"detection": detail, **det.evidence}, stage_detail=detail)
-                stage = "localized" if det.kind == "hang" and kind != "hang" else "detected"
-                if stage == "localized":
-                    await repo.add_timeline(session, incident, "localized", culprit)
+            if det.kind == "hang":
+                done = await self._hang(session, det, detail)
             else:
-                incident.severity = max(incident.severity, severity)
-                await repo.add_timeline(session, incident, "detected", detail)
-                stage = "detected"
+                open_ = await repo.open_incidents(session, det.job_id, SLOW_KEY)
+                if det.kind == "recovery":
+                    done = await self._recovery(session, det, detail, change, open_)
+                else:
+                    done = await self._slowdown(session, det, detail, change, open_)
             await session.commit()
-            log.info("incident %s %s (%s)", incident.id, stage, incident.summary)
-            return IncidentEvent(job_id=det.job_id, incident_id=incident.id, stage=stage,
-                                 kind=incident.kind, severity=incident.severity,
-                                 summary=incident.summary)
+        return done
+
+    async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any]) -> Recorded:
+        # One open incident per job and problem family: a hang stalls many communicators at once.
+        kind, severity, culprit, summary = self._classify(det)
+        incident = await repo.find_open_incident(session, det.job_id, "hang")
+        if incident is None:
+            incident = await repo.open_incident(
+                session, job_id=det.job_id, kind=kind, dedup_key="hang", severity=severity,
+                summary=summary, culprit=culprit,
+                evidence={"detection": detail, **det.evidence}, stage_detail=detail)
+            stage: IncidentStage = "localized" if kind != "hang" else "detected"
+            if stage == "localized":
+                await repo.add_timeline(session, incident, "localized", culprit)
+        else:
+            incident.severity = max(incident.severity, severity)
+            await repo.add_timeline(session, incident, "detected", detail)
+            stage = "detected"
+        return Recorded([self._event(det, incident, stage)])
+
+    async def _slowdown(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+                        change: str | None, open_: Sequence[Incident]) -> Recorded:
+        kind, severity, culprit, summary = self._classify(det)
+        if not open_:
+            incident = await repo.open_incident(
+                session, job_id=det.job_id, kind=kind, dedup_key=SLOW_KEY, severity=severity,
+                summary=summary, culprit=culprit, evidence={"detection": detail},
+                stage_detail=detail)
+            return Recorded([self._event(det, incident, "detected")], incident.id)
+        if change != "further":
+            # The same slowdown again (a tracker restart, a re-detection): the oldest one.
+            incident = open_[0]
+            incident.severity = max(incident.severity, severity)
+            await repo.add_timeline(session, incident, "detected", detail)
+            return Recorded([self._event(det, incident, "detected")], incident.id)
+        others = [i.id for i in open_]
+        summary = (f"job {det.job_id} further slowdown while slow: iteration "
+                   f"{det.before_s:.3f}s -> {det.after_s:.3f}s ({det.slowdown:.2f}x; "
+                   f"open: {', '.join(others)})")
+        incident = await repo.open_incident(
+            session, job_id=det.job_id, kind=kind,
+            dedup_key=f"{SLOW_KEY}+{det.first_iteration}:{det.event_id[:8]}",
+            severity=severity, summary=summary, culprit=culprit,
+            evidence={"detection": detail, "while_open": others}, stage_detail=detail)
+        for other in open_:
+            await repo.add_timeline(session, other, "detected",
+                                    {**detail, "further": incident.id})
+        return Recorded([self._event(det, incident, "detected")], incident.id, second=True)
+
+    async def _recovery(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+                        change: str | None, open_: Sequence[Incident]) -> Recorded:
+        if not open_:
+            return Recorded()
+        if change == "partial":
+            steps = [OpenStep(i.id, float(i.evidence.get("detection", {}).get("before_s", 0.0)),
+                              float(i.evidence.get("detection", {}).get("after_s", 0.0)))
+                     for i in open_]
+            ended = ended_by(steps, det.before_s, det.after_s) if len(open_) > 1 else None
+            if ended is None:  # one cause eased but the job is still slow: note it
+                for incident in open_:
+                    await repo.add_timeline(session, incident, "detected", detail)
+                return Recorded()
+            closing = [i for i in open_ if i.id == ended]
+        else:
+            closing = list(open_)
+        for incident in closing:
+            await repo.add_timeline(session, incident, "resolved", detail)
+        return Recorded([self._event(det, i, "resolved") for i in closing])
+
+    @staticmethod
+    def _event(det: DetectionEvent, incident: Incident, stage: IncidentStage) -> IncidentEvent:
+        log.info("incident %s %s (%s)", incident.id, stage, incident.summary)
+        return IncidentEvent(job_id=det.job_id, incident_id=incident.id, stage=stage,
+                             kind=incident.kind, severity=incident.severity,
+                             summary=incident.summary)
 
 
 async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
@@ -120,5 +249,6 @@ async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
     await stop.wait()
     consumer.stop()
     feed.stop()
+    await analyzer.stop()
     await localizer.stop()
     await asyncio.gather(*tasks)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from greyhound.core.known_causes import KnownCauses, new_causes
 from greyhound.core.slow_localization import NodeLabel, SlowLocalization, localize_slow
 from greyhound.hookabi import unsigned64
 from services.analyzer.profiling import ProfileBuffer, WindowRule
@@ -45,12 +46,16 @@ class SlowLocalizer:
         self.buffers: dict[str, ProfileBuffer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
-    def start(self, incident_id: str, det: DetectionEvent) -> bool:
-        """Begin localising unless this job is already being profiled; False if it is."""
+    def start(self, incident_id: str, det: DetectionEvent, *,
+              known: KnownCauses | None = None) -> bool:
+        """Begin localising unless this job is already being profiled; False if it is.
+
+        ``known``: what the job's other open incidents name; only the rest is this incident's.
+        """
         job = det.job_id
         if job in self.tasks:
             return False
-        task = asyncio.create_task(self._run(incident_id, det), name=f"localize-{job}")
+        task = asyncio.create_task(self._run(incident_id, det, known), name=f"localize-{job}")
         self.tasks[job] = task
         task.add_done_callback(lambda _t: self.tasks.pop(job, None))
         return True
@@ -60,9 +65,12 @@ class SlowLocalizer:
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
-    async def _run(self, incident_id: str, det: DetectionEvent) -> None:
+    async def _run(self, incident_id: str, det: DetectionEvent,
+                   known: KnownCauses | None = None) -> None:
         try:
             loc, window, timing = await self._profile(det)
+            if known is not None:
+                loc = new_causes(loc, known)
             announce = await self._record(incident_id, det, loc, {"window": window,
                                                                    "timing": timing})
             for subject, msg in announce:
@@ -124,18 +132,23 @@ class SlowLocalizer:
             if incident is None:
                 return []
             if loc.kind == "none":
-                stage = "resolved" if loc.transient and incident.status != "resolved" else None
-                result = "transient" if loc.transient else "unexplained"
+                known_only = bool(loc.evidence.get("known_only"))
+                stage = ("resolved" if (loc.transient or known_only)
+                         and incident.status != "resolved" else None)
+                result = ("known cause" if known_only else "transient" if loc.transient
+                          else "unexplained")
                 detail = {"result": result, "by": "analyzer", "evidence": evidence}
                 await repo.add_timeline(session, incident, stage or "detected", detail)
                 await session.commit()
                 log.info("incident %s: profiling found nothing (%s)", incident.id, result)
                 if stage is None:
                     return []
+                why = ("no new cause: an open incident's cause got worse" if known_only
+                       else "transient: over before it was localised")
                 return [(Subjects.incident(det.job_id), IncidentEvent(
                     job_id=det.job_id, incident_id=incident.id, stage="resolved",
                     kind=incident.kind, severity=incident.severity,
-                    summary=f"{incident.summary} (transient: over before it was localised)"))]
+                    summary=f"{incident.summary} ({why})"))]
             culprit = _merge_culprit(incident.culprit, loc)
             incident.kind = loc.kind
             incident.culprit = culprit

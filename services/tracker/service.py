@@ -58,7 +58,7 @@ Telemetry = Annotated[AgentHello | IterationBatch | CounterBatch, Field(discrimi
 
 def detection_id(job: str, d: JobDetection) -> str:
     """Same decision, same id: a detection replayed after a crash is de-duplicated."""
-    key = f"{job}|{d.kind}|{d.first_iteration}|{d.detected_iteration}"
+    key = f"{job}|{d.kind}|{d.change}|{d.first_iteration}|{d.detected_iteration}"
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -192,16 +192,20 @@ class Tracker:
             await self.persist({msg.job_id})
 
     async def _emit(self, job: str, d: JobDetection) -> None:
+        """``before_s``/``after_s`` are the levels either side of this change; the evidence says
+        which change it is (``onset``, ``further`` slowdown while slow, ``partial`` or ``full``
+        recovery) and the job's healthy level, so a second fault reads as one."""
         event = DetectionEvent(
             event_id=detection_id(job, d), job_id=job,
             kind="slowdown" if d.kind == "slowdown" else "recovery",
             ranks=list(d.ranks), first_iteration=d.first_iteration,
             detected_iteration=d.detected_iteration, before_s=d.before_s, after_s=d.after_s,
-            detected_ns=time.time_ns(), method=self.method)
+            detected_ns=time.time_ns(), method=self.method,
+            evidence={"change": d.change, "healthy_s": d.healthy_s})
         await publish(self.ctx.js, Subjects.detection(job), event)
         self.detections += 1
-        log.info("job %s: %s %.3fs -> %.3fs (ranks %s)", job, d.kind, d.before_s, d.after_s,
-                 list(d.ranks)[:8])
+        log.info("job %s: %s (%s) %.3fs -> %.3fs, healthy %.3fs (ranks %s)", job, d.kind,
+                 d.change, d.before_s, d.after_s, d.healthy_s, list(d.ranks)[:8])
 
 
 async def run_tracker(ctx: ServiceContext, stop: asyncio.Event) -> None:

@@ -24,7 +24,9 @@ def test_prints_one_json_line_per_file(tmp_path, capsys):
     kinds = [d["kind"] for d in first["detections"]]
     assert kinds == ["slowdown", "recovery"]
     slow = first["detections"][0]
-    assert set(slow) == {"index", "detected_at", "kind", "before_s", "after_s"}
+    assert set(slow) == {"index", "detected_at", "kind", "before_s", "after_s", "change",
+                         "healthy_s"}
+    assert slow["change"] == "onset" and first["detections"][1]["change"] == "full"
     assert 250 <= slow["detected_at"] <= 253 and abs(slow["index"] - 250) <= 2
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 
 from greyhound.core.job_tracker import JobTracker
 
@@ -84,3 +87,62 @@ def test_lagging_rank_does_not_block_the_others() -> None:
     t.observe_many([2, 2], [0.1, 0.1])
     state = JobTracker.from_state(t.state_dict())
     assert state.state_dict()["pending"] == t.state_dict()["pending"]
+
+
+def _job_events(tracker: JobTracker, series: np.ndarray, late: dict[int, int] | None = None
+                ) -> list[tuple[int, str, str, float, float]]:
+    """Feed a (ranks, iterations) grid one round at a time; ranks in `late` lag that many
+    rounds behind (their values arrive later), as a slow agent's would."""
+    late = late or {}
+    out = []
+    ranks, n = series.shape
+    lag = max(late.values(), default=0)
+    for it in range(n + lag):
+        rs = [r for r in range(ranks) if 0 <= it - late.get(r, 0) < n]
+        vals = [series[r, it - late.get(r, 0)] for r in rs]
+        for d in tracker.observe_many(rs, vals):
+            out.append((it, d.kind, d.change, d.before_s, d.after_s))
+    return out
+
+
+def test_a_slow_job_reports_a_further_slowdown_then_a_partial_and_a_full_recovery() -> None:
+    rng = np.random.default_rng(5)
+    x = 0.1 * np.exp(0.03 * rng.standard_normal((8, 500)))
+    x[:, 100:400] *= 1.5    # a slow GPU
+    x[:, 200:300] *= 1.3    # a congested link on top of it, cleared at 300
+    x[:, 150] *= 10.0       # a checkpoint
+    x[3, 250:260] *= 2.0    # one rank's own noise while slow
+    events = _job_events(JobTracker(), x, late={6: 3, 7: 5})
+    assert [(k, c) for _, k, c, _, _ in events] == [
+        ("slowdown", "onset"), ("slowdown", "further"), ("recovery", "partial"),
+        ("recovery", "full")], events
+    (t1, *_, b1, a1), (t2, *_, b2, a2), (t3, *_, b3, a3), (t4, *_, b4, a4) = events
+    assert b4 == pytest.approx(a3, rel=0.05)
+    assert 100 <= t1 <= 104 and 200 <= t2 <= 204 and 300 <= t3 <= 304 and 400 <= t4 <= 404
+    assert a1 / b1 == pytest.approx(1.5, rel=0.05)
+    assert a2 / b2 == pytest.approx(1.3, rel=0.05) and b2 == pytest.approx(a1, rel=0.05)
+    assert b3 / a3 == pytest.approx(1.3, rel=0.05)
+    assert a4 == pytest.approx(b1, rel=0.05)
+
+
+def test_ranks_that_report_a_change_late_do_not_make_a_second_one() -> None:
+    """Half the ranks see the further slowdown a few rounds after the others (their agent
+    flushes late): one decision, not two."""
+    rng = np.random.default_rng(6)
+    x = 0.1 * np.exp(0.02 * rng.standard_normal((8, 400)))
+    x[:, 100:] *= 1.5
+    x[:, 200:] *= 1.3
+    events = _job_events(JobTracker(), x, late={4: 6, 5: 6, 6: 7, 7: 7})
+    assert [c for _, _, c, _, _ in events] == ["onset", "further"], events
+
+
+def test_further_state_survives_a_restart() -> None:
+    rng = np.random.default_rng(7)
+    x = 0.1 * np.exp(0.02 * rng.standard_normal((4, 400)))
+    x[:, 100:] *= 1.5
+    x[:, 250:] *= 1.3
+    a = JobTracker()
+    _job_events(a, x[:, :180])
+    b = JobTracker.from_state(json.loads(json.dumps(a.state_dict())))
+    rest_a, rest_b = _job_events(a, x[:, 180:]), _job_events(b, x[:, 180:])
+    assert rest_a == rest_b and [c for _, _, c, _, _ in rest_a] == ["further"]

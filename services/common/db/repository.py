@@ -83,6 +83,17 @@ async def find_open_incident(session: AsyncSession, job_id: str, dedup_key: str)
                                Incident.status != "resolved").with_for_update())
 
 
+async def open_incidents(session: AsyncSession, job_id: str,
+                         dedup_prefix: str) -> Sequence[Incident]:
+    """A job's open incidents whose dedup key starts with ``dedup_prefix``, oldest first (a slow
+    job can hold several: a second fault while the first is open is its own incident)."""
+    return (await session.scalars(
+        select(Incident).where(Incident.job_id == job_id,
+                               Incident.dedup_key.startswith(dedup_prefix, autoescape=True),
+                               Incident.status != "resolved")
+        .order_by(Incident.opened_at, Incident.id).with_for_update())).all()
+
+
 async def open_incident(session: AsyncSession, *, job_id: str, kind: str, dedup_key: str,
                         severity: float, summary: str, culprit: dict[str, Any],
                         evidence: dict[str, Any], stage_detail: dict[str, Any]) -> Incident:

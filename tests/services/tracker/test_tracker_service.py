@@ -143,3 +143,33 @@ def test_partitions_share_the_jobs_each_job_on_one_tracker(own_nats: str, tmp_pa
     assert owned[0] and owned[1], owned
     assert not owned[0] & owned[1]
     assert owned[0] | owned[1] == set(jobs)
+
+
+def test_a_second_fault_is_a_detection_of_its_own(own_nats: str, tmp_path: Path) -> None:
+    """Slow from 100 (x1.5), slower from 200 (x1.3 more), back to the first level at 300: the
+    tracker publishes the onset, the further slowdown and the partial recovery, each with the
+    levels either side and the healthy one; a restart in between changes nothing."""
+    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+    job = "second-fault"
+    x = _series(360, slow_from=100, seed=11)
+    x[:, 200:300] *= 1.3
+
+    async def scenario() -> list[DetectionEvent]:
+        async with _tracker(own_nats, settings) as (tracker, consumer):
+            sent = await _send(tracker.ctx, job, x, 0, 230)
+            await _until(lambda: consumer.stats.handled >= sent)
+        async with _tracker(own_nats, settings) as (tracker, consumer):
+            sent = await _send(tracker.ctx, job, x, 230, 360)
+            await _until(lambda: consumer.stats.handled >= sent)
+        return await _detections(own_nats, settings, job)
+
+    events = asyncio.run(scenario())
+    assert [(e.kind, e.evidence["change"]) for e in events] == [
+        ("slowdown", "onset"), ("slowdown", "further"), ("recovery", "partial")], events
+    onset, further, partial = events
+    assert 200 <= further.first_iteration <= 203 and 300 <= partial.first_iteration <= 303
+    assert further.before_s == pytest.approx(onset.after_s, rel=0.03)
+    assert further.after_s / further.before_s == pytest.approx(1.3, rel=0.03)
+    assert partial.after_s == pytest.approx(onset.after_s, rel=0.03)
+    assert all(e.evidence["healthy_s"] == pytest.approx(0.1, rel=0.02) for e in events)
+    assert len({e.event_id for e in events}) == 3

@@ -1,0 +1,190 @@
+"""A second fault while the first is open, through the analyzer on a real nats-server and
+Postgres: stand-in agents publish a profile in which rank 2 is late, and from the second
+profiling on rank 1 as well. The further slowdown opens its own incident naming rank 1 only;
+a partial recovery resolves that one, a full recovery the first."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from nats.aio.msg import Msg
+
+from services.analyzer.profiling import CollectiveFeed, WindowRule
+from services.analyzer.service import Analyzer
+from services.analyzer.slow import SlowLocalizer
+from services.common.bus.client import publish
+from services.common.bus.contract import (
+    CollectiveBatch,
+    ControlReply,
+    ControlRequest,
+    DetectionEvent,
+    DetectionKind,
+    Subjects,
+)
+from services.common.bus.streams import TELEMETRY, ConsumerSpec
+from services.common.db import repository as repo
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+
+COMM = (1 << 64) - 777
+AGENTS = ("node-a", "node-b")
+
+
+def collectives(job: str, agent: str, ranks: list[int], late: dict[int, float],
+                seed: int) -> CollectiveBatch:
+    """40 iterations of one all-reduce on a 4-rank communicator; `late` ranks (ms) enter late
+    and everyone leaves together."""
+    rng = np.random.default_rng(seed)
+    cols: dict[str, list[int]] = {k: [] for k in CollectiveBatch.COLUMNS}
+    t0 = 1_700_000_000_000_000_000
+    for it in range(40):
+        start = t0 + it * 80_000_000
+        compute = {r: 30e6 + rng.normal(0, 0.2e6) + late.get(r, 0.0) * 1e6 for r in range(4)}
+        exit_ns = start + int(max(compute.values()) + 0.5e6)
+        for r in ranks:
+            row = {"rank": r, "comm_id": COMM, "comm_rank": r, "nranks": 4, "seq": it + 1,
+                   "op": 1, "count": 1 << 18, "dtype": 7, "peer": -1,
+                   "enter_ns": start + int(compute[r]), "exit_ns": exit_ns,
+                   "gpu_start_ns": 0, "gpu_end_ns": 0}
+            for key, value in row.items():
+                cols[key].append(value)
+    return CollectiveBatch(job_id=job, agent_id=agent, **cols)
+
+
+@pytest.fixture()
+async def ctx(nats_url: str, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
+    settings = Settings(nats_url=nats_url, database_url=fresh_db_url)
+    c = await start_service("analyzer-second-test", settings,
+                            backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
+    yield c
+    await c.close()
+
+
+async def _agents(ctx: ServiceContext, job: str) -> list[int]:
+    """Stand-in agents; returns the list of profile windows served so far (mutable)."""
+    served: list[int] = []
+    for i, agent in enumerate(AGENTS):
+        async def answer(msg: Msg, agent: str = agent, i: int = i) -> None:
+            req = ControlRequest.model_validate_json(msg.data)
+            await msg.respond(ControlReply(ok=True, agent_id=agent).model_dump_json().encode())
+            if req.mode == "profile":
+                if i == 0:
+                    served.append(1)
+                late = {2: 25.0} if len(served) <= 1 else {2: 25.0, 1: 40.0}
+                await publish(ctx.js, Subjects.collectives(job, agent),
+                              collectives(job, agent, [2 * i, 2 * i + 1], late, seed=len(served)))
+        await ctx.nc.subscribe(Subjects.control(job, agent), cb=answer)
+    return served
+
+
+def _det(job: str, kind: DetectionKind, change: str, first: int, before: float, after: float
+         ) -> DetectionEvent:
+    return DetectionEvent(job_id=job, kind=kind,
+                          ranks=[0, 1, 2, 3], first_iteration=first,
+                          detected_iteration=first + 4, before_s=before, after_s=after,
+                          detected_ns=0, evidence={"change": change, "healthy_s": 0.031})
+
+
+async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
+        ctx: ServiceContext) -> None:
+    job = f"second{uuid.uuid4().hex[:8]}"
+    async with ctx.db()() as session:
+        await repo.touch_job(session, job)
+        for i, agent in enumerate(AGENTS):
+            await repo.upsert_ranks(session, job, agent, [
+                {"rank": r, "host": f"host{i}", "node": None, "device": r % 2, "pid": 100 + r}
+                for r in (2 * i, 2 * i + 1)])
+        await session.commit()
+    await _agents(ctx, job)
+    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
+    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
+        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
+    feeding = asyncio.create_task(feed.run())
+    analyzer = Analyzer(ctx, localizer)
+
+    async def settle() -> None:
+        for _ in range(400):
+            if not analyzer._chains and not localizer.tasks:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("localisation did not finish")
+
+    async def rows() -> list[dict[str, Any]]:
+        async with ctx.db()() as session:
+            found = await repo.list_incidents(session, job_id=job)
+            return [{"id": r.id, "kind": r.kind, "status": r.status, "culprit": r.culprit,
+                     "opened": r.opened_at, "timeline": [(e.stage, e.detail) for e in r.timeline]}
+                    for r in sorted(found, key=lambda r: r.opened_at)]
+
+    try:
+        # Both detections arrive before the first localisation ends: the second waits for it.
+        await analyzer.handle("", _det(job, "slowdown", "onset", 100, 0.031, 0.056))
+        await analyzer.handle("", _det(job, "slowdown", "further", 300, 0.056, 0.071))
+        await settle()
+        first, second = await rows()
+        assert first["kind"] == "compute_slow" and first["culprit"]["compute_ranks"] == [2]
+        assert second["kind"] == "compute_slow" and second["culprit"]["compute_ranks"] == [1], \
+            second
+        assert second["timeline"][0][1]["change"] == "further"
+        assert [d.get("further") for _, d in first["timeline"]].count(second["id"]) == 1
+        # The second cause ends: back near the first level. Then the first one ends.
+        await analyzer.handle("", _det(job, "recovery", "partial", 500, 0.071, 0.057))
+        first, second = await rows()
+        assert (first["status"], second["status"]) != ("resolved", "resolved")
+        assert second["status"] == "resolved" and first["status"] != "resolved"
+        await analyzer.handle("", _det(job, "recovery", "full", 700, 0.057, 0.031))
+        assert [r["status"] for r in await rows()] == ["resolved", "resolved"]
+    finally:
+        feed.stop()
+        await feeding
+        await analyzer.stop()
+        await localizer.stop()
+
+
+async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
+        ctx: ServiceContext) -> None:
+    """Rank 2 just gets later: the new incident finds only the known culprit and closes."""
+    job = f"worse{uuid.uuid4().hex[:8]}"
+    async with ctx.db()() as session:
+        await repo.touch_job(session, job)
+        for i, agent in enumerate(AGENTS):
+            await repo.upsert_ranks(session, job, agent, [
+                {"rank": r, "host": f"host{i}", "node": None, "device": r % 2, "pid": 100 + r}
+                for r in (2 * i, 2 * i + 1)])
+        await session.commit()
+    for i, agent in enumerate(AGENTS):
+        async def answer(msg: Msg, agent: str = agent, i: int = i) -> None:
+            req = ControlRequest.model_validate_json(msg.data)
+            await msg.respond(ControlReply(ok=True, agent_id=agent).model_dump_json().encode())
+            if req.mode == "profile":
+                await publish(ctx.js, Subjects.collectives(job, agent),
+                              collectives(job, agent, [2 * i, 2 * i + 1], {2: 35.0}, seed=3))
+        await ctx.nc.subscribe(Subjects.control(job, agent), cb=answer)
+    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
+    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
+        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
+    feeding = asyncio.create_task(feed.run())
+    analyzer = Analyzer(ctx, localizer)
+    try:
+        await analyzer.handle("", _det(job, "slowdown", "onset", 100, 0.031, 0.056))
+        await analyzer.handle("", _det(job, "slowdown", "further", 300, 0.056, 0.066))
+        for _ in range(400):
+            if not analyzer._chains and not localizer.tasks:
+                break
+            await asyncio.sleep(0.05)
+        async with ctx.db()() as session:
+            found = sorted(await repo.list_incidents(session, job_id=job),
+                           key=lambda r: r.opened_at)
+        assert [(r.kind, r.status) for r in found] == [("compute_slow", "localized"),
+                                                        ("slowdown", "resolved")]
+        assert found[1].timeline[-1].detail["result"] == "known cause"
+    finally:
+        feed.stop()
+        await feeding
+        await analyzer.stop()
+        await localizer.stop()
