@@ -26,6 +26,7 @@ static const char *const g_names[FK_NKINDS] = {
     [FK_SKIP_CALL] = "skip_call",         [FK_MISMATCH] = "mismatch",
     [FK_NEVER_COMPLETE] = "never_complete", [FK_INPROGRESS] = "inprogress",
     [FK_GPU_LAG_MS] = "gpu_lag_ms",       [FK_CAPTURE] = "capture",
+    [FK_SLOW_HOST] = "slow_host",
 };
 
 static void parse_line(const char *line) {
@@ -38,6 +39,7 @@ static void parse_line(const char *line) {
     struct fk_rule r = {.kind = k, .a = (long)x[0], .b = -1, .v = 1.0};
     switch (k) {
       case FK_SLOW_RANK:
+      case FK_SLOW_HOST:
       case FK_GPU_LAG_MS:
         if (got < 3) return;
         r.v = x[1];

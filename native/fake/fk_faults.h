@@ -3,7 +3,7 @@
  * links its own hidden copy; all of them read the file named by FAKE_NCCL_FAULTS, so a test changes
  * the behaviour of a running job by rewriting one file. Format (one fault a line, '#' comments):
  *   slow_rank R factor | slow_link A B factor | skip_call R seq | mismatch R seq
- *   never_complete R seq | inprogress R | gpu_lag_ms R ms | capture R
+ *   never_complete R seq | inprogress R | gpu_lag_ms R ms | capture R | slow_host R factor
  * Ranks are global ranks (env RANK). Removing a line ends that fault.
  */
 #ifndef GH_FK_FAULTS_H
@@ -18,6 +18,7 @@ enum fk_kind {
   FK_INPROGRESS,
   FK_GPU_LAG_MS,
   FK_CAPTURE,
+  FK_SLOW_HOST,
   FK_NKINDS
 };
 
