@@ -13,6 +13,7 @@ GH_TLS int gh_group_depth;
 GH_TLS uint64_t gh_group_id;
 GH_TLS ncclComm_t gh_last_comm;
 GH_TLS struct gh_comm_entry *gh_last_entry;
+GH_TLS struct gh_marks *gh_last_marks;
 GH_TLS uint32_t gh_tid;
 
 uint32_t gh_tid_slow(void) {
@@ -26,6 +27,7 @@ struct gh_comm_entry *gh_comm_miss(ncclComm_t comm) {
   if (e == NULL && comm != NULL) e = gh_comm_adopt(comm);
   gh_last_comm = comm;
   gh_last_entry = e;
+  gh_last_marks = e != NULL ? &gh_marks[e - gh_comms] : NULL;
   errno = saved;
   return e;
 }
