@@ -152,32 +152,31 @@ GH_EXPORT ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclC
 }
 GH_WEAK_ALIAS(ncclCommSplit);
 
-/* Releases the device: this rank's queued and hung operations end with ncclInvalidUsage, the other
- * ranks' with ncclRemoteError (reported by their GetAsyncError). The handle is dead at once; the
- * memory goes with the last operation that still holds it. */
-static void abort_comm(struct ncclComm *c) {
+/* The handle is dead at once; this rank's queued and hung operations end (ncclInvalidUsage) when
+ * their device sees the flag, and the memory goes with the last one that still holds it. */
+static void release_device(struct ncclComm *c) {
   atomic_store(&c->aborted, 1);
-  atomic_store(&c->shm->aborted, 1);
+  c->magic = 0;
   fk_bump(c->shm);
+  fk_comm_unref(c);
 }
 
 /* Real NCCL's destroy flushes queued work first (and would hang on a hung collective); the fake
- * releases work still queued like an abort, so a test's teardown never hangs: synchronise first,
- * as the workload does, to finish it. */
+ * releases this rank's work still queued, so a teardown never hangs: synchronise first, as the
+ * workload does, to finish it. The peers are not told (as with a destroy): they keep waiting. */
 GH_EXPORT ncclResult_t pncclCommDestroy(ncclComm_t comm) {
   if (!fk_comm_ok(comm)) return ncclInvalidArgument;
-  if (atomic_load(&comm->refs) > 1) abort_comm(comm);
-  comm->magic = 0;
-  fk_comm_unref(comm);
+  release_device(comm);
   return ncclSuccess;
 }
 GH_WEAK_ALIAS(ncclCommDestroy);
 
+/* An abort also fails the peers' operations on this communicator with ncclRemoteError, reported
+ * by their GetAsyncError, as a dead rank makes real NCCL's peers fail. */
 GH_EXPORT ncclResult_t pncclCommAbort(ncclComm_t comm) {
   if (!fk_comm_ok(comm)) return comm == NULL ? ncclSuccess : ncclInvalidArgument;
-  abort_comm(comm);
-  comm->magic = 0;
-  fk_comm_unref(comm);
+  atomic_store(&comm->shm->aborted, 1);
+  release_device(comm);
   return ncclSuccess;
 }
 GH_WEAK_ALIAS(ncclCommAbort);

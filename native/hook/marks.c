@@ -46,24 +46,25 @@ static GH_TLS int ngroup;
 void gh_marks_lock(void) { pthread_mutex_lock(&lock); }
 void gh_marks_unlock(void) { pthread_mutex_unlock(&lock); }
 
-/* Lost calls: single producer, so a seqlock lets the poller read the three fields consistently. */
+/* Lost calls: single producer, so a seqlock lets the poller read the three fields consistently.
+ * Release stores of the fields (after the odd version) and acquire loads of them (before the
+ * version is read again) order it without fences: a reader that sees a new field sees the odd
+ * version after it. */
 static void lost(struct gh_marks *m, const struct pending *p, int enqueued) {
   uint32_t v = __atomic_load_n(&m->lost_ver, __ATOMIC_RELAXED);
   __atomic_store_n(&m->lost_ver, v + 1, __ATOMIC_RELAXED);
-  __atomic_thread_fence(__ATOMIC_RELEASE);
-  __atomic_store_n(&m->lost_call, p->last, __ATOMIC_RELAXED);
-  __atomic_store_n(&m->lost_seq, p->seq_upto, __ATOMIC_RELAXED);
-  if (enqueued) __atomic_store_n(&m->lost_n, m->lost_n + 1, __ATOMIC_RELAXED);
+  __atomic_store_n(&m->lost_call, p->last, __ATOMIC_RELEASE);
+  __atomic_store_n(&m->lost_seq, p->seq_upto, __ATOMIC_RELEASE);
+  if (enqueued) __atomic_store_n(&m->lost_n, m->lost_n + 1, __ATOMIC_RELEASE);
   __atomic_store_n(&m->lost_ver, v + 2, __ATOMIC_RELEASE);
 }
 
 static int read_lost(struct gh_marks *m, uint64_t out[3]) {
   uint32_t v = __atomic_load_n(&m->lost_ver, __ATOMIC_ACQUIRE);
   if (v & 1) return 0;
-  out[0] = __atomic_load_n(&m->lost_call, __ATOMIC_RELAXED);
-  out[1] = __atomic_load_n(&m->lost_seq, __ATOMIC_RELAXED);
-  out[2] = __atomic_load_n(&m->lost_n, __ATOMIC_RELAXED);
-  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  out[0] = __atomic_load_n(&m->lost_call, __ATOMIC_ACQUIRE);
+  out[1] = __atomic_load_n(&m->lost_seq, __ATOMIC_ACQUIRE);
+  out[2] = __atomic_load_n(&m->lost_n, __ATOMIC_ACQUIRE);
   return __atomic_load_n(&m->lost_ver, __ATOMIC_RELAXED) == v;
 }
 

@@ -208,6 +208,9 @@ int main(void) {
   CHECK(v.h->head - v.h->consumed == 64 && v.h->dropped == 36);
   e = ring_comm(&v, cid);
   CHECK(e != NULL && e->last_seq_completed == 108); /* counters keep counting */
+  /* No CUDA runtime in this process: no completion marks, the GPU fields stay unused. */
+  CHECK(e != NULL && e->gpu_marks == 0 && e->gpu_calls_done == 0 && e->gpu_pending_ns == 0 &&
+        e->gpu_marks_lost == 0);
   CHECK(ncclCommDestroy(comm) == ncclSuccess && ncclCommDestroy(sub) == ncclSuccess);
   printf("test_hook_api: %s\n", gh_failures ? "FAIL" : "ok");
   return gh_failures != 0;
