@@ -37,7 +37,7 @@ static int event_ok(cudaEvent_t e) { return e != NULL && e->magic == FK_EVENT_MA
 
 static _Atomic long g_capture_violations, g_captured_records;
 
-static int capturing(void) { return fk_fault_find(FK_CAPTURE, fk_global_rank(0), -1, NULL); }
+static int capturing(void) { return fk_fault_mine(FK_CAPTURE, NULL); }
 
 /* A real capture starts and ends by the application thread's own calls, never between two CUDA
  * calls the hook makes for one NCCL call; the fault file can flip at any moment. So the state a
@@ -80,7 +80,7 @@ GH_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     return cudaSuccess;
   }
   double lag_ms = 0;
-  fk_fault_find(FK_GPU_LAG_MS, fk_global_rank(0), -1, &lag_ms);
+  fk_fault_mine(FK_GPU_LAG_MS, &lag_ms);
   return ret(fk_event_record(event, s, (int64_t)(lag_ms * 1e6)));
 }
 
@@ -249,7 +249,7 @@ GH_EXPORT cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, 
 
 GH_EXPORT double fakeGpuSlowFactor(void) {
   double factor = 1.0;
-  if (!fk_fault_find(FK_SLOW_RANK, fk_global_rank(0), -1, &factor) || factor < 1.0) factor = 1.0;
+  if (!fk_fault_mine(FK_SLOW_RANK, &factor) || factor < 1.0) factor = 1.0;
   return factor;
 }
 

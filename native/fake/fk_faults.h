@@ -40,4 +40,8 @@ int fk_fault_collect(enum fk_kind kind, struct fk_rule *out, int max);
 /* The global rank from env RANK, or fallback when unset. */
 int fk_global_rank(int fallback);
 
+/* fk_fault_find for a kind keyed by this process's own rank (RANK, else 0); reads the environment
+ * only when some rule of that kind exists, so the fake CUDA can ask on every call. */
+int fk_fault_mine(enum fk_kind kind, double *value);
+
 #endif

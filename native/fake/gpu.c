@@ -252,6 +252,11 @@ void fk_event_unref(cudaEvent_t e) {
   if (atomic_fetch_sub(&e->refs, 1) == 1) free(e);
 }
 
+/* Only timing events and lags need the time a record completed at. */
+static int64_t stamp(cudaEvent_t e, int64_t lag_ns) {
+  return (e->flags & cudaEventDisableTiming) && lag_ns == 0 ? 0 : fk_now_ns() + lag_ns;
+}
+
 struct record_work {
   struct fakeGpuWork w;
   cudaEvent_t e;
@@ -261,7 +266,7 @@ struct record_work {
 
 static void record_run(struct fakeGpuWork *w) {
   struct record_work *r = (struct record_work *)w;
-  complete(r->e, r->gen, fk_now_ns() + r->lag_ns);
+  complete(r->e, r->gen, stamp(r->e, r->lag_ns));
 }
 
 static void record_release(struct fakeGpuWork *w) {
@@ -274,7 +279,7 @@ cudaError_t fk_event_record(cudaEvent_t e, struct CUstream_st *s, int64_t lag_ns
   if (fk_gpu_forked) return cudaErrorInitializationError;
   uint64_t gen = atomic_fetch_add(&e->recorded, 1) + 1;
   if (fk_stream_idle(s)) {
-    complete(e, gen, fk_now_ns() + lag_ns);
+    complete(e, gen, stamp(e, lag_ns));
     return cudaSuccess;
   }
   struct record_work *r = malloc(sizeof *r);

@@ -210,21 +210,32 @@ void gh_profile_poll(void);
  * gpu_seq_done and the oldest pending call into the comm entry. A slot covers calls
  * [first, last] (a group's calls on one communicator share one mark). */
 #define GH_MARKS 1024u
+/* Packed so the hot path fills it with six stores: last = first + span; the collective seq
+ * before the first call is upto - ncoll; the first call's own seq is that + 1 if it is a
+ * collective (GH_MARK_COLL in meta), else 0 (send/recv). */
+#define GH_MARK_META(op, dtype, first_is_coll) ((uint32_t)(op) | ((uint32_t)(dtype) << 8) | ((uint32_t)(first_is_coll) << 16))
+#define GH_MARK_SHAPE(span, ncoll) ((uint64_t)(span) | ((uint64_t)(ncoll) << 32))
 struct gh_mark_slot {
   gh_cuda_event ev; /* created by the poller */
-  uint64_t first, last, seq_before, seq_upto, pend_seq, count, enter_ns;
-  uint32_t op, dtype;
+  uint64_t first;   /* the first call covered (calls numbered as calls_entered) */
+  uint64_t upto;    /* the communicator's collective seq after the last call covered */
+  uint64_t count;   /* the first call's count ... */
+  uint64_t enter_ns; /* ... and host enqueue time */
+  uint64_t shape;   /* GH_MARK_SHAPE(calls covered - 1, collectives covered) */
+  uint32_t meta;    /* GH_MARK_META of the first call */
+  uint32_t pad[3];  /* 64 bytes: the hot path indexes with a shift */
 };
 struct gh_marks {
   /* the producer: the one thread inside this communicator's calls (NCCL allows no more) */
   uint64_t head;          /* slots published (release) */
-  cudaStream_t stream;    /* stream of its last call; a new one is noted for the drain */
+  cudaStream_t stream;    /* its last call's stream once the events exist: the fast path's key */
+  cudaStream_t noted;     /* its last call's stream, noted for the drain */
   uint32_t ready;         /* events exist (set by the poller, release) */
   uint32_t lost_ver;      /* seqlock over the three below */
   uint64_t lost_call;     /* newest call without a mark ... */
   uint64_t lost_seq;      /* ... the collective seq up to it ... */
   uint64_t lost_n;        /* ... and how many calls were enqueued without one */
-  uint8_t pad0[16];
+  uint8_t pad0[8];
   /* the poller (under the marks lock) */
   uint64_t tail;          /* slots retired (release: the producer may reuse them) */
   uint64_t done_call, done_seq, calls_done, seq_done, lost_seen[3];

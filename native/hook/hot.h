@@ -68,8 +68,7 @@ GH_INLINE void gh_hot_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cud
   uint64_t ctl = __atomic_load_n(__atomic_load_n(&gh_ctl_word, __ATOMIC_ACQUIRE), __ATOMIC_RELAXED);
   if (GH_UNLIKELY(ctl != 0) && GH_CTL_PAUSE(ctl) != 0 && gh_group_depth == 0) gh_pause_point_slow(comm);
   struct gh_comm_entry *e = gh_last_entry;
-  if (GH_UNLIKELY(comm != gh_last_comm || e == NULL ||
-                  __atomic_load_n(&e->state, __ATOMIC_RELAXED) != GH_COMM_ACTIVE ||
+  if (GH_UNLIKELY(comm != gh_last_comm || __atomic_load_n(&e->state, __ATOMIC_RELAXED) != GH_COMM_ACTIVE ||
                   e->handle != (uint64_t)(uintptr_t)comm))
     e = gh_comm_miss(comm);
   c->e = e;
@@ -88,33 +87,35 @@ GH_INLINE void gh_hot_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cud
   if (GH_UNLIKELY(ctl != 0)) c->profiled = gh_profile_enter(stream);
 }
 
-/* The completion mark of a call outside a group on a communicator whose ring is ready, on the
- * stream of its previous call: fill the next slot, record its event behind the call, publish.
+/* The completion mark of a call outside a group on a communicator whose ring is ready (its stream
+ * is then the one m->stream holds): fill the next slot (not the poller's until head moves), ask
+ * whether the stream captures a graph, record the slot's event behind the call, publish.
  * Everything else goes to gh_mark_slow. The CUDA calls may touch errno: it is put back. */
+extern GH_TLS int *gh_errp;
+int *gh_errp_slow(void);
 GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
                        uint64_t count, uint32_t dtype, int in_group) {
   struct gh_marks *m = c->m;
   uint64_t h = m->head;
   int hint = GH_MARK_CHECK;
-  if (GH_LIKELY(__atomic_load_n(&m->ready, __ATOMIC_ACQUIRE) != 0 && !in_group && res == ncclSuccess &&
-                stream == m->stream && c->profiled == 0 &&
+  if (GH_LIKELY(stream == m->stream && !in_group && res == ncclSuccess && c->profiled == 0 &&
                 h - __atomic_load_n(&m->tail, __ATOMIC_ACQUIRE) < GH_MARKS)) {
-    int *err = __errno_location(), saved = *err, cap = 0;
+    struct gh_mark_slot *s = &m->slot[h & (GH_MARKS - 1)];
+    gh_cuda_event ev = s->ev;
+    int coll = !GH_IS_P2P(op);
+    s->first = c->call_no;
+    s->upto = coll ? c->seq : __atomic_load_n(&c->e->last_seq_entered, __ATOMIC_RELAXED);
+    s->count = count;
+    s->enter_ns = c->enter_ns;
+    s->shape = GH_MARK_SHAPE(0, coll);
+    s->meta = GH_MARK_META(op, dtype, coll);
+    int *err = gh_errp;
+    if (GH_UNLIKELY(err == NULL)) err = gh_errp_slow();
+    int saved = *err, cap;
     hint = GH_MARK_CAPTURED;
     if (GH_LIKELY(gh_cu.is_capturing(stream, &cap) == 0 && cap == 0)) {
-      struct gh_mark_slot *s = &m->slot[h & (GH_MARKS - 1)];
-      uint64_t upto = c->seq != 0 ? c->seq : __atomic_load_n(&c->e->last_seq_entered, __ATOMIC_RELAXED);
-      s->first = c->call_no;
-      s->last = c->call_no;
-      s->seq_before = upto - (c->seq != 0);
-      s->seq_upto = upto;
-      s->pend_seq = c->seq;
-      s->count = count;
-      s->enter_ns = c->enter_ns;
-      s->op = op;
-      s->dtype = dtype;
       hint = GH_MARK_LOST;
-      if (GH_LIKELY(gh_cu.ev_record(s->ev, stream) == 0)) {
+      if (GH_LIKELY(gh_cu.ev_record(ev, stream) == 0)) {
         *err = saved;
         __atomic_store_n(&m->head, h + 1, __ATOMIC_RELEASE);
         return;
@@ -128,9 +129,8 @@ GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, c
 GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
                            uint64_t count, int dtype, int redop, int peer) {
   uint64_t ret_ns = gh_clock_exit(c->tsc, c->mult, c->enter_ns);
-  uint32_t flags = res == ncclInProgress ? GH_F_IN_PROGRESS : 0u;
   int in_group = gh_group_depth > 0;
-  if (in_group) flags |= GH_F_IN_GROUP;
+  uint32_t flags = (res == ncclInProgress ? GH_F_IN_PROGRESS : 0u) | (in_group ? GH_F_IN_GROUP : 0u);
   if (GH_UNLIKELY(c->profiled != 0)) flags |= gh_profile_exit(c->profiled);
   struct gh_comm_entry *e = c->e;
   uint64_t seq = c->seq, comm_id = 0;
@@ -156,7 +156,7 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cud
     r->enter_ns = c->enter_ns;
     r->return_ns = ret_ns;
     r->stream = (uint64_t)(uintptr_t)stream;
-    r->group_id = in_group ? gh_group_id : 0;
+    r->group_id = gh_group_id; /* 0 outside groups */
     r->gpu_start_ns = 0;
     r->gpu_end_ns = 0;
     r->comm_rank = rank;

@@ -37,11 +37,17 @@ static int nstreams;
 struct pending {
   struct gh_marks *m;
   cudaStream_t stream;
-  uint64_t first, last, seq_before, seq_upto, pend_seq, count, enter_ns;
-  uint32_t op, dtype;
+  uint64_t first, last, upto, count, enter_ns;
+  uint32_t op, dtype, first_coll, ncoll;
 };
 static GH_TLS struct pending group[GH_MAX_COMMS];
 static GH_TLS int ngroup;
+GH_TLS int *gh_errp; /* this thread's errno: the hot path saves it without a call */
+
+int *gh_errp_slow(void) {
+  gh_errp = &errno;
+  return gh_errp;
+}
 
 void gh_marks_lock(void) { pthread_mutex_lock(&lock); }
 void gh_marks_unlock(void) { pthread_mutex_unlock(&lock); }
@@ -54,7 +60,7 @@ static void lost(struct gh_marks *m, const struct pending *p, int enqueued) {
   uint32_t v = __atomic_load_n(&m->lost_ver, __ATOMIC_RELAXED);
   __atomic_store_n(&m->lost_ver, v + 1, __ATOMIC_RELAXED);
   __atomic_store_n(&m->lost_call, p->last, __ATOMIC_RELEASE);
-  __atomic_store_n(&m->lost_seq, p->seq_upto, __ATOMIC_RELEASE);
+  __atomic_store_n(&m->lost_seq, p->upto, __ATOMIC_RELEASE);
   if (enqueued) __atomic_store_n(&m->lost_n, m->lost_n + 1, __ATOMIC_RELEASE);
   __atomic_store_n(&m->lost_ver, v + 2, __ATOMIC_RELEASE);
 }
@@ -99,14 +105,11 @@ static void publish(const struct pending *p, int hint) {
   }
   struct gh_mark_slot *s = &m->slot[h & (GH_MARKS - 1)];
   s->first = p->first;
-  s->last = p->last;
-  s->seq_before = p->seq_before;
-  s->seq_upto = p->seq_upto;
-  s->pend_seq = p->pend_seq;
+  s->upto = p->upto;
   s->count = p->count;
   s->enter_ns = p->enter_ns;
-  s->op = p->op;
-  s->dtype = p->dtype;
+  s->shape = GH_MARK_SHAPE(p->last - p->first, p->ncoll);
+  s->meta = GH_MARK_META(p->op, p->dtype, p->first_coll);
   if (gh_cu.ev_record(s->ev, p->stream) != 0) {
     lost(m, p, 1);
     return;
@@ -118,14 +121,17 @@ void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaSt
                   uint64_t count, uint32_t dtype, int hint) {
   struct gh_marks *m = c->m;
   int saved = errno;
-  if (stream != m->stream) {
+  if (stream != m->noted) {
     note_stream(stream);
-    m->stream = stream;
+    m->noted = stream;
   }
-  uint64_t upto = c->seq != 0 ? c->seq : __atomic_load_n(&c->e->last_seq_entered, __ATOMIC_RELAXED);
+  /* The fast path's key: only a ring with events gets one (attach resets it). */
+  if (__atomic_load_n(&m->ready, __ATOMIC_ACQUIRE)) m->stream = stream;
+  uint32_t coll = !GH_IS_P2P(op);
   struct pending p = {.m = m, .stream = stream, .first = c->call_no, .last = c->call_no,
-                      .seq_before = upto - (c->seq != 0), .seq_upto = upto, .pend_seq = c->seq,
-                      .count = count, .enter_ns = c->enter_ns, .op = op, .dtype = dtype};
+                      .upto = coll ? c->seq : __atomic_load_n(&c->e->last_seq_entered, __ATOMIC_RELAXED),
+                      .count = count, .enter_ns = c->enter_ns, .op = op, .dtype = dtype,
+                      .first_coll = coll, .ncoll = coll};
   if (c->profiled < 0) hint = GH_MARK_CAPTURED; /* profile mode already asked */
   else if (c->profiled > 0 && hint == GH_MARK_CHECK) hint = GH_MARK_CLEAR;
   if (res != ncclSuccess) {
@@ -138,7 +144,8 @@ void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaSt
     if (i == ngroup) group[ngroup++] = p; /* one entry per communicator: never more than the table */
     else {
       group[i].last = p.last;
-      group[i].seq_upto = p.seq_upto;
+      group[i].upto = p.upto;
+      group[i].ncoll += p.ncoll;
     }
   } else {
     publish(&p, hint);
@@ -162,6 +169,7 @@ void gh_marks_attach(int idx, int device) {
   m->head = 0;
   m->tail = 0;
   m->stream = NO_STREAM;
+  m->noted = NO_STREAM;
   m->lost_ver = 0;
   m->lost_call = m->lost_seq = m->lost_n = 0;
   m->done_call = m->done_seq = m->calls_done = m->seq_done = 0;
@@ -217,15 +225,16 @@ static void poll_ring(int idx) {
   for (; t < head; t++) {
     struct gh_mark_slot *s = &m->slot[t & (GH_MARKS - 1)];
     if (gh_cu.ev_query(s->ev) == GH_CUDA_NOT_READY) break; /* an error cannot complete later */
-    m->done_call = s->last;
-    m->done_seq = s->seq_upto;
+    m->done_call = s->first + (uint32_t)s->shape;
+    m->done_seq = s->upto;
   }
   __atomic_store_n(&m->tail, t, __ATOMIC_RELEASE);
   const struct gh_mark_slot *p = t < head ? &m->slot[t & (GH_MARKS - 1)] : NULL;
-  uint64_t calls = m->done_call, seq = m->done_seq;
+  uint64_t calls = m->done_call, seq = m->done_seq, pend_seq = 0;
   if (p != NULL) { /* calls before the oldest pending mark are done, lost ones included */
     calls = p->first - 1;
-    seq = p->seq_before;
+    seq = p->upto - (p->shape >> 32);
+    pend_seq = (p->meta >> 16) & 1u ? seq + 1 : 0;
   } else if (m->lost_seen[0] > calls) {
     calls = m->lost_seen[0];
     seq = m->lost_seen[1];
@@ -235,9 +244,9 @@ static void poll_ring(int idx) {
   __atomic_store_n(&e->gpu_calls_done, m->calls_done, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_seq_done, m->seq_done, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_marks_lost, m->lost_seen[2], __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_pending_seq, p != NULL ? p->pend_seq : 0, __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_pending_op, p != NULL ? p->op : 0u, __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_pending_dtype, p != NULL ? p->dtype : 0u, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_seq, pend_seq, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_op, p != NULL ? p->meta & 0xffu : 0u, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_dtype, p != NULL ? (p->meta >> 8) & 0xffu : 0u, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_count, p != NULL ? p->count : 0, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_ns, p != NULL ? p->enter_ns : 0, __ATOMIC_RELEASE);
 }

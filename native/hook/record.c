@@ -21,11 +21,13 @@ uint32_t gh_tid_slow(void) {
   return gh_tid;
 }
 
+/* The cache never holds a NULL entry (the next call on that communicator misses again), so the
+ * hot path's hit test need not check for one. */
 struct gh_comm_entry *gh_comm_miss(ncclComm_t comm) {
   int saved = errno; /* adopting asks NCCL about the communicator */
   struct gh_comm_entry *e = gh_comm_lookup(comm);
   if (e == NULL && comm != NULL) e = gh_comm_adopt(comm);
-  gh_last_comm = comm;
+  gh_last_comm = e != NULL ? comm : (ncclComm_t)(uintptr_t)~(uintptr_t)0;
   gh_last_entry = e;
   gh_last_marks = e != NULL ? &gh_marks[e - gh_comms] : NULL;
   errno = saved;

@@ -46,6 +46,7 @@ GH_EXPORT ncclResult_t ncclGroupStart(void) {
   saved = errno;
   if (res == ncclSuccess && gh_group_depth++ == 0)
     gh_record_event(GH_OP_GROUP_START, NULL, (int)res, -1, t0);
+  if (gh_group_depth == 0) gh_group_id = 0; /* records outside groups carry id 0 */
   gh_depth--;
   errno = saved;
   return res;
