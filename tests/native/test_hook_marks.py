@@ -35,7 +35,8 @@ def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
 def _world(reader: H.RingReader) -> np.void:
     """The job communicator's entry (the workload's first; with tp = pp = 1 also the DP one)."""
     comms = reader.comms()
-    return comms[(comms["parent_id"] == 0) & (comms["state"] == H.CommState.ACTIVE)][0]
+    entry: np.void = comms[(comms["parent_id"] == 0) & (comms["state"] == H.CommState.ACTIVE)][0]
+    return entry
 
 
 def _last_line(job: FakeJob, rank: int) -> str:
