@@ -22,6 +22,8 @@ struct fk_device {
 };
 
 static struct fk_device g_dev[FK_DEVICES];
+/* Lock order: a stream's mu, then a device's mu; g_dflt_mu, then g_all_mu, then a stream's mu. */
+static pthread_mutex_t g_dflt_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_all_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct CUstream_st *g_all; /* live streams, for cudaDeviceSynchronize */
 static pthread_mutex_t g_ev_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -37,6 +39,7 @@ static void init_device(struct fk_device *d) {
 
 static void on_fork_child(void) {
   for (int i = 0; i < FK_DEVICES; i++) init_device(&g_dev[i]);
+  pthread_mutex_init(&g_dflt_mu, NULL);
   pthread_mutex_init(&g_all_mu, NULL);
   pthread_mutex_init(&g_ev_mu, NULL);
   pthread_cond_init(&g_ev_cv, NULL);
@@ -75,13 +78,13 @@ struct CUstream_st *fk_stream(cudaStream_t h, int device) {
   struct fk_device *d = &g_dev[device];
   struct CUstream_st *s = atomic_load(&d->dflt);
   if (s != NULL) return s;
-  pthread_mutex_lock(&d->mu);
+  pthread_mutex_lock(&g_dflt_mu);
   s = atomic_load(&d->dflt);
   if (s == NULL) {
     s = new_stream(0, device);
     atomic_store(&d->dflt, s);
   }
-  pthread_mutex_unlock(&d->mu);
+  pthread_mutex_unlock(&g_dflt_mu);
   return s;
 }
 

@@ -208,19 +208,24 @@ ncclResult_t fk_enqueue(const struct fk_call *calls, int n) {
   pthread_cond_init(&b->cv, NULL);
   atomic_init(&b->refs, b->nparts);
   for (int i = 0; i < n; i++) atomic_fetch_add(&calls[i].comm->refs, 1);
-  int launched = 0;
-  for (; launched < b->nparts; launched++)
-    if (fakeGpuLaunch((cudaStream_t)b->parts[launched].w.stream, &b->parts[launched].w) != cudaSuccess) break;
-  if (launched == b->nparts) return ncclSuccess;
-  /* The parts not queued arrive here, failed: the batch ends without running, in error. */
+  /* Once its last part is queued the device may run the batch and free it: nothing of the batch
+   * is read after a launch but what the launcher still owns (the parts not yet queued). */
+  int nparts = b->nparts, launched = 0;
+  cudaError_t err = cudaSuccess;
+  for (; launched < nparts; launched++)
+    if ((err = fakeGpuLaunch((cudaStream_t)b->parts[launched].w.stream, &b->parts[launched].w)) != cudaSuccess)
+      break;
+  if (launched == nparts) return ncclSuccess;
+  fk_log("launch failed: cuda error %d, part %d of %d", (int)err, launched, nparts);
+  /* The parts not queued arrive here, failed: the batch ends without running, in error. The
+   * batch lives on: those parts still hold their references. */
   b->failed = 1;
-  int left = b->nparts - launched;
-  for (int p = launched; p < b->nparts; p++) {
-    if (atomic_fetch_add(&b->arrived, 1) + 1 == b->nparts) {
+  for (int p = launched; p < nparts; p++) {
+    if (atomic_fetch_add(&b->arrived, 1) + 1 == nparts) {
       execute(b);
       finish(b);
     }
   }
-  for (int p = 0; p < left; p++) part_release(&b->parts[launched + p].w);
+  for (int p = launched; p < nparts; p++) part_release(&b->parts[p].w);
   return ncclUnhandledCudaError;
 }

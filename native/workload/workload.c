@@ -181,10 +181,9 @@ struct gpu_marks {
 };
 
 static void gpu_mark(struct gpu_marks *g, int i) {
-  if (i == 0) {
-    enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    g->on = cudaStreamIsCapturing(NULL, &st) == cudaSuccess && st == cudaStreamCaptureStatusNone;
-  }
+  enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (i == 0) g->on = 1;
+  if (g->on) g->on = cudaStreamIsCapturing(NULL, &st) == cudaSuccess && st == cudaStreamCaptureStatusNone;
   if (!g->on) return;
   cudaEventRecord(g->ev[i], NULL);
   if (i == 0) g->anchor_ns = fk_now_ns();
