@@ -89,6 +89,25 @@ def test_slow_rank_is_late_on_the_gpu_not_on_the_host(tmp_path: Path) -> None:
     assert statistics.median(t.comm_ms for t in its[2][20:32]) > 20.0
 
 
+def test_slow_host_matters_once_the_host_falls_behind_its_gpu(tmp_path: Path) -> None:
+    # 20 ms of device compute, 2 ms of host launch work per iteration: the host is far ahead.
+    spec = FakeJobSpec(world_size=2, iters=75, compute_ms=20.0, compute_busy=0.1)
+    with _job(tmp_path, spec) as job:
+        job.wait_iteration(1, 14, timeout=30)
+        job.faults.set("slow_host 1 4.0")  # 8 ms of host work: still ahead of its GPU
+        job.wait_iteration(1, 39, timeout=30)
+        job.faults.clear()
+        job.faults.set("slow_host 1 20.0")  # 40 ms: the host cannot keep its GPU busy any more
+        assert job.wait(timeout=60) == [0, 0]
+    its = _all_iters(job)
+    period = [statistics.median(t.total_ms for t in its[0][a:b]) for a, b in ((4, 14), (22, 38), (50, 74))]
+    assert period[1] < period[0] + 5.0, period  # the host kept its GPU busy: nothing changes
+    assert period[2] > period[1] + 12.0 and period[2] > period[0] + 8.0, period
+    # Host-bound: rank 1's GPU waits for launches, so it reaches the collectives late although its
+    # compute is no slower, and rank 0's GPU waits inside them.
+    assert statistics.median(t.gpu_comm_ms for t in its[0][50:74]) > 10.0
+
+
 def _median_coll_ms(job: FakeJob) -> float:
     its = _all_iters(job)
     n = len(its[0])
@@ -327,6 +346,29 @@ def test_abort_releases_a_collective_hung_on_the_device(nccl: ctypes.CDLL, cuda:
     assert nccl.ncclCommGetAsyncError(comms[1], ctypes.byref(async_err)) == 0
     assert async_err.value == 6  # ncclRemoteError for the peer, reported asynchronously
     nccl.ncclCommDestroy(comms[1])
+
+
+def test_destroy_releases_this_ranks_hung_collective(nccl: ctypes.CDLL, cuda: ctypes.CDLL) -> None:
+    comms = _init_all(nccl, 2)
+    assert nccl.ncclAllReduce(None, None, ctypes.c_size_t(8), 7, 0, comms[0], None) == 0
+    time.sleep(0.1)
+    assert cuda.cudaStreamQuery(None) == 600  # hung: rank 1 never enqueues
+    assert nccl.ncclCommDestroy(comms[0]) == 0
+    t0 = time.perf_counter()
+    assert cuda.cudaStreamSynchronize(None) == 0
+    assert time.perf_counter() - t0 < 5.0
+    nccl.ncclCommDestroy(comms[1])
+
+
+def test_memory_operations_run_in_stream_order(cuda: ctypes.CDLL) -> None:
+    buf = (ctypes.c_ubyte * 64)()
+    src = (ctypes.c_ubyte * 64)(*range(64))
+    assert cuda.fakeGpuSleep(None, ctypes.c_longlong(100_000_000)) == 0
+    assert cuda.cudaMemsetAsync(buf, 7, ctypes.c_size_t(64), None) == 0
+    assert cuda.cudaMemcpyAsync(ctypes.byref(buf, 32), src, ctypes.c_size_t(16), 4, None) == 0
+    assert bytes(buf) == bytes(64)  # queued behind 100 ms of compute: not run yet
+    assert cuda.cudaStreamSynchronize(None) == 0
+    assert bytes(buf) == bytes([7] * 32) + bytes(range(16)) + bytes([7] * 16)
 
 
 def test_exit_and_fork_with_a_collective_hung_on_the_device(native_build: Path) -> None:
