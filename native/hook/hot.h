@@ -92,13 +92,13 @@ GH_INLINE void gh_hot_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cud
  * whether the stream captures a graph, record the slot's event behind the call, publish.
  * Everything else goes to gh_mark_slow. The CUDA calls may touch errno: it is put back. */
 extern GH_TLS int *gh_errp;
-int *gh_errp_slow(void);
 GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
                        uint64_t count, uint32_t dtype, int in_group) {
   struct gh_marks *m = c->m;
   uint64_t h = m->head;
   int hint = GH_MARK_CHECK;
-  if (GH_LIKELY(stream == m->stream && !in_group && res == ncclSuccess && c->profiled == 0 &&
+  /* In profile mode too: the capture check below is then asked twice, which costs, not breaks. */
+  if (GH_LIKELY(stream == m->stream && !in_group && res == ncclSuccess &&
                 h - __atomic_load_n(&m->tail, __ATOMIC_ACQUIRE) < GH_MARKS)) {
     struct gh_mark_slot *s = &m->slot[h & (GH_MARKS - 1)];
     gh_cuda_event ev = s->ev;
@@ -110,7 +110,6 @@ GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, c
     s->shape = GH_MARK_SHAPE(0, coll);
     s->meta = GH_MARK_META(op, dtype, coll);
     int *err = gh_errp;
-    if (GH_UNLIKELY(err == NULL)) err = gh_errp_slow();
     int saved = *err, cap;
     hint = GH_MARK_CAPTURED;
     if (GH_LIKELY(gh_cu.is_capturing(stream, &cap) == 0 && cap == 0)) {

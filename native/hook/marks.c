@@ -42,12 +42,7 @@ struct pending {
 };
 static GH_TLS struct pending group[GH_MAX_COMMS];
 static GH_TLS int ngroup;
-GH_TLS int *gh_errp; /* this thread's errno: the hot path saves it without a call */
-
-int *gh_errp_slow(void) {
-  gh_errp = &errno;
-  return gh_errp;
-}
+GH_TLS int *gh_errp; /* this thread's errno (set at its first cache miss): saved without a call */
 
 void gh_marks_lock(void) { pthread_mutex_lock(&lock); }
 void gh_marks_unlock(void) { pthread_mutex_unlock(&lock); }
