@@ -86,7 +86,8 @@ static void gemm_run(struct fakeGpuWork *w) {
     if (took < nominal) took = nominal;
   }
   took = (int64_t)((double)took * fakeGpuSlowFactor());
-  fk_sleep_until(t0 + took);
+  w->end_ns = w->start_ns + took; /* on the device's timeline, from when the SMs took it */
+  fk_sleep_until(w->end_ns);
 }
 
 static void gemm_release(struct fakeGpuWork *w) { free(w); }

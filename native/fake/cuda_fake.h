@@ -7,6 +7,7 @@
 #define GH_CUDA_FAKE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "nccl_abi.h" /* cudaStream_t */
 
@@ -95,15 +96,21 @@ GH_CUDA_API(cudaError_t, fakeGpuSleep, (cudaStream_t stream, long long ns))
 
 /* Fake-only: how the other fakes (cuBLAS, NCCL) put work on the device. The caller allocates the
  * item (usually embedded first in its own struct) and fills run/release/compute; the stream's
- * executor calls run() when the stream reaches the item, then release(). `compute` work (GEMMs,
- * kernels) holds the device's SMs: one compute item at a time per device, in launch order.
- * Work that waits on other ranks (collectives) is not compute. On error the item is not taken:
- * the caller still owns it. */
+ * executor calls run() when the stream reaches it, then release(). The device keeps its own
+ * timeline (CLOCK_MONOTONIC ns), as a GPU has its own clock: an item starts at start_ns, when its
+ * stream reached it (after the previous item's end, not before it was launched; compute items
+ * also after the SMs are free), and run() sets end_ns (start_ns for instant work), sleeping until
+ * then. So device timestamps are model times that scheduler delays of the executor thread do not
+ * shift, as long as it keeps up. `compute` work (GEMMs, kernels) holds the device's SMs: one
+ * compute item at a time per device, in launch order. Work that waits on other ranks
+ * (collectives) is not compute. On error the item is not taken: the caller still owns it. */
 struct fakeGpuWork {
   void (*run)(struct fakeGpuWork *self);
   void (*release)(struct fakeGpuWork *self);
   int compute;
+  int64_t start_ns, end_ns; /* set by the device / by run() */
   /* owned by the device */
+  int64_t launch_ns;
   struct fakeGpuWork *next, *knext;
   void *stream;
 };

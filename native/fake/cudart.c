@@ -260,8 +260,8 @@ struct sleep_work {
 
 /* Decided when the device runs it, so a `slow_rank` line slows the kernels that start after it. */
 static void sleep_run(struct fakeGpuWork *w) {
-  int64_t t0 = fk_now_ns();
-  fk_sleep_until(t0 + (int64_t)((double)((struct sleep_work *)w)->ns * fakeGpuSlowFactor()));
+  w->end_ns = w->start_ns + (int64_t)((double)((struct sleep_work *)w)->ns * fakeGpuSlowFactor());
+  fk_sleep_until(w->end_ns);
 }
 
 static void sleep_release(struct fakeGpuWork *w) { free(w); }

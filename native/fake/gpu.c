@@ -17,6 +17,7 @@ struct fk_device {
   pthread_mutex_t mu;
   pthread_cond_t cv; /* the SMs freed, or a stream ahead turned to non-compute work */
   int busy;          /* a compute item runs */
+  int64_t t_free;    /* device time the SMs are free from (the last compute item's end) */
   struct fakeGpuWork *khead, *ktail; /* compute items launched and not started, launch order */
   struct CUstream_st *_Atomic dflt;  /* the NULL stream */
 };
@@ -128,6 +129,7 @@ static void run_compute(struct fk_device *d, struct fakeGpuWork *w) {
   pthread_mutex_lock(&d->mu);
   while (d->busy || held_back(d, w)) pthread_cond_wait(&d->cv, &d->mu);
   d->busy = 1;
+  if (d->t_free > w->start_ns) w->start_ns = d->t_free;
   struct fakeGpuWork **p = &d->khead, *prev = NULL;
   while (*p != w) {
     prev = *p;
@@ -139,6 +141,7 @@ static void run_compute(struct fk_device *d, struct fakeGpuWork *w) {
   w->run(w);
   pthread_mutex_lock(&d->mu);
   d->busy = 0;
+  d->t_free = w->end_ns;
   pthread_cond_broadcast(&d->cv);
   pthread_mutex_unlock(&d->mu);
 }
@@ -161,6 +164,8 @@ static void *executor(void *arg) {
     s->head = w->next;
     if (s->head == NULL) s->tail = NULL;
     pthread_mutex_unlock(&s->mu);
+    w->start_ns = w->launch_ns > s->t_end ? w->launch_ns : s->t_end; /* the stream reaches it */
+    w->end_ns = w->start_ns;
     if (w->compute) {
       run_compute(d, w);
     } else {
@@ -168,6 +173,7 @@ static void *executor(void *arg) {
       w->run(w);
       set_other(d, s, 0);
     }
+    if (w->end_ns > s->t_end) s->t_end = w->end_ns;
     w->release(w);
     pthread_mutex_lock(&s->mu);
     atomic_fetch_add(&s->done, 1);
@@ -184,6 +190,7 @@ cudaError_t fk_launch(struct CUstream_st *s, struct fakeGpuWork *w) {
   w->stream = s;
   w->next = NULL;
   w->knext = NULL;
+  w->launch_ns = fk_now_ns();
   pthread_mutex_lock(&s->mu);
   if (!s->executor) {
     pthread_t t;
@@ -267,9 +274,11 @@ struct record_work {
   int64_t lag_ns;
 };
 
+/* The event's time is the device time its stream reached it. */
 static void record_run(struct fakeGpuWork *w) {
   struct record_work *r = (struct record_work *)w;
-  complete(r->e, r->gen, stamp(r->e, r->lag_ns));
+  int timed = !(r->e->flags & cudaEventDisableTiming) || r->lag_ns != 0;
+  complete(r->e, r->gen, timed ? w->start_ns + r->lag_ns : 0);
 }
 
 static void record_release(struct fakeGpuWork *w) {

@@ -29,6 +29,7 @@ struct CUstream_st {
   struct fakeGpuWork *head, *tail;
   _Atomic uint64_t launched, done;
   int in_other;  /* executor runs non-compute work; guarded by the device lock */
+  int64_t t_end; /* device time its last item ended (executor only) */
   int executor;  /* its thread exists */
   int destroyed; /* cudaStreamDestroy: the executor frees the stream once it is drained */
   struct CUstream_st *all_next;

@@ -2,11 +2,12 @@
  * The device side of collectives, P2P and groups. A batch (one call, or the calls of one group)
  * runs on the fake device when its stream reaches it; a group spanning several streams runs once
  * every one of them has reached it (NCCL joins the streams of a group launch). It posts every call
- * (the rank's GPU arrival, timestamped now) before waiting on any, which is what lets a ring of
- * sends and receives in one group complete, like NCCL's fused group launch; all ranks of an
- * operation finish at one modelled time: the last arrival plus the transfer time. Faults act
- * here: `never_complete R seq` holds rank R's collective on its device, a mismatch hangs the
- * collective on every device; an abort (or a destroy with work queued) releases them.
+ * (the rank's GPU arrival, on the device's timeline) before waiting on any, which is what lets a
+ * ring of sends and receives in one group complete, like NCCL's fused group launch; all ranks of an
+ * operation finish at one modelled time: the last arrival plus the transfer time (or, held by a
+ * fault, the moment it let go plus the transfer). Faults act here: `never_complete R seq` holds
+ * rank R's collective on its device, a mismatch hangs the collective on every device; an abort
+ * (or a destroy with work queued) releases them.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -24,6 +25,7 @@ struct fk_part {
 struct fk_batch {
   _Atomic int arrived, refs;
   int nparts, n, failed, done;
+  int64_t end; /* device time the batch ended */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   struct fk_part *parts;
@@ -64,11 +66,10 @@ static void raise_to(_Atomic uint32_t *p, uint32_t v) {
   }
 }
 
-/* The rank's device reached the call: announce it to the peers. */
-static void post(const struct fk_call *k) {
+/* The rank's device reached the call at `now` (device time): announce it to the peers. */
+static void post(const struct fk_call *k, int64_t now) {
   struct ncclComm *c = k->comm;
   struct fk_shm *s = c->shm;
-  int64_t now = fk_now_ns();
   if (k->op == FK_OP_SEND) {
     s->send_ns[k->seq % FK_TS_RING][c->rank][k->root] = now;
     raise_to(&s->sent[c->rank][k->root], k->seq);
@@ -105,16 +106,18 @@ static ncclResult_t hang_on_mismatch(struct ncclComm *c, uint32_t seq) {
 
 static ncclResult_t wait_coll(struct fk_call *k) {
   struct ncclComm *c = k->comm;
+  int64_t held_until = 0;
   if (fk_fault_find(FK_NEVER_COMPLETE, c->global_rank, (long)k->seq, NULL)) {
     fk_log("never_complete seq=%u rank=%d global=%d", k->seq, c->rank, c->global_rank);
     ncclResult_t r = fk_wait(c, fault_gone, &k->seq);
     if (r != ncclSuccess) return r;
+    held_until = fk_now_ns();
   }
   ncclResult_t r = fk_wait(c, coll_entered, &k->seq);
   if (r != ncclSuccess) return r;
   r = hang_on_mismatch(c, k->seq);
   if (r != ncclSuccess) return r;
-  int64_t ready = 0;
+  int64_t ready = held_until;
   for (int i = 0; i < c->nranks; i++) {
     int64_t t = c->shm->rec[k->seq % FK_RING][i].enter_ns;
     if (t > ready) ready = t;
@@ -145,18 +148,22 @@ static void report(struct ncclComm *c, ncclResult_t r) {
 }
 
 /* Calls of one batch overlap in time (one fused launch): the batch ends at the latest deadline. */
-static void execute(struct fk_batch *b) {
+static void execute(struct fk_batch *b, int64_t arrival) {
   ncclResult_t res = b->failed ? ncclUnhandledCudaError : ncclSuccess;
-  for (int i = 0; i < b->n && res == ncclSuccess; i++) post(&b->calls[i]);
-  int64_t end = 0;
+  for (int i = 0; i < b->n && res == ncclSuccess; i++) post(&b->calls[i], arrival);
+  int64_t end = arrival;
   for (int i = 0; i < b->n && res == ncclSuccess; i++) {
     struct fk_call *k = &b->calls[i];
     res = k->op == FK_OP_SEND || k->op == FK_OP_RECV ? wait_p2p(k) : wait_coll(k);
     if (k->deadline_ns > end) end = k->deadline_ns;
   }
-  if (res == ncclSuccess) fk_sleep_until(end);
-  else
+  if (res == ncclSuccess) {
+    fk_sleep_until(end);
+  } else {
     for (int i = 0; i < b->n; i++) report(b->calls[i].comm, res);
+    end = fk_now_ns(); /* ended now, in error */
+  }
+  b->end = end;
 }
 
 static void finish(struct fk_batch *b) {
@@ -166,17 +173,22 @@ static void finish(struct fk_batch *b) {
   pthread_mutex_unlock(&b->mu);
 }
 
-/* Each of the batch's streams reaches its part; the last one to arrive runs the batch. */
+/* Each of the batch's streams reaches its part; the last one to arrive runs the batch, from the
+ * latest of their device times (each part's start is written before its arrival is counted). */
 static void part_run(struct fakeGpuWork *w) {
   struct fk_batch *b = ((struct fk_part *)w)->b;
   if (atomic_fetch_add(&b->arrived, 1) + 1 == b->nparts) {
-    execute(b);
+    int64_t arrival = 0;
+    for (int p = 0; p < b->nparts; p++)
+      if (b->parts[p].w.start_ns > arrival) arrival = b->parts[p].w.start_ns;
+    execute(b, arrival);
     finish(b);
-    return;
+  } else {
+    pthread_mutex_lock(&b->mu);
+    while (!b->done) pthread_cond_wait(&b->cv, &b->mu);
+    pthread_mutex_unlock(&b->mu);
   }
-  pthread_mutex_lock(&b->mu);
-  while (!b->done) pthread_cond_wait(&b->cv, &b->mu);
-  pthread_mutex_unlock(&b->mu);
+  w->end_ns = b->end;
 }
 
 static void part_release(struct fakeGpuWork *w) {
@@ -222,7 +234,7 @@ ncclResult_t fk_enqueue(const struct fk_call *calls, int n) {
   b->failed = 1;
   for (int p = launched; p < nparts; p++) {
     if (atomic_fetch_add(&b->arrived, 1) + 1 == nparts) {
-      execute(b);
+      execute(b, fk_now_ns());
       finish(b);
     }
   }

@@ -74,7 +74,7 @@ def test_slow_rank_is_late_on_the_gpu_not_on_the_host(tmp_path: Path) -> None:
     r0 = [t.total_ms for t in its[0]]
     before, during, after = (statistics.median(r0[a:b]) for a, b in ((2, 12), (20, 32), (45, 60)))
     # Rank 2's GPU computes 30 ms instead of 10: every rank's iteration grows by about 20 ms.
-    assert during > before + 14.0 and during > after + 14.0
+    assert during > before + 10.0 and during > after + 10.0
     # Rank 0's GPU computes at normal speed and waits in the all-reduce for the straggler's GPU,
     # which arrives last and hardly waits.
     assert statistics.median(t.gpu_comm_ms for t in its[0][20:32]) > 12.0
@@ -90,14 +90,14 @@ def test_slow_rank_is_late_on_the_gpu_not_on_the_host(tmp_path: Path) -> None:
 
 
 def test_slow_host_matters_once_the_host_falls_behind_its_gpu(tmp_path: Path) -> None:
-    # 20 ms of device compute, 2 ms of host launch work per iteration: the host is far ahead.
-    spec = FakeJobSpec(world_size=2, iters=75, compute_ms=20.0, compute_busy=0.1)
+    # 20 ms of device compute, 1 ms of host launch work per iteration: the host is far ahead.
+    spec = FakeJobSpec(world_size=2, iters=75, compute_ms=20.0, compute_busy=0.05)
     with _job(tmp_path, spec) as job:
         job.wait_iteration(1, 14, timeout=30)
-        job.faults.set("slow_host 1 4.0")  # 8 ms of host work: still ahead of its GPU
+        job.faults.set("slow_host 1 4.0")  # 4 ms of host work: still ahead of its GPU
         job.wait_iteration(1, 39, timeout=30)
         job.faults.clear()
-        job.faults.set("slow_host 1 20.0")  # 40 ms: the host cannot keep its GPU busy any more
+        job.faults.set("slow_host 1 40.0")  # 40 ms: the host cannot keep its GPU busy any more
         assert job.wait(timeout=60) == [0, 0]
     its = _all_iters(job)
     period = [statistics.median(t.total_ms for t in its[0][a:b]) for a, b in ((4, 14), (22, 38), (50, 74))]
@@ -243,17 +243,27 @@ def test_send_recv_pair_takes_the_link_time(nccl: ctypes.CDLL, cuda: ctypes.CDLL
     monkeypatch.setenv("FAKE_NCCL_FAULTS", str(faults))
     comms = _init_all(nccl, 2)  # InitAll ranks are global ranks 0 and 1
     count = 25_000_000  # 100 MB of float32: 10 ms at the default 10 GB/s
+    a, b = ctypes.c_void_p(), ctypes.c_void_p()
+    assert cuda.cudaEventCreate(ctypes.byref(a)) == 0 and cuda.cudaEventCreate(ctypes.byref(b)) == 0
     t0 = time.perf_counter()
+    assert cuda.cudaEventRecord(a, None) == 0
     assert nccl.ncclGroupStart() == 0
     assert nccl.ncclSend(None, ctypes.c_size_t(count), 7, 1, comms[0], None) == 0
     assert nccl.ncclRecv(None, ctypes.c_size_t(count), 7, 0, comms[1], None) == 0
     assert nccl.ncclGroupEnd() == 0
+    assert cuda.cudaEventRecord(b, None) == 0
     assert cuda.cudaStreamSynchronize(None) == 0
-    elapsed_ms = (time.perf_counter() - t0) * 1e3
+    waited_ms = (time.perf_counter() - t0) * 1e3
+    ms = ctypes.c_float()
+    assert cuda.cudaEventElapsedTime(ctypes.byref(ms), a, b) == 0
     expect_ms = 4 * count / (10e9 / factor) * 1e3 + 0.005
-    assert expect_ms <= elapsed_ms < expect_ms + 15.0
+    # On the GPU's timeline the transfer takes the link time; the host waited at least that.
+    assert expect_ms - 0.01 <= ms.value < expect_ms + 5.0
+    assert waited_ms >= expect_ms - 0.01
     for c in comms:
         nccl.ncclCommDestroy(c)
+    for h in (a, b):
+        cuda.cudaEventDestroy(h)
 
 
 def test_collective_returns_at_once_and_runs_on_the_device(nccl: ctypes.CDLL, cuda: ctypes.CDLL) -> None:
@@ -282,7 +292,7 @@ def test_collective_returns_at_once_and_runs_on_the_device(nccl: ctypes.CDLL, cu
         assert cuda.cudaEventQuery(after) == 0 and cuda.cudaStreamQuery(None) == 0
         assert cuda.cudaEventElapsedTime(ctypes.byref(ms), before, after) == 0
         device_ms.append(ms.value)
-    assert min(host_ms) < 1.0 and max(host_ms) < 20.0, host_ms
+    assert statistics.median(host_ms) < 1.0 and max(host_ms) < 50.0, host_ms
     assert min(device_ms) >= 59.0 and max(device_ms) < 200.0, device_ms
     assert min(waited_ms) > 40.0, waited_ms
     err = ctypes.c_int()
@@ -299,13 +309,13 @@ def test_compute_shares_the_device_collectives_do_not(nccl: ctypes.CDLL, cuda: c
     assert cuda.cudaEventCreate(ctypes.byref(a)) == 0 and cuda.cudaEventCreate(ctypes.byref(b)) == 0
     ms = ctypes.c_float()
     # A kernel launched on another stream behind 100 ms of queued compute waits for the SMs.
+    assert cuda.cudaEventRecord(a, side) == 0  # an idle stream: reached at once
     assert cuda.fakeGpuSleep(None, ctypes.c_longlong(100_000_000)) == 0
-    assert cuda.cudaEventRecord(a, side) == 0  # events do not hold the SMs: reached at once
     assert cuda.fakeGpuSleep(side, ctypes.c_longlong(5_000_000)) == 0
     assert cuda.cudaEventRecord(b, side) == 0
     assert cuda.cudaEventSynchronize(b) == 0
     assert cuda.cudaEventElapsedTime(ctypes.byref(ms), a, b) == 0
-    assert ms.value >= 95.0, ms.value
+    assert 104.9 <= ms.value < 500.0, ms.value
     assert cuda.cudaStreamSynchronize(None) == 0
     # A collective hung on the default stream (rank 1 never enqueues) holds no SMs: a kernel on
     # another stream still runs in its own time.
