@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
@@ -120,6 +121,33 @@ def test_collective_hung_on_the_gpu_is_pending_while_the_host_waits(native_build
         job.faults.clear()
         _wait(lambda: int(_world(readers[1])["gpu_seq_done"]) > hung, 30, "did not recover")
         assert job.wait(60) == [0, 0]
+
+
+@pytest.mark.parametrize(("fault", "kind"), [("skip_call 1 {}", "h1"), ("mismatch 1 {}", "h2")])
+def test_h1_and_h2_as_the_comm_tables_show_them(native_build: Path, tmp_path: Path, fault: str,
+                                               kind: str) -> None:
+    """H1: a rank whose host never enqueues the call (its last_seq_entered stays behind) while its
+    peer's GPU waits in it; H2: ranks stuck at one seq with different calls enqueued."""
+    spec = FakeJobSpec(world_size=2, iters=200, compute_ms=5, compute_busy=0.0, job_id=kind,
+                       verbose=False)
+    shm = tmp_path / "shm"
+    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+        readers = [H.RingReader(p) for p in wait_rings(shm, kind, 2)]
+        _wait(lambda: int(_world(readers[1])["last_seq_entered"]) >= 5, 30, "job did not start")
+        at = int(_world(readers[1])["last_seq_entered"]) + 10  # workload iteration = fake seq
+        job.faults.set(fault.format(at))
+        _wait(lambda: int(_world(readers[0])["gpu_pending_seq"]) == at + 1, 30, "no pending call")
+        time.sleep(0.3)
+        rows = [_world(r) for r in readers]
+    count = spec.bytes // 4
+    assert int(rows[0]["gpu_pending_seq"]) == at + 1 and int(rows[0]["gpu_pending_count"]) == count
+    assert int(rows[0]["inflight_enter_ns"]) == 0 == int(rows[1]["inflight_enter_ns"])
+    if kind == "h1":  # rank 1's host never enqueued it; nothing of it pending on its GPU
+        assert int(rows[1]["last_seq_entered"]) == at == int(rows[1]["gpu_seq_done"])
+        assert int(rows[1]["gpu_pending_ns"]) == 0
+    else:  # both enqueued seq at + 1, with different counts: both hang in it
+        assert int(rows[1]["gpu_pending_seq"]) == at + 1 == int(rows[1]["last_seq_entered"])
+        assert int(rows[1]["gpu_pending_count"]) == count + 1
 
 
 def test_marks_of_groups_and_the_pipeline_communicator(native_build: Path, tmp_path: Path) -> None:
