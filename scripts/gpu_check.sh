@@ -9,7 +9,7 @@
 #          (cuStreamWaitValue32 on a flag): pending and ageing in the comm table while the
 #          training thread waits in a stream synchronisation, the tracker's hang-watch core run
 #          on it when importable, and released by the flag.
-# Prints a summary and, last, RESULT {json}. A few minutes. Exits non-zero with a clear message
+# Prints a summary and, last, RESULT {json}. About two minutes; at most 4 x 100 s. Exits non-zero with a clear message
 # when something needed is missing or a check fails.
 set -euo pipefail
 
@@ -47,7 +47,7 @@ run() {
   local preload=""
   [[ "$mode" != none ]] && preload="$HOOK"
   MASTER_PORT=$port GREYHOUND_JOB_ID="gpu-$label" GH_CHECK="$check" GH_MODE="$mode" LD_PRELOAD="$preload" \
-    timeout 150 "$PY" "$ROOT/scripts/gpu_check_train.py" || { echo "gpu_check: run '$label' failed" >&2; return 1; }
+    timeout 100 "$PY" "$ROOT/scripts/gpu_check_train.py" || { echo "gpu_check: run '$label' failed" >&2; return 1; }
 }
 
 base=$(run base train none | tail -1) || fail "the unhooked training run failed"
