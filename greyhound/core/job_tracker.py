@@ -238,16 +238,20 @@ class JobTracker:
             return None
         if any(det.change == "full" for _, det in found) and len(fired) < needed:
             self.slow = False
-            return self._decision("recovery", "full", self._latest("full"))
+            # A blip (back within `settle` rounds of its onset) is still over: its recovery
+            # began before the settled window, so it is named by every rank that saw it end.
+            return self._decision("recovery", "full",
+                                  self._latest("full") or self._latest("full", settled=False))
         for change, kind in (("further", "slowdown"), ("partial", "recovery")):
             ranks = self._latest(change)
             if len(ranks) >= needed:
                 return self._decision(kind, change, ranks)
         return None
 
-    def _latest(self, change: str) -> list[int]:
-        """Ranks whose newest report is `change` about a change after the last decision's."""
-        after = self._mark + self.settle
+    def _latest(self, change: str, *, settled: bool = True) -> list[int]:
+        """Ranks whose newest report is `change` about a change after the last decision's
+        (``settled``: begun more than `settle` rounds after it)."""
+        after = self._mark + self.settle if settled else -(1 << 62)
         return [r for r, s in self.index.items()
                 if (d := self._last[s]) is not None and d.change == change
                 and self._began[s] > after]

@@ -146,3 +146,17 @@ def test_further_state_survives_a_restart() -> None:
     b = JobTracker.from_state(json.loads(json.dumps(a.state_dict())))
     rest_a, rest_b = _job_events(a, x[:, 180:]), _job_events(b, x[:, 180:])
     assert rest_a == rest_b and [c for _, _, c, _, _ in rest_a] == ["further"]
+
+
+def test_a_blip_on_half_the_ranks_is_reported_over() -> None:
+    """Two of four ranks slow for a few iterations (host contention on a busy machine): the
+    onset, then the full recovery, although it began within `settle` rounds of the onset. It
+    used to find no rank to name and raise, which dropped the tracker's message."""
+    for seed, blip in ((0, 4), (1, 8), (2, 14)):
+        rng = np.random.default_rng(seed)
+        x = 0.045 * np.exp(0.03 * rng.standard_normal((4, 200)))
+        x[2:, 100:100 + blip] *= 1.5
+        events = _job_events(JobTracker(), x)
+        assert [(k, c) for _, k, c, _, _ in events] == [
+            ("slowdown", "onset"), ("recovery", "full")], (seed, blip, events)
+        assert events[1][0] <= 100 + blip + 6, events
