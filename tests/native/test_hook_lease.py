@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,29 +20,10 @@ import pytest
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
 from greyhound.hookabi.layout import BENCH_MAX_GEMM_N, BENCH_MAX_P2P_BYTES
-from tests.native.helpers import wait_rings
+from tests.native.helpers import pause_then_die, wait_rings
 
-REPO = Path(__file__).resolve().parents[2]
 LEASE_S = 3.0
 INVALID_ARGUMENT = 4  # ncclInvalidArgument: what the hook answers a request beyond the bounds
-
-# Pause every ring at (comm, seq) with a lease, wait until parked, say so, die by SIGKILL.
-_DYING_PAUSER = r"""
-import os, signal, sys, time
-from pathlib import Path
-from greyhound import hookabi as H
-lease, comm, seq = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-ctls = [H.Control(Path(p)) for p in sys.argv[4:]]
-for c in ctls:
-    c.pause(comm_id=comm, seq=seq, lease_s=lease)
-deadline = time.monotonic() + 30
-while not all(c.paused() for c in ctls):
-    if time.monotonic() > deadline:
-        sys.exit(3)
-    time.sleep(0.002)
-print("paused", flush=True)
-os.kill(os.getpid(), signal.SIGKILL)
-"""
 
 
 def _hook(build: Path) -> Path:
@@ -71,7 +50,8 @@ def _target(readers: list[H.RingReader]) -> int:
 
 def test_a_job_paused_by_a_killed_requester_resumes_when_its_lease_ends(native_build: Path,
                                                                         tmp_path: Path) -> None:
-    spec = FakeJobSpec(world_size=2, iters=150, compute_ms=2, bytes=4096, job_id="orphan")
+    # Long enough for the pausing process to start up and park it on a loaded machine.
+    spec = FakeJobSpec(world_size=2, iters=3000, compute_ms=1, bytes=4096, job_id="orphan")
     shm = tmp_path / "shm"
     with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
         rings = wait_rings(shm, "orphan", 2)
@@ -79,9 +59,7 @@ def test_a_job_paused_by_a_killed_requester_resumes_when_its_lease_ends(native_b
         readers = [H.RingReader(p) for p in rings]
         ctls = [r.control() for r in readers]
         asked = time.monotonic()
-        p = subprocess.run([sys.executable, "-c", _DYING_PAUSER, str(LEASE_S), str(_world(readers[0])),
-                            str(_target(readers)), *map(str, rings)],
-                           capture_output=True, timeout=60, cwd=REPO)
+        p = pause_then_die(rings, LEASE_S)
         assert p.returncode == -signal.SIGKILL and b"paused" in p.stdout, p.stderr
         assert all(c.paused() for c in ctls)  # parked, and the requester is gone
         ctl = [r._map.ctl for r in readers]
