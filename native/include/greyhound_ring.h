@@ -183,7 +183,7 @@ struct gh_bench_slot {
 
 struct gh_control {
   uint32_t mode;          /*  0 enum gh_mode, agent writes */
-  uint32_t pause_request; /*  4 agent: 1 = pause at next NCCL call, 0 = resume */
+  uint32_t pause_request; /*  4 agent: 1 = pause at next NCCL call, 0 = resume (hook: 0 at the lease end) */
   uint32_t paused;        /*  8 hook: 1 while a training thread is parked */
   int32_t paused_tid;     /* 12 */
   uint64_t pause_count;   /* 16 pauses honoured so far */
