@@ -10,6 +10,7 @@ import numpy as np
 from greyhound.hookabi.layout import (
     BENCH_MAX_REPEAT,
     FINAL_BENCH_STATES,
+    PAUSE_LEASE_MAX_MS,
     RECORD_DTYPE,
     BenchRequest,
     BenchResult,
@@ -38,15 +39,24 @@ class Control:
     def set_mode(self, mode: ModeName) -> None:
         self._ctl["mode"] = int(Mode[mode.upper()])
 
-    def pause(self, comm_id: int = 0, seq: int = 0) -> None:
+    def pause(self, comm_id: int = 0, seq: int = 0, *, lease_s: float | None = None) -> None:
         """Park the training thread at its next NCCL call, or, with comm_id, at the entry of the
         call on that communicator whose collective seq would be >= seq. Pausing several ranks
         needs the targeted form with one (comm_id, seq) for all of them, seq beyond every rank's
         last_seq_entered (see comms()): a rank parked early would leave its peers blocked inside
-        the collective it never entered."""
+        the collective it never entered.
+
+        The pause is a lease: the hook resumes by itself lease_s from now (None: its default
+        lease from when it sees the request), whatever becomes of the caller. Calling pause
+        again with the same target renews it."""
+        if lease_s is not None and not 0 < lease_s <= PAUSE_LEASE_MAX_MS / 1000:
+            raise ValueError(f"lease_s must be in (0, {PAUSE_LEASE_MAX_MS / 1000:g}]")
         self._ctl["pause_comm_id"] = comm_id
         self._ctl["pause_seq"] = seq
-        self._ctl["pause_request"] = 1
+        # CLOCK_MONOTONIC, as the hook reads it (one host, one clock)
+        self._ctl["pause_lease_ns"] = 0 if lease_s is None else (
+            time.monotonic_ns() + round(lease_s * 1e9))
+        self._ctl["pause_request"] = 1  # last: the hook acts on this store
 
     def paused(self) -> bool:
         return bool(self._ctl["paused"])

@@ -75,6 +75,8 @@ GH_CUDA_API(cudaError_t, cudaStreamQuery, (cudaStream_t stream))
 GH_CUDA_API(cudaError_t, cudaDeviceSynchronize, (void))
 GH_CUDA_API(cudaError_t, cudaMalloc, (void **ptr, size_t size))
 GH_CUDA_API(cudaError_t, cudaFree, (void *ptr))
+GH_CUDA_API(cudaError_t, cudaMallocAsync, (void **ptr, size_t size, cudaStream_t stream))
+GH_CUDA_API(cudaError_t, cudaFreeAsync, (void *ptr, cudaStream_t stream))
 GH_CUDA_API(cudaError_t, cudaMemset, (void *ptr, int value, size_t count))
 GH_CUDA_API(cudaError_t, cudaMemsetAsync, (void *ptr, int value, size_t count, cudaStream_t stream))
 GH_CUDA_API(cudaError_t, cudaMemcpyAsync,
@@ -90,6 +92,9 @@ GH_CUDA_API(cublasStatus_t, cublasSgemm_v2,
              int ldc))
 /* Fake-only: counts of CUDA calls a graph capture in progress made illegal or turned into nodes. */
 GH_CUDA_API(void, fakeCudaCaptureStats, (long *violations, long *captured_records))
+/* Fake-only: device memory held now (allocations and bytes) and the most bytes ever held, so
+ * tests can see who keeps memory (the hook must give a validation's scratch back). */
+GH_CUDA_API(void, fakeCudaMemStats, (long *live_allocs, long *live_bytes, long *peak_bytes))
 /* Fake-only: a kernel that occupies the device for ns (times the rank's `slow_rank` factor),
  * the analogue of PyTorch's torch.cuda._sleep. Returns at once, like every launch. */
 GH_CUDA_API(cudaError_t, fakeGpuSleep, (cudaStream_t stream, long long ns))

@@ -11,7 +11,7 @@
  * invalidated), and recording an event into a capturing stream only adds a graph node, never a
  * timing. Both are counted, and the counts are readable through fakeCudaCaptureStats so tests can
  * assert a profiler stayed clear. Work launched on a capturing stream still runs (the fake does
- * not build graphs). Device memory is host memory.
+ * not build graphs). Device memory is host memory, counted (fakeCudaMemStats).
  */
 #include <stdatomic.h>
 #include <stdint.h>
@@ -186,15 +186,88 @@ GH_EXPORT cudaError_t cudaDeviceSynchronize(void) {
   return cudaSuccess;
 }
 
+/* Device memory is host memory behind a small header that keeps its size, so the process's
+ * device memory can be counted; a pointer the fake did not hand out is refused, as by CUDA. */
+#define FK_ALLOC_MAGIC 0x66616b65616c6c6full
+struct alloc_hdr {
+  uint64_t magic;
+  uint64_t bytes; /* 16 bytes: what follows stays 16-byte aligned */
+};
+static _Atomic long g_live_allocs, g_live_bytes, g_peak_bytes;
+
+static void *dev_alloc(size_t size) {
+  if (size > (SIZE_MAX >> 1)) return NULL;
+  struct alloc_hdr *h = malloc(sizeof *h + (size ? size : 1));
+  if (h == NULL) return NULL;
+  *h = (struct alloc_hdr){.magic = FK_ALLOC_MAGIC, .bytes = size};
+  atomic_fetch_add(&g_live_allocs, 1);
+  long now = atomic_fetch_add(&g_live_bytes, (long)size) + (long)size;
+  long peak = atomic_load(&g_peak_bytes);
+  while (now > peak && !atomic_compare_exchange_weak(&g_peak_bytes, &peak, now)) {
+  }
+  return h + 1;
+}
+
+static struct alloc_hdr *dev_header(void *ptr) {
+  struct alloc_hdr *h = (struct alloc_hdr *)ptr - 1;
+  return h->magic == FK_ALLOC_MAGIC ? h : NULL;
+}
+
+static void dev_free(struct alloc_hdr *h) {
+  atomic_fetch_sub(&g_live_allocs, 1);
+  atomic_fetch_sub(&g_live_bytes, (long)h->bytes);
+  h->magic = 0;
+  free(h);
+}
+
+GH_EXPORT void fakeCudaMemStats(long *live_allocs, long *live_bytes, long *peak_bytes) {
+  if (live_allocs != NULL) *live_allocs = atomic_load(&g_live_allocs);
+  if (live_bytes != NULL) *live_bytes = atomic_load(&g_live_bytes);
+  if (peak_bytes != NULL) *peak_bytes = atomic_load(&g_peak_bytes);
+}
+
 GH_EXPORT cudaError_t cudaMalloc(void **ptr, size_t size) {
   if (ptr == NULL) return ret(cudaErrorInvalidValue);
-  *ptr = malloc(size ? size : 1);
+  *ptr = dev_alloc(size);
   return *ptr != NULL ? cudaSuccess : ret(cudaErrorMemoryAllocation);
 }
 
 GH_EXPORT cudaError_t cudaFree(void *ptr) {
-  free(ptr);
+  if (ptr == NULL) return cudaSuccess;
+  struct alloc_hdr *h = dev_header(ptr);
+  if (h == NULL) return ret(cudaErrorInvalidValue);
+  dev_free(h);
   return cudaSuccess;
+}
+
+/* Stream-ordered: the memory exists from the call (CUDA reserves it from the device's pool at
+ * once) and goes back when the stream reaches the free, after the work queued before it. */
+GH_EXPORT cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t stream) {
+  if (ptr == NULL) return ret(cudaErrorInvalidValue);
+  if (fk_stream(stream, t_device) == NULL) return ret(cudaErrorInvalidResourceHandle);
+  return cudaMalloc(ptr, size);
+}
+
+struct free_work {
+  struct fakeGpuWork w;
+  struct alloc_hdr *h;
+};
+
+static void free_run(struct fakeGpuWork *w) { dev_free(((struct free_work *)w)->h); }
+static void free_release(struct fakeGpuWork *w) { free(w); }
+
+GH_EXPORT cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream) {
+  struct CUstream_st *s = fk_stream(stream, t_device);
+  if (s == NULL) return ret(cudaErrorInvalidResourceHandle);
+  if (ptr == NULL) return cudaSuccess;
+  struct alloc_hdr *h = dev_header(ptr);
+  if (h == NULL) return ret(cudaErrorInvalidValue);
+  struct free_work *f = malloc(sizeof *f);
+  if (f == NULL) return ret(cudaErrorMemoryAllocation);
+  *f = (struct free_work){.w = {.run = free_run, .release = free_release}, .h = h};
+  cudaError_t rc = fk_launch(s, &f->w);
+  if (rc != cudaSuccess) free(f);
+  return ret(rc);
 }
 
 GH_EXPORT cudaError_t cudaMemset(void *ptr, int value, size_t count) {

@@ -160,6 +160,12 @@ typedef uint64_t __attribute__((may_alias)) gh_ctl_word_t;
 extern const gh_ctl_word_t *gh_ctl_word;
 #define GH_CTL_PAUSE(word) ((word) >> 32)
 
+/* bench.c: one benchmark request (its waits end at deadline_ns, the pause's lease, at the
+ * latest); a queued one cancelled; the benchmarks' scratch memory given back (end of a pause). */
+void gh_bench_run(struct gh_bench_slot *s, uint64_t deadline_ns);
+void gh_bench_cancel(struct gh_bench_slot *s);
+void gh_bench_release(void);
+
 /* control.c: pause point, run at depth 0 outside groups before a data-path call. */
 void gh_pause_point_slow(ncclComm_t comm);
 static inline void gh_pause_point(ncclComm_t comm) {

@@ -91,11 +91,27 @@ int cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
   *s = calloc(1, sizeof **s);
   return *s != NULL ? 0 : 2;
 }
+/* Device memory with a live count (no stream-ordered allocation here: the hook then frees its
+ * scratch with cudaFree once its stream is idle, which the tests check). */
+_Atomic long stub_cuda_live_allocs;
 int cudaMalloc(void **p, size_t n) {
   *p = malloc(n ? n : 1);
+  if (*p != NULL) __atomic_fetch_add(&stub_cuda_live_allocs, 1, __ATOMIC_RELAXED);
   return *p != NULL ? 0 : 2;
 }
 int cudaFree(void *p) {
+  if (p != NULL) __atomic_fetch_sub(&stub_cuda_live_allocs, 1, __ATOMIC_RELAXED);
   free(p);
+  return 0;
+}
+/* One device for every stream: idle once it has reached every record. */
+int cudaStreamQuery(cudaStream_t s) {
+  (void)s;
+  return __atomic_load_n(&stub_cuda_done, __ATOMIC_ACQUIRE) >= __atomic_load_n(&stub_cuda_tickets, __ATOMIC_ACQUIRE)
+             ? 0
+             : 600;
+}
+int cudaStreamDestroy(cudaStream_t s) {
+  free(s);
   return 0;
 }

@@ -20,7 +20,7 @@
 
 extern _Atomic uint64_t stub_cuda_tickets, stub_cuda_done;
 extern _Atomic int stub_cuda_auto, stub_cuda_capturing;
-extern _Atomic long stub_cuda_records, stub_cuda_events;
+extern _Atomic long stub_cuda_records, stub_cuda_events, stub_cuda_live_allocs;
 void stub_cuda_advance(uint64_t upto);
 void stub_cuda_finish_all(void);
 
@@ -80,6 +80,7 @@ static void *agent(void *arg) {
   while (LOAD(s->state) < GH_BENCH_DONE) usleep(100);
   CHECK(LOAD(s->state) == GH_BENCH_DONE && s->n_done == 2 && s->drain_ns < 250000000ull);
   CHECK(s->durations_ns[0] > 0 && s->durations_ns[1] > 0); /* GPU time, from the events */
+  CHECK(LOAD(stub_cuda_live_allocs) == 1); /* the transfer's device scratch, until the resume */
   __atomic_store_n(&c->pause_request, 0, __ATOMIC_RELEASE);
   return NULL;
 }
@@ -189,6 +190,7 @@ int main(void) {
   CHECK(ncclAllReduce(NULL, NULL, 1, ncclFloat32, ncclSum, comm, S1) == ncclSuccess); /* parks here */
   pthread_join(t, NULL);
   CHECK(LOAD(v.ctl->paused) == 0 && LOAD(v.ctl->pause_count) == 1);
+  CHECK(LOAD(stub_cuda_live_allocs) == 0); /* cudaMalloc'd scratch freed once its stream was idle */
 
   /* Destroy drops what is pending: the entry stops naming a call the GPU will never report. */
   __atomic_store_n(&stub_cuda_auto, 0, __ATOMIC_RELEASE);

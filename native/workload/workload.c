@@ -249,8 +249,10 @@ static int run(const struct cfg *c) {
     int64_t t2 = fk_now_ns();
     if ((r = async_error(&m)) != ncclSuccess) return fail("asynchronous NCCL error", r);
     if (c->verbose) {
-      printf("it=%d t0=%lld t1=%lld t2=%lld ga=%lld gd=%lld\n", it, (long long)t0, (long long)t1,
-             (long long)t2, (long long)gpu_at(&g, 1), (long long)gpu_at(&g, 2));
+      long mem = 0;
+      fakeCudaMemStats(NULL, &mem, NULL);
+      printf("it=%d t0=%lld t1=%lld t2=%lld ga=%lld gd=%lld mem=%ld\n", it, (long long)t0, (long long)t1,
+             (long long)t2, (long long)gpu_at(&g, 1), (long long)gpu_at(&g, 2), mem);
       fflush(stdout);
     }
     if (c->ckpt_every > 0 && (it + 1) % c->ckpt_every == 0) fk_sleep_ns((int64_t)(c->ckpt_ms * 1e6));
@@ -259,6 +261,9 @@ static int run(const struct cfg *c) {
     long violations = 0, captured = 0;
     fakeCudaCaptureStats(&violations, &captured);
     printf("fake_cuda capture_violations=%ld captured_event_records=%ld\n", violations, captured);
+    long live = 0, bytes = 0, peak = 0;
+    fakeCudaMemStats(&live, &bytes, &peak);
+    printf("fake_cuda mem_allocs=%ld mem_bytes=%ld mem_peak_bytes=%ld\n", live, bytes, peak);
   }
   for (int i = 0; c->verbose && i < 3; i++) cudaEventDestroy(g.ev[i]);
   free(buf);

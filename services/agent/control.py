@@ -55,6 +55,7 @@ class AgentControl:
         self.collectors = collectors
         self._clock = clock
         self._controls: dict[Path, Control] = {}
+        self._adopted: set[Path] = set()  # rings whose leftover pause and mode were cleared
         self._orphans: dict[Path, list[int]] = {}  # timed-out benchmark ids, freed when done
         self._subs: dict[str, Subscription] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -64,10 +65,25 @@ class AgentControl:
 
     async def subscribe_new_jobs(self, nc: NATS) -> None:
         """One subscription per job this agent serves (called after each ring scan)."""
+        self.adopt_rings()
         for job in list(self.collectors):
             if job not in self._subs:
                 self._subs[job] = await nc.subscribe(Subjects.control(job, self.agent_id),
                                                      cb=self._on_msg)
+
+    def adopt_rings(self) -> None:
+        """Clear what an earlier agent left in rings this one meets for the first time: a pause
+        (its validator gone with it, nobody would resume; the lease would, later) and profile
+        mode (this agent publishes no collectives for it). Runs before any request is served."""
+        live = {s.path: s for col in self.collectors.values() for s in col.streams.values()}
+        for path in live.keys() - self._adopted:
+            try:
+                ctl = self._control(live[path])
+                ctl.resume()
+                ctl.set_mode("monitor")
+            except Exception:  # one ring that cannot be written costs that ring only
+                log.exception("could not clear the control block of %s", path)
+        self._adopted = set(live)
 
     async def _on_msg(self, msg: Msg) -> None:
         # A long benchmark must not hold up a status request: each request runs on its own.
@@ -176,7 +192,8 @@ class AgentControl:
                                f"pause parks ranks at different calls and deadlocks their "
                                f"peers); missing for ranks {missing}")
         for s in targets:
-            self._control(s).pause(req.pause_comm_id.get(s.rank, 0), req.pause_seq)
+            self._control(s).pause(req.pause_comm_id.get(s.rank, 0), req.pause_seq,
+                                   lease_s=req.lease_s)
 
     # ---- benchmarks -------------------------------------------------------------------------
 

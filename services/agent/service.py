@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from greyhound.ids import check_token, slug
 from services.agent.collector import Collector, RankIteration
 from services.agent.control import AgentControl
+from services.agent.reaper import RingReaper
 from services.agent.settings import AgentSettings
 from services.common.bus.client import publish
 from services.common.bus.contract import (
@@ -68,6 +69,7 @@ class NodeAgent:
         self.backlog: deque[tuple[str, Message]] = deque(maxlen=MAX_BACKLOG)
         self.published = 0
         self.dropped = 0  # messages no server could take (a single row over max_payload)
+        self.reaper = RingReaper(self.shm_dir, grace_s=self.settings.ring_grace_s)
 
     def _job_dirs(self) -> list[str]:
         if self.fixed_jobs is not None:
@@ -150,9 +152,12 @@ class NodeAgent:
                   control: AgentControl | None = None) -> None:
         """Drain and publish until ``stop``; with ``control`` (and its connection ``nc``), also
         answer control requests for every job found."""
-        next_scan = next_counters = 0.0
+        next_scan = next_counters = next_reap = 0.0
         while not stop.is_set():
             now = time.monotonic()
+            if now >= next_reap:  # rings of killed ranks would otherwise fill /dev/shm
+                self.reaper.sweep()
+                next_reap = now + min(30.0, self.settings.ring_grace_s / 4)
             if now >= next_scan:
                 self.scan()
                 if control is not None and nc is not None:

@@ -133,8 +133,12 @@ class Validator:
                             "p2p_reference_comms": refs, "p2p_rounds": len(rounds)})
         t0 = time.monotonic()
         drain: dict[int, float] = {}
+        # The pause is a lease: should this process die before its resume, the hooks resume by
+        # themselves a few seconds after the longest this validation can take.
+        c = self.config
+        lease_s = min(600.0, c.pause_timeout_s + c.bench_timeout_s * (bool(gpus) + len(rounds)) + 10)
         try:
-            await self._pause(s.job_id, agents, plan.comm_of_rank, plan.seq)
+            await self._pause(s.job_id, agents, plan.comm_of_rank, plan.seq, lease_s)
             run.evidence["paused_after_s"] = await self._wait_paused(s.job_id, agents, t0)
             gemm = await self._gemm(s.job_id, agents, gpus, drain)
             p2p = await self._p2p(s.job_id, agents, rounds, drain)
@@ -177,10 +181,11 @@ class Validator:
         return {st.rank: st for reply in replies for st in reply.ranks}
 
     async def _pause(self, job: str, agents: dict[str, list[int]], comm_of_rank: dict[int, int],
-                     seq: int) -> None:
+                     seq: int, lease_s: float) -> None:
         await asyncio.gather(*(
             self._ask(a, ControlRequest(job_id=job, action="pause", ranks=rs, pause_seq=seq,
-                                        pause_comm_id={r: comm_of_rank[r] for r in rs}))
+                                        pause_comm_id={r: comm_of_rank[r] for r in rs},
+                                        lease_s=lease_s))
             for a, rs in agents.items()))
 
     async def _wait_paused(self, job: str, agents: dict[str, list[int]], t0: float) -> float:

@@ -394,6 +394,9 @@ class ControlRequest(BaseModel):
     pause_seq: int = 0
     bench: list[BenchItem] = Field(default_factory=list)
     timeout_s: float = Field(default=10.0, gt=0, le=300)
+    lease_s: float | None = Field(default=None, gt=0, le=600, description=(
+        "pause: the hook resumes by itself this long after the request, whatever becomes of "
+        "the requester (None: the hook's default lease)"))
 
 
 class CommStatus(BaseModel):
