@@ -54,9 +54,10 @@ async def connect(url: str, *, name: str, credentials: Credentials | None = None
     """Connect with endless reconnects: a bus restart must not kill a service or an agent.
 
     A server that refuses the credentials on the first connect (none given where it needs
-    some, a wrong password) raises BusAuthError at once: nats-py would retry forever, and a
-    service stuck there looks alive while doing nothing. Permission violations later on (a
-    subject this user may not use) are logged as errors, the first few of each subject.
+    some, a wrong password), or a TLS handshake that fails (an untrusted certificate, no client
+    certificate where the server wants one), raises BusAuthError at once: nats-py would retry
+    forever, and a service stuck there looks alive while doing nothing. Permission violations
+    later on (a subject this user may not use) are logged as errors, the first few of each.
     """
     nc = NATS()
     connected = False
@@ -68,6 +69,10 @@ async def connect(url: str, *, name: str, credentials: Credentials | None = None
             raise BusAuthError(f"NATS at {redact(url)} refused {who} ({name}): {exc}. Set "
                                "GREYHOUND_NATS_USER and GREYHOUND_NATS_PASSWORD to this "
                                "process's bus user (see docs/security.md)") from exc
+        if not connected and isinstance(exc, ssl.SSLError):
+            raise BusAuthError(f"TLS with NATS at {redact(url)} failed ({name}): {exc}. Check "
+                               "GREYHOUND_NATS_TLS_CA (and _CERT/_KEY when the server verifies "
+                               "clients); see docs/security.md") from exc
         text = str(exc)
         if "permissions violation" in text.lower():
             n = violations[text] = violations.get(text, 0) + 1
@@ -87,8 +92,8 @@ async def connect(url: str, *, name: str, credentials: Credentials | None = None
         await nc.connect(url, name=name, allow_reconnect=True, connect_timeout=5,
                          error_cb=on_error, **options)
     except BaseException:
-        with contextlib.suppress(Exception):
-            await nc.close()
+        with contextlib.suppress(Exception):  # a half-done TLS handshake can hang close()
+            await asyncio.wait_for(nc.close(), 2.0)
         raise
     connected = True
     return nc
