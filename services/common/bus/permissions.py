@@ -22,6 +22,7 @@ connection without credentials is refused.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -156,28 +157,22 @@ def service_users(*, agents: Iterable[str] = (), tracker_partitions: int = 1,
     return out
 
 
-def _value(v: Any) -> str:
-    if isinstance(v, EnvRef):
-        return f"${v.name}"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)}: {_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    return json.dumps(v)
+_ENV = re.compile(r'"@@env:([A-Za-z_][A-Za-z0-9_]*)@@"')
 
 
 def render_authorization(users: Mapping[str, dict[str, Any]],
                          passwords: Mapping[str, Password]) -> str:
-    """The ``authorization`` block of a nats-server config (its syntax is JSON with ``$VAR``
-    references), one user a line; a user without a password is an error, not an open door."""
+    """The ``authorization`` block of a nats-server config (its syntax takes JSON, plus
+    ``$VAR`` references for passwords read from the server's environment); a user without a
+    password is an error, not an open door."""
     missing = sorted(set(users) - set(passwords))
     if missing:
         raise ValueError(f"no password for bus user(s) {missing}")
-    lines = ["authorization {", "  users = ["]
+    entries = []
     for name, perms in users.items():
-        entry = {"user": name, "password": passwords[name], "permissions": perms}
-        lines.append(f"    {_value(entry)}")
-    lines += ["  ]", "}"]
-    return "\n".join(lines) + "\n"
+        pw = passwords[name]
+        entries.append({"user": name,
+                        "password": f"@@env:{pw.name}@@" if isinstance(pw, EnvRef) else pw,
+                        "permissions": perms})
+    body = json.dumps({"users": entries}, indent=2)
+    return "authorization " + _ENV.sub(lambda m: f"${m.group(1)}", body) + "\n"
