@@ -131,6 +131,8 @@ async def test_bad_rings_are_reported_and_skipped_and_good_ones_served(agent: No
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+    print(f"fuzz: {len(expected) + len(random) + len(GOOD)} rings, 3 ticks, traced peak "
+          f"{peak / 2**20:.2f} MiB")
     bad = agent.health.bad
     for path, reason in expected.items():
         assert path in bad and bad[path].reason == reason, (path.name, bad.get(path))
@@ -222,6 +224,7 @@ def test_a_huge_lag_is_read_in_bounded_polls(tmp_path: Path) -> None:
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+    print(f"2^20-record lag: one poll, traced peak {peak / 2**20:.2f} MiB")
     assert len(got) == 0  # the first slot is not complete: nothing handed out yet
     assert peak < 3 * H.MAX_POLL_RECORDS * H.RECORD_DTYPE.itemsize, f"{peak / 2**20:.1f} MiB"
     reader.close()
