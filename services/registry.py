@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.common.bus.auth import agent_user, default_agent_id
 from services.common.bus.contract import Subjects
 from services.common.bus.streams import (
     ANALYZER,
@@ -110,8 +111,6 @@ class Service:
         """The NATS user this service connects as (an agent's names its agent id)."""
         if not self.bus.per_agent:
             return self.name
-        from services.common.bus.auth import agent_user, default_agent_id
-
         return agent_user((options or {}).get("agent_id") or default_agent_id())
 
     def load(self) -> ServiceMain:

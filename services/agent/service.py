@@ -82,6 +82,7 @@ class NodeAgent:
         self._ignored: set[str] = set()
         self._status_at = 0.0
         self._status_seen: dict[str, int] = {}
+        self._publish_failures = 0  # in a row (the bus away, or the streams not declared yet)
 
     def status(self) -> dict[str, Any]:
         """What the agent serves and what it could not: its status line, and tests, read it."""
@@ -186,11 +187,16 @@ class NodeAgent:
                     self.backlog.extendleft((subject, h) for h in reversed(halves))
                 continue
             except Exception as exc:
-                log.warning("publish to %s failed (%s); %d messages waiting", subject, exc,
-                            len(self.backlog))
+                self._publish_failures += 1
+                if self._publish_failures == 1 or self._publish_failures % 200 == 0:
+                    log.warning("publish to %s failed (%s, %d in a row); %d messages waiting",
+                                subject, exc, self._publish_failures, len(self.backlog))
                 return
             self.backlog.popleft()
             self.published += 1
+            if self._publish_failures:
+                log.info("publishing again after %d failures", self._publish_failures)
+                self._publish_failures = 0
 
     def _step_failed(self, step: str) -> None:
         self.loop_errors += 1
@@ -240,7 +246,10 @@ class NodeAgent:
             self._log_status(now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.settings.poll_s)
-        self.collect_iterations()
+        try:
+            self.collect_iterations()
+        except Exception:
+            self._step_failed("collect")
         await self.flush()
         for col in self.collectors.values():
             col.close()

@@ -218,9 +218,10 @@ class EmbeddedNats:
         return self.url
 
     def credentials(self, user: str, timeout_s: float = 10.0) -> Credentials:
-        """The password of ``user``: a service of the registry, or an agent (``agent-<id>``),
-        whose user is created now if it is new (the server then reloads its config, and this
-        returns once the server admits it)."""
+        """The password of ``user``: a service of the registry, or an agent (``agent-<id>``).
+        A user the running server does not have yet (a new agent, a service registered since
+        it started) is created now: the server reloads its config, and this returns once the
+        server admits it."""
         if not self.auth:
             raise EmbeddedError("this embedded NATS runs without authentication")
         if not self._port:
@@ -228,8 +229,11 @@ class EmbeddedNats:
         with self._locked():
             users = self._users()
             added = user not in users
-            if added:
-                if agent_of_user(user) is None:
+            if added:  # an agent's, or a service registered after this server started
+                from services.registry import BY_NAME
+
+                service = BY_NAME.get(user)
+                if agent_of_user(user) is None and (service is None or service.bus.per_agent):
                     raise EmbeddedError(f"no bus user {user!r}: services connect as their "
                                         "registry name, agents as agent-<id>")
                 users[user] = secrets.token_urlsafe(24)

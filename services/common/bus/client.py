@@ -75,8 +75,10 @@ async def connect(url: str, *, name: str, credentials: Credentials | None = None
                                "clients); see docs/security.md") from exc
         text = str(exc)
         if "permissions violation" in text.lower():
+            if text not in violations and len(violations) >= 1000:
+                return  # counted per subject, for a bounded number of subjects
             n = violations[text] = violations.get(text, 0) + 1
-            if n <= _PERMISSION_LOG_LIMIT and len(violations) <= 1000:
+            if n <= _PERMISSION_LOG_LIMIT:
                 log.error("%s (%s as %s): the server's permissions refused it", text, name, who)
             return
         log.warning("nats (%s): %s", name, describe(exc))
