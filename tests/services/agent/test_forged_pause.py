@@ -20,14 +20,16 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NoStreamResponseError
 
 from greyhound import hookabi as H
 from services.agent.service import run_agent
 from services.agent.settings import AgentSettings
 from services.common.bus.auth import BusAuthError, agent_user
 from services.common.bus.client import connect, ensure_streams
-from services.common.bus.contract import ControlReply, ControlRequest, Subjects
+from services.common.bus.contract import ControlReply, ControlRequest, Subjects, Suspicion
 from services.common.bus.control import request
+from services.common.bus.streams import EVENTS
 from services.common.embedded import EmbeddedNats
 from services.common.runtime import Backends, start_service
 from services.common.settings import Settings
@@ -35,7 +37,7 @@ from tests.services.agent.forge import good_ring
 
 JOB = "pausejob"
 NODE = "node-a"
-REFUSED = (NatsTimeoutError, NoRespondersError)
+REFUSED = (NatsTimeoutError, NoRespondersError, NoStreamResponseError)
 
 
 @dataclass
@@ -136,3 +138,26 @@ async def test_the_validators_pause_arrives_and_its_resume_clears_it(running: Ru
         assert resumed.ok and running.pause_requested() == [False, False]
     finally:
         await validator.close()
+
+
+async def test_a_forged_suspicion_is_refused_by_the_server(running: Running) -> None:
+    """Only the analyzer publishes suspicions: without credentials nothing is sent at all, and
+    every other user's (an agent's, the tracker's, the API's) is dropped before the stream."""
+    forged = Suspicion(job_id=JOB, incident_id="0" * 32, kind="compute_slow", ranks=[0],
+                       comm_ids=[]).model_dump_json().encode()
+    with pytest.raises(BusAuthError):
+        await asyncio.wait_for(connect(running.server.url, name="forger"), 30)
+    for user in (agent_user(NODE), "tracker", "api"):
+        nc = await running.client(user)
+        try:
+            with pytest.raises(REFUSED):
+                await nc.jetstream().publish(Subjects.suspicion(JOB), forged, timeout=0.5)
+        finally:
+            await nc.close()
+    api = await running.client("api")
+    try:
+        info = await api.jetstream().stream_info(EVENTS, subjects_filter=Subjects.suspicion(JOB))
+        assert not (info.state.subjects or {}).get(Subjects.suspicion(JOB))
+    finally:
+        await api.close()
+    assert running.pause_requested() == [False, False]
