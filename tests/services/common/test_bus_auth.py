@@ -188,3 +188,34 @@ def test_partitioned_trackers_get_one_durable_each() -> None:
     base = Settings(tracker_partitions=3)
     assert _durables(tracker, 3) == [
         tracker_spec(base.model_copy(update={"tracker_partition": i})).durable for i in range(3)]
+
+
+async def test_the_api_reads_telemetry_but_cannot_touch_the_services_durables(
+        secure: EmbeddedNats) -> None:
+    from nats.js.errors import APIError
+
+    from services.api.telemetry import read_window
+
+    tracker = await _as(secure, "tracker")
+    await ensure_streams(tracker.jetstream(), _settings(secure))
+    await tracker.jetstream().add_consumer(TELEMETRY, TRACKER.config())  # the tracker's durable
+    n1 = await _as(secure, agent_user("n1"))
+    api = await _as(secure, "api")
+    job = f"read{uuid.uuid4().hex[:8]}"
+    try:
+        batch = IterationBatch(job_id=job, agent_id="n1", rank=[0, 1], iteration=[1, 1],
+                               end_ns=[1, 2], duration_s=[0.1, 0.1])
+        await n1.jetstream().publish(Subjects.iterations(job, "n1"),
+                                     batch.model_dump_json().encode())
+        window = await read_window(api.jetstream(), job, window_s=60)
+        assert [b.rank for b in window.iterations] == [[0, 1]]
+        js = api.jetstream()
+        with pytest.raises(REFUSED):  # no fetching the tracker's messages
+            await api.request(f"$JS.API.CONSUMER.MSG.NEXT.{TELEMETRY}.{TRACKER.durable}",
+                              b'{"batch": 1}', timeout=0.5)
+        with pytest.raises((*REFUSED, APIError)):
+            await js.delete_consumer(TELEMETRY, TRACKER.durable)
+        assert (await tracker.jetstream().consumer_info(TELEMETRY, TRACKER.durable)).name
+    finally:
+        for nc in (api, n1, tracker):
+            await nc.close()
