@@ -219,3 +219,14 @@ async def test_the_api_reads_telemetry_but_cannot_touch_the_services_durables(
     finally:
         for nc in (api, n1, tracker):
             await nc.close()
+
+
+def test_the_registry_grants_the_durables_the_services_bind() -> None:
+    from services.notifier.service import NOTIFIER
+
+    bound = {"tracker": [TRACKER], "analyzer": [ANALYZER, ANALYZER_COLLECTIVES],
+             "validator": [VALIDATOR], "notifier": [NOTIFIER]}
+    for name, specs in bound.items():
+        granted = {(c.stream, c.durable) for c in BY_NAME[name].bus.consume}
+        assert granted == {(s.stream, s.durable) for s in specs}, name
+    assert not any(s.bus.consume for s in SERVICES if s.name not in bound)
