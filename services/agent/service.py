@@ -211,7 +211,7 @@ class NodeAgent:
         self._status_at = now + STATUS_EVERY_S
         seen = {**self.health.errors, "malformed": self.malformed, "loop": self.loop_errors,
                 "dropped": self.dropped}
-        if seen != self._status_seen or self.health.bad:
+        if (seen != self._status_seen and any(seen.values())) or self.health.bad:
             self._status_seen = seen
             st = self.status()
             log.warning("agent %s: %d rings of %d jobs served, %d skipped %s, errors %s, "
