@@ -33,7 +33,8 @@ def _install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
 async def _serve(service: Service, options: dict[str, Any]) -> None:
     stop = asyncio.Event()
     _install_stop(asyncio.get_running_loop(), stop)
-    ctx = await start_service(service.name, get_settings(), need_db=service.postgres)
+    ctx = await start_service(service.name, get_settings(), need_db=service.postgres,
+                              bus_user=service.bus_user(options))
     try:
         await service.run(ctx, stop, options)
     finally:

@@ -26,6 +26,18 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="forbid")
 
     nats_url: str | None = None
+    # Who this process is on the bus (docs/security.md): its NATS user and password, and TLS.
+    # Unset with an embedded NATS: the process reads its own from the data directory.
+    nats_user: str | None = None
+    nats_password: SecretStr | None = None
+    nats_tls_ca: Path | None = Field(default=None, description="CA bundle the server's "
+                                     "certificate is checked against (else the system's)")
+    nats_tls_cert: Path | None = Field(default=None, description="client certificate, when the "
+                                       "server verifies clients")
+    nats_tls_key: Path | None = None
+    nats_no_auth: bool = Field(
+        default=False, description="embedded NATS only: start it without users (tests that "
+        "need an open bus); anyone on the machine could then pause a job")
     database_url: str | None = None
     data_dir: Path = Path(".greyhound")
     shm_dir: Path = Path("/dev/shm/greyhound")
@@ -76,11 +88,21 @@ class Settings(BaseSettings):
                              f"({self.tracker_partitions}), got {self.tracker_partition}")
         return self
 
+    @model_validator(mode="after")
+    def _nats_credentials_complete(self) -> Settings:
+        if (self.nats_user is None) != (self.nats_password is None):
+            raise ValueError("GREYHOUND_NATS_USER and GREYHOUND_NATS_PASSWORD go together")
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ValueError("GREYHOUND_NATS_TLS_CERT and GREYHOUND_NATS_TLS_KEY go together")
+        return self
+
     @field_validator("nats_url")
     @classmethod
     def _nats_scheme(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ValueError(f"GREYHOUND_NATS_URL must start with nats:// or tls://, got {v!r}")
+            scheme = v.split(":", 1)[0][:16]
+            raise ValueError(f"GREYHOUND_NATS_URL must start with nats:// or tls://, got a "
+                             f"{scheme!r} URL")
         return v
 
     @field_validator("database_url")

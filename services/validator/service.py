@@ -44,8 +44,9 @@ from services.common.bus.contract import (
 from services.common.bus.control import ControlTimeout, request
 from services.common.bus.streams import VALIDATOR
 from services.common.db import repository as repo
-from services.common.db.models import Rank
+from services.common.db.models import Incident, Rank
 from services.common.runtime import ServiceContext, supervise
+from services.validator.guard import SuspicionRefused, refusal
 from services.validator.plan import (
     CommView,
     Transfer,
@@ -81,6 +82,7 @@ class Validator:
         self.ctx = ctx
         self.config = settings or ValidatorSettings()
         self.runs: list[Run] = []
+        self.refused = 0  # suspicions refused by the guard (no pause)
 
     async def handle(self, subject: str, s: Suspicion) -> None:
         """A database or bus failure propagates: the consumer tells a transient one (retried
@@ -89,11 +91,22 @@ class Validator:
             return
         async with self.ctx.db()() as session:
             ranks = list(await repo.job_ranks(session, s.job_id))
+            incident = await repo.get_incident(session, s.incident_id)
+        self._check(s, incident, ranks)
         run = await self.validate(s, ranks)
         self.runs.append(run)
         announce = await self._record(s, ranks, run)
         if announce is not None:
             await publish(self.ctx.js, Subjects.incident(s.job_id), announce)
+
+    def _check(self, s: Suspicion, incident: Incident | None, ranks: Sequence[Rank]) -> None:
+        """Refuse (dead-letter, before any agent is asked anything) a suspicion no open,
+        localised incident of the job stands behind: see validator.guard."""
+        why = refusal(s, incident, {r.rank for r in ranks})
+        if why is not None:
+            self.refused += 1
+            log.warning("suspicion %s for job %s refused: %s", s.event_id, s.job_id, why)
+            raise SuspicionRefused(why)
 
     async def _handled_before(self, event_id: str) -> bool:
         """A redelivered suspicion must not pause the job again; claim and roll back to ask."""

@@ -198,4 +198,4 @@ def test_pause_benchmark_resume_with_the_jobs_communicators(native_build: Path,
     for r in readers:
         recs = r.poll()
         assert (recs["op"] == H.Op.ALLREDUCE).sum() == spec.iters  # benchmarks are not recorded
-        assert int(r._map.ctl["pause_count"]) == 1
+        assert int(r.control_block()["pause_count"]) == 1

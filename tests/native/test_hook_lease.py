@@ -20,6 +20,7 @@ import pytest
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
 from greyhound.hookabi.layout import BENCH_MAX_GEMM_N, BENCH_MAX_P2P_BYTES
+from greyhound.hookabi.mapping import RingMapping
 from tests.native.helpers import pause_then_die, wait_rings
 
 LEASE_S = 3.0
@@ -62,7 +63,7 @@ def test_a_job_paused_by_a_killed_requester_resumes_when_its_lease_ends(native_b
         p = pause_then_die(rings, LEASE_S)
         assert p.returncode == -signal.SIGKILL and b"paused" in p.stdout, p.stderr
         assert all(c.paused() for c in ctls)  # parked, and the requester is gone
-        ctl = [r._map.ctl for r in readers]
+        ctl = [RingMapping(r.path).ctl for r in readers]
         _wait(lambda: all(int(c["lease_expired"]) == 1 for c in ctl), LEASE_S + 30, "no resume")
         resumed = time.monotonic()
         assert job.wait(120) == [0, 0]  # the job finished normally
@@ -111,7 +112,7 @@ def test_validation_scratch_is_given_back_and_sizes_beyond_the_bounds_are_refuse
             c.pause(comm_id=world, seq=target, lease_s=60)
         _wait(lambda: all(c.paused() for c in ctls), 30, "ranks did not pause")
         paused_at = len(job.iterations(0))
-        raw = readers[0]._map.ctl
+        raw = RingMapping(readers[0].path).ctl
         huge = [_raw_submit(raw, 1000, H.BenchKind.GEMM, BENCH_MAX_GEMM_N + 1),
                 _raw_submit(raw, 1001, H.BenchKind.GEMM, 1 << 32),  # n*n*4 overflows 64 bits
                 _raw_submit(raw, 1002, H.BenchKind.GEMM, 0),

@@ -54,7 +54,14 @@ class Subjects:
 
     @staticmethod
     def control(job: str, agent: str) -> str:
+        """Requests that only look or switch the mode (status, set_mode) to one agent."""
         return _job_subject(job, "control", agent)
+
+    @staticmethod
+    def validation(job: str, agent: str) -> str:
+        """Requests that hold the job (pause, bench, resume): a subject of their own, so that
+        the server lets only the validator publish them (docs/security.md)."""
+        return _job_subject(job, "validate", agent)
 
     @staticmethod
     def detection(job: str) -> str:
@@ -90,6 +97,7 @@ class Subjects:
     ALL_INCIDENTS = f"{PREFIX}.*.incident"
     ALL_SUSPICIONS = f"{PREFIX}.*.suspect"
     ALL_CONTROL = f"{PREFIX}.*.control.*"
+    ALL_VALIDATION = f"{PREFIX}.*.validate.*"
     ALL_DEAD_LETTERS = f"{DLQ_PREFIX}.>"
 
     @staticmethod
@@ -374,7 +382,9 @@ class BenchItem(BaseModel):
 
 
 class ControlRequest(BaseModel):
-    """Validator/analyzer -> agent, by request/reply on ``Subjects.control(job, agent)``.
+    """Validator/analyzer -> agent, by request/reply: ``status`` and ``set_mode`` on
+    ``Subjects.control(job, agent)``, ``pause``, ``bench`` and ``resume`` (which hold the job,
+    the validator's alone) on ``Subjects.validation(job, agent)``; bus.control picks the subject.
 
     ``status`` reports each rank's mode, pause state and communicators; ``set_mode`` switches the
     hook between monitor and profile; ``pause`` parks each rank at the entry of its call on

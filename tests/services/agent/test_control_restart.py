@@ -12,6 +12,7 @@ from pathlib import Path
 
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from greyhound.hookabi.mapping import RingMapping
 from services.agent.collector import Collector
 from services.agent.control import AgentControl
 from services.common.bus.contract import ControlRequest
@@ -33,7 +34,7 @@ def test_a_restarted_agent_releases_a_job_its_predecessor_paused(tmp_path: Path)
             r.control().set_mode("profile")
         p = pause_then_die(rings, LEASE_S)
         assert p.returncode == -signal.SIGKILL and b"paused" in p.stdout, p.stderr
-        ctl = [r._map.ctl for r in readers]
+        ctl = [RingMapping(r.path).ctl for r in readers]
         assert all(int(c["paused"]) == 1 for c in ctl)
 
         collector = Collector(shm, "stale")
@@ -70,7 +71,7 @@ def test_the_agent_writes_the_requested_lease_and_the_job_resumes_when_it_ends(
         asked = time.monotonic_ns()
         reply = asyncio.run(agent.answer("leased", req.model_dump_json().encode()))
         assert reply.ok, reply.error
-        ctl = [s.reader._map.ctl for s in collector.streams.values()]
+        ctl = [RingMapping(s.path).ctl for s in collector.streams.values()]
         for c in ctl:  # CLOCK_MONOTONIC, two seconds out
             assert asked + 2_000_000_000 <= int(c["pause_lease_ns"]) <= time.monotonic_ns() + 2_000_000_000
         deadline = time.monotonic() + 30

@@ -38,18 +38,19 @@ def _run(tmp: Path, *, tp: int, pp: int) -> dict[int, tuple[list[RankIteration],
                        job_id=f"iterr-tp{tp}-pp{pp}", compute_busy=0.1, verbose=True)
     col = Collector(shm, spec.job_id)
     got: list[RankIteration] = []
+    offsets: dict[int, int] = {}  # read while the rings exist: the hook removes them at exit
     with FakeJob(spec, workdir=tmp / "job", hook=native_build_dir() / "libgreyhound_hook.so",
                  shm_dir=shm) as job:
         deadline = time.monotonic() + 25.0
         while job.running() and time.monotonic() < deadline:
             col.scan()
             got += col.drain()
+            offsets.update({s.rank: s.wall_offset_ns() for s in col.streams.values()})
             time.sleep(0.05)
         assert not job.running(), "fake job did not finish in time"
         col.scan()
         got += col.drain()
         truth = {r: job.iterations(r) for r in range(spec.world_size)}
-    offsets = {s.rank: s.wall_offset_ns() for s in col.streams.values()}
     out: dict[int, tuple[list[RankIteration], int]] = {}
     for rank in range(spec.world_size):
         out[rank] = ([i for i in got if i.rank == rank], offsets[rank])

@@ -28,7 +28,7 @@ RANKS = 8
 def own_nats() -> Iterator[str]:
     """A private server: these tests bind the tracker's durables, which the e2e stack also uses."""
     with tempfile.TemporaryDirectory(prefix="gh-trk-") as d:
-        server = EmbeddedNats(Path(d))
+        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
         yield server.start()
         server.stop()
 

@@ -40,7 +40,8 @@ async def ctx(nats_url: str) -> AsyncIterator[ServiceContext]:
 
 async def test_the_pause_carries_a_lease_sized_to_the_validation(ctx: ServiceContext) -> None:
     agent = LeaseRecorder()
-    sub = await ctx.nc.subscribe(Subjects.control(JOB, AGENT), cb=agent.answer)
+    subs = [await ctx.nc.subscribe(subject, cb=agent.answer)
+            for subject in (Subjects.control(JOB, AGENT), Subjects.validation(JOB, AGENT))]
     ranks = [Rank(job_id=JOB, rank=r, host="node0", node=0, device=r, pid=10 + r,
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])
@@ -48,7 +49,8 @@ async def test_the_pause_carries_a_lease_sized_to_the_validation(ctx: ServiceCon
     try:
         run = await Validator(ctx, config).validate(s, ranks)
     finally:
-        await sub.unsubscribe()
+        for sub in subs:
+            await sub.unsubscribe()
     assert run.verdict is not None, run.failure
     calls = 1 + run.evidence["p2p_rounds"]  # the GEMMs, then each round of transfers
     assert agent.leases == [7 + 11 * calls + 10]
