@@ -16,6 +16,7 @@ from services.common.bus.client import connect, ensure_streams
 from services.common.db.migrate import upgrade_async
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
+from services.common.redact import redact
 from services.common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ async def start_service(name: str, settings: Settings, *, need_db: bool = True,
         await upgrade_async(backends.database_url)
         engine = make_engine(backends.database_url)
         sessions = make_sessionmaker(engine)
-    log.info("%s connected (nats %s)", name, backends.nats_url)
+    log.info("%s connected (nats %s)", name, redact(backends.nats_url))
     return ServiceContext(settings, backends, nc, js, engine, sessions)
 
 
