@@ -64,7 +64,7 @@ def test_detection_levels_must_be_finite_and_positive(field: str, value: float) 
 
 
 def test_infinity_in_a_counter_age_is_refused() -> None:
-    cols = {c: [0] for c in CounterBatch.COLUMNS}
+    cols: dict[str, list[Any]] = {c: [0] for c in CounterBatch.COLUMNS}
     cols.update(nranks=[1], inflight_s=[0.0], gpu_pending_s=[float("inf")])
     raw = json.dumps({"job_id": "j", "agent_id": "a", "sampled_ns": 1, **cols})
     with pytest.raises(ValidationError, match="gpu_pending_s"):
@@ -132,8 +132,9 @@ def test_benchmark_sizes_are_bounded(kind: str, size: int, ok: bool) -> None:
 
 
 def test_keep_valid_drops_only_the_bad_rows() -> None:
-    cols = {"rank": [0, 1, -3, 2, 3], "iteration": [1, 1, 1, 1, 1], "end_ns": [1, 2, 3, 4, 5],
-            "duration_s": [0.1, float("inf"), 0.1, 0.0, 0.2]}
+    cols: dict[str, list[Any]] = {
+        "rank": [0, 1, -3, 2, 3], "iteration": [1, 1, 1, 1, 1], "end_ns": [1, 2, 3, 4, 5],
+        "duration_s": [0.1, float("inf"), 0.1, 0.0, 0.2]}
     batch, dropped = IterationBatch.keep_valid(cols, job_id="j", agent_id="a")
     assert batch is not None and dropped == 3
     assert batch.rank == [0, 3] and batch.duration_s == [0.1, 0.2]
