@@ -285,7 +285,12 @@ class JobTracker:
             return None
         if any(det.change == "full" for _, det in found) and len(fired) < needed:
             self.slow = False
-            return self._decision("recovery", "full", self._latest("full"))
+            # A slowdown shorter than ``settle`` rounds: its recoveries began too close to the
+            # onset to count as a later change, yet they end it; name them all.
+            ranks = self._latest("full") or [
+                r for r, s in self.index.items()
+                if (d := self._last[s]) is not None and d.change == "full"]
+            return self._decision("recovery", "full", ranks)
         for change, kind in (("further", "slowdown"), ("partial", "recovery")):
             ranks = self._latest(change)
             if len(ranks) >= needed:

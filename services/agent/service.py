@@ -15,6 +15,7 @@ import socket
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError
@@ -28,6 +29,7 @@ from services.common.bus.client import publish
 from services.common.bus.contract import (
     AgentHello,
     CollectiveBatch,
+    Columnar,
     CounterBatch,
     IterationBatch,
     Message,
@@ -38,6 +40,8 @@ from services.common.bus.contract import (
 from services.common.runtime import ServiceContext
 
 log = logging.getLogger(__name__)
+
+B = TypeVar("B", bound=Columnar)
 
 MAX_BACKLOG = 10_000  # unpublished messages kept while the bus is unreachable
 # Rows per CollectiveBatch: ~0.5 MB of JSON, under NATS's default 1 MB max_payload. A server with
@@ -68,6 +72,7 @@ class NodeAgent:
         self.backlog: deque[tuple[str, Message]] = deque(maxlen=MAX_BACKLOG)
         self.published = 0
         self.dropped = 0  # messages no server could take (a single row over max_payload)
+        self.invalid_rows = 0  # rows outside the bus contract's bounds, left out
 
     def _job_dirs(self) -> list[str]:
         if self.fixed_jobs is not None:
@@ -100,18 +105,30 @@ class NodeAgent:
             self.collect_profiled(job, col)
             if not its:
                 continue
-            batch = IterationBatch(
-                job_id=job, agent_id=self.agent_id, rank=[i.rank for i in its],
-                iteration=[i.iteration for i in its], end_ns=[i.end_wall_ns for i in its],
-                duration_s=[i.duration_s for i in its])
-            self.backlog.append((Subjects.iterations(job, self.agent_id), batch))
+            batch = self._valid(IterationBatch, job, {
+                "rank": [i.rank for i in its], "iteration": [i.iteration for i in its],
+                "end_ns": [i.end_wall_ns for i in its], "duration_s": [i.duration_s for i in its]})
+            if batch is not None:
+                self.backlog.append((Subjects.iterations(job, self.agent_id), batch))
+
+    def _valid(self, model: type[B], job: str, columns: dict[str, list[Any]],
+               **envelope: Any) -> B | None:
+        """The batch less the rows outside the contract's bounds (a negative iteration time, a
+        garbage counter): one bad row costs that row, never the batch or the agent."""
+        batch, bad = model.keep_valid(columns, job_id=job, agent_id=self.agent_id, **envelope)
+        if bad:
+            self.invalid_rows += bad
+            log.warning("job %s: %d %s row(s) outside the bus contract's bounds left out (%d so "
+                        "far)", job, bad, model.__name__, self.invalid_rows)
+        return batch
 
     def collect_profiled(self, job: str, col: Collector) -> None:
         """Every collective of ranks in profile mode (switched through control), wall clock."""
         rows = col.take_profiled()
         for part in rows.chunks(COLLECTIVE_ROWS):
-            batch = CollectiveBatch(job_id=job, agent_id=self.agent_id, **vars(part))
-            self.backlog.append((Subjects.collectives(job, self.agent_id), batch))
+            batch = self._valid(CollectiveBatch, job, vars(part))
+            if batch is not None:
+                self.backlog.append((Subjects.collectives(job, self.agent_id), batch))
 
     def collect_counters(self) -> None:
         now_mono = time.monotonic_ns()
@@ -119,9 +136,9 @@ class NodeAgent:
             rows = col.counters(now_mono)
             if not rows.rank:
                 continue
-            batch = CounterBatch(job_id=job, agent_id=self.agent_id, sampled_ns=time.time_ns(),
-                                 **vars(rows))
-            self.backlog.append((Subjects.counters(job, self.agent_id), batch))
+            batch = self._valid(CounterBatch, job, vars(rows), sampled_ns=time.time_ns())
+            if batch is not None:
+                self.backlog.append((Subjects.counters(job, self.agent_id), batch))
 
     async def flush(self) -> None:
         while self.backlog:

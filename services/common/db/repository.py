@@ -543,6 +543,18 @@ async def finish_claim(session: AsyncSession, suspicion_id: str, state: str, at:
                           .values(state=state, finished_at=at))
 
 
+async def finish_claim_held(session: AsyncSession, suspicion_id: str, holder: str,
+                            at: datetime) -> bool:
+    """Mark a running claim done if ``holder`` still holds it; False when another validator
+    took it over (then this holder's result must not be recorded: the other one's will be)."""
+    res = await session.execute(
+        update(ValidationClaim)
+        .where(ValidationClaim.suspicion_id == suspicion_id, ValidationClaim.holder == holder,
+               ValidationClaim.state == "running")
+        .values(state="done", finished_at=at).returning(ValidationClaim.suspicion_id))
+    return res.first() is not None
+
+
 async def lapsed_claims(session: AsyncSession, now: datetime,
                         limit: int = 100) -> Sequence[ValidationClaim]:
     """Running claims whose holder stopped renewing them (it died mid-validation)."""
