@@ -31,6 +31,7 @@ from services.common.bus.contract import (
     DetectionEvent,
     IncidentEvent,
     IterationBatch,
+    Message,
     RankInfo,
     RankStatus,
     Subjects,
@@ -180,7 +181,8 @@ class Pipeline:
     async def events(self, job: str) -> dict[str, list[Any]]:
         """Every detection, incident event and suspicion of the job stored in the events stream."""
         out: dict[str, list[Any]] = {"detect": [], "incident": [], "suspect": []}
-        models = {"detect": DetectionEvent, "incident": IncidentEvent, "suspect": Suspicion}
+        models: dict[str, type[Message]] = {"detect": DetectionEvent, "incident": IncidentEvent,
+                                            "suspect": Suspicion}
         sub = await self.ctx.js.pull_subscribe(
             f"{Subjects.detection(job).rsplit('.', 1)[0]}.*", durable=None, stream=EVENTS,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE))
