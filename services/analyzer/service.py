@@ -25,6 +25,7 @@ after the other, since a job is profiled through one window at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from services.analyzer.slow import SlowLocalizer, service_outbox
 from services.common.bus.bounds import MAX_SECONDS
 from services.common.bus.client import Consumer
 from services.common.bus.contract import DetectionEvent, IncidentEvent, IncidentStage, Subjects
+from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import ANALYZER
 from services.common.db import repository as repo
 from services.common.db.models import Incident
@@ -88,7 +90,8 @@ class Analyzer:
 
     async def resume(self) -> int:
         """Localise again every open incident left ``detected`` without a localisation result
-        (the analyzer died while profiling, or could not record what it found); how many."""
+        (the analyzer died while profiling, or a failure stopped it before it recorded what it
+        found), unless its job is being profiled now; how many were started."""
         if self.localizer is None:
             return 0
         async with self.ctx.db()() as session:
@@ -96,6 +99,8 @@ class Analyzer:
             await session.commit()
         started = 0
         for inc in rows:
+            if inc.job_id in self._chains or inc.job_id in self.localizer.tasks:
+                continue
             det = _detection_of(inc)
             if det is None:
                 log.warning("incident %s: no usable detection to localise it again", inc.id)
@@ -322,9 +327,20 @@ async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
         consumer.stop()
         feed.stop()
 
-    await analyzer.resume()
+    async def resumer() -> None:
+        """At start-up and every resume_every_s; the database being away is waited out."""
+        while not stop.is_set():
+            try:
+                await analyzer.resume()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("resuming localisations failed: %s", describe(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), settings.resume_every_s)
+
     try:
-        await supervise(consumer.run(), feed.run(), outbox.run(stop), stopper(),
+        await supervise(consumer.run(), feed.run(), outbox.run(stop), stopper(), resumer(),
                         run_retention(ctx.db(), settings, stop,
                                       events_max_age_s=ctx.settings.events_max_age_s))
     finally:

@@ -11,6 +11,10 @@ class AnalyzerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GREYHOUND_ANALYZER_", extra="forbid",
                                       frozen=True)
 
+    resume_every_s: float = Field(
+        default=30.0, gt=0, description=(
+            "how often open incidents whose localisation never recorded a result are localised "
+            "again (also at start-up)"))
     retention_every_s: float = Field(default=3600.0, gt=0, description="how often old rows go")
     retention_batch: int = Field(default=1000, ge=1, le=100_000,
                                  description="rows per delete statement (short locks)")

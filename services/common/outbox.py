@@ -101,6 +101,7 @@ class Outbox:
     async def run(self, stop: asyncio.Event) -> None:
         """The relay: at start-up, then every ``poll_s`` until ``stop``. A database or bus that is
         away is waited out; any other failure (a bug) ends the task, hence the service."""
+        streak = 0
         while not stop.is_set():
             try:
                 sent = await self.relay_once()
@@ -108,8 +109,15 @@ class Outbox:
                 if classify(exc) == "permanent":
                     raise
                 self.stats.relay_failures += 1
-                log.warning("%s outbox relay: %s", self.producer, describe(exc))
+                streak += 1
+                if streak == 1 or streak % 60 == 0:
+                    log.warning("%s outbox relay failed (%d in a row): %s", self.producer, streak,
+                                describe(exc))
             else:
+                if streak:
+                    log.info("%s outbox relay works again after %d failures", self.producer,
+                             streak)
+                    streak = 0
                 if sent:
                     log.info("%s outbox relay sent %d message(s) left unsent", self.producer, sent)
             with contextlib.suppress(TimeoutError):
