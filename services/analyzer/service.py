@@ -40,7 +40,7 @@ from services.analyzer.hangs import diagnose_from_rows, unsigned64
 from services.analyzer.profiling import CollectiveFeed
 from services.analyzer.retention import run_retention
 from services.analyzer.settings import AnalyzerSettings
-from services.analyzer.slow import SlowLocalizer, service_outbox
+from services.analyzer.slow import SlowLocalizer
 from services.common.bus.bounds import MAX_SECONDS
 from services.common.bus.client import Consumer
 from services.common.bus.contract import DetectionEvent, IncidentEvent, IncidentStage, Subjects
@@ -78,7 +78,7 @@ class Analyzer:
         self.ctx = ctx
         self.localizer = localizer
         self.outbox = outbox or (localizer.outbox if localizer is not None
-                                 else service_outbox(ctx, "analyzer"))
+                                 else Outbox.of(ctx, "analyzer"))
         self._chains: dict[str, asyncio.Task[None]] = {}
 
     async def handle(self, subject: str, det: DetectionEvent) -> None:
@@ -316,7 +316,7 @@ async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
     """The service: detections, the collective feed, the outbox relay and the retention pass,
     supervised (one that dies ends the process for its supervisor to restart it)."""
     settings = AnalyzerSettings()
-    outbox = service_outbox(ctx, "analyzer")
+    outbox = Outbox.of(ctx, "analyzer")
     localizer = SlowLocalizer(ctx, outbox=outbox)
     analyzer = Analyzer(ctx, localizer, outbox=outbox)
     consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.handle)

@@ -43,11 +43,6 @@ from services.common.runtime import ServiceContext
 log = logging.getLogger(__name__)
 
 
-def service_outbox(ctx: ServiceContext, producer: str) -> Outbox:
-    return Outbox(ctx.db(), ctx.js, producer=producer, poll_s=ctx.settings.outbox_poll_s,
-                  grace_s=ctx.settings.outbox_grace_s)
-
-
 class SlowLocalizer:
     """Owns the open profiling windows (``buffers``, shared with the collective feed)."""
 
@@ -57,7 +52,7 @@ class SlowLocalizer:
         self.ctx = ctx
         self.rule = rule or WindowRule()
         self.control_timeout_s = control_timeout_s
-        self.outbox = outbox or service_outbox(ctx, "analyzer")
+        self.outbox = outbox or Outbox.of(ctx, "analyzer")
         self.record_patience_s = record_patience_s
         self.buffers: dict[str, ProfileBuffer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}

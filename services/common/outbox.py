@@ -23,6 +23,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -30,6 +31,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from services.common.bus.contract import Message
 from services.common.bus.errors import classify, describe
 from services.common.db import repository as repo
+
+if TYPE_CHECKING:
+    from services.common.runtime import ServiceContext
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,12 @@ class Outbox:
         self.batch = batch
         self.stats = OutboxStats()
         self._lock = asyncio.Lock()  # one send pass at a time in this process keeps the order
+
+    @classmethod
+    def of(cls, ctx: ServiceContext, producer: str) -> Outbox:
+        """A service's outbox on its connections, paced by its settings."""
+        return cls(ctx.db(), ctx.js, producer=producer, poll_s=ctx.settings.outbox_poll_s,
+                   grace_s=ctx.settings.outbox_grace_s)
 
     async def stage(self, session: AsyncSession, subject: str, msg: Message) -> str:
         """Queue ``msg`` in the caller's transaction (sent once the caller committed and called

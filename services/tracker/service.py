@@ -118,8 +118,7 @@ class Tracker:
         self.store = store
         self.persist_every_s = persist_every_s or self.settings.tracker_persist_every_s
         if outbox is None and ctx.sessions is not None:
-            outbox = Outbox(ctx.sessions, ctx.js, producer="tracker",
-                            poll_s=ctx.settings.outbox_poll_s, grace_s=ctx.settings.outbox_grace_s)
+            outbox = Outbox.of(ctx, "tracker")
         self.outbox = outbox
         self.state: dict[str, JobState] = {}
         self.detections = 0

@@ -114,9 +114,7 @@ class Validator:
     def outbox(self) -> Outbox:
         """Made when first needed: a validator used for its checks alone needs no database."""
         if self._outbox is None:
-            c = self.ctx
-            self._outbox = Outbox(c.db(), c.js, producer="validator",
-                                  poll_s=c.settings.outbox_poll_s, grace_s=c.settings.outbox_grace_s)
+            self._outbox = Outbox.of(self.ctx, "validator")
         return self._outbox
 
     async def handle(self, subject: str, s: Suspicion) -> None:
