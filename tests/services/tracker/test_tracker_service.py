@@ -93,6 +93,7 @@ async def _detections(url: str, settings: Settings, job: str) -> list[DetectionE
             out += [DetectionEvent.model_validate_json(m.data) for m in msgs]
     except TimeoutError:
         pass
+    await sub.unsubscribe()  # a pull subscription left open holds the drain for its timeout
     await ctx.close()
     return out
 
