@@ -16,11 +16,11 @@ import pytest
 from nats.js.api import ObjectStoreConfig
 from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
+from services.common.bus import client
 from services.common.bus.client import Consumer
 from services.common.bus.streams import tracker_spec
 from services.common.runtime import Backends, start_service
 from services.common.settings import Settings
-from services.tracker import service as tracker_service
 from services.tracker.service import Tracker
 from services.tracker.settings import TrackerSettings
 from services.tracker.state_store import TrackerStateStore
@@ -90,7 +90,7 @@ def test_a_failed_detection_publish_is_retried_and_its_batch_observed_once(
     settings = Settings(nats_url=own_nats, data_dir=tmp_path)
     job = "pubfail"
     x = _series(160, slow_from=100, seed=5)
-    real = tracker_service.publish
+    real = client.publish
     failures: list[str] = []
 
     async def once_down(js: Any, subject: str, msg: Any) -> None:
@@ -99,7 +99,7 @@ def test_a_failed_detection_publish_is_retried_and_its_batch_observed_once(
             raise nats.errors.TimeoutError
         await real(js, subject, msg)
 
-    monkeypatch.setattr(tracker_service, "publish", once_down)
+    monkeypatch.setattr("services.tracker.service.publish", once_down)
 
     async def scenario() -> tuple[list[Any], Tracker, Consumer[Any]]:
         async with _tracker(own_nats, settings) as (tracker, consumer):
