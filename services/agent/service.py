@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError
@@ -40,6 +40,7 @@ from services.common.bus.client import publish
 from services.common.bus.contract import (
     AgentHello,
     CollectiveBatch,
+    Columnar,
     CounterBatch,
     IterationBatch,
     Message,
@@ -50,6 +51,8 @@ from services.common.bus.contract import (
 from services.common.runtime import ServiceContext
 
 log = logging.getLogger(__name__)
+
+B = TypeVar("B", bound=Columnar)
 
 MAX_BACKLOG = 10_000  # unpublished messages kept while the bus is unreachable
 # Rows per CollectiveBatch: ~0.5 MB of JSON, under NATS's default 1 MB max_payload. A server with
@@ -85,6 +88,7 @@ class NodeAgent:
         self._status_at = 0.0
         self._status_seen: dict[str, int] = {}
         self._publish_failures = 0  # in a row (the bus away, or the streams not declared yet)
+        self.invalid_rows = 0  # rows outside the bus contract's bounds, left out
 
     def status(self) -> dict[str, Any]:
         """What the agent serves and what it could not: its status line, and tests, read it."""
@@ -92,7 +96,8 @@ class NodeAgent:
                 "rings": sum(len(c.streams) for c in self.collectors.values()),
                 "published": self.published, "backlog": len(self.backlog),
                 "dropped": self.dropped, "malformed": self.malformed,
-                "loop_errors": self.loop_errors, **self.health.snapshot()}
+                "loop_errors": self.loop_errors, "invalid_rows": self.invalid_rows,
+                **self.health.snapshot()}
 
     def _job_dirs(self) -> list[str]:
         if self.fixed_jobs is not None:
@@ -118,10 +123,13 @@ class NodeAgent:
         try:
             self.backlog.append((subject, build()))
         except (ValidationError, ValueError) as exc:
-            self.malformed += 1
-            if self.malformed == 1 or self.malformed % 100 == 0:
-                log.warning("dropped a malformed message (%d so far): %s", self.malformed,
-                            str(exc)[:300])
+            self._malformed(exc)
+
+    def _malformed(self, exc: Exception) -> None:
+        self.malformed += 1
+        if self.malformed == 1 or self.malformed % 100 == 0:
+            log.warning("dropped a malformed message (%d so far): %s", self.malformed,
+                        str(exc)[:300])
 
     def scan(self) -> None:
         jobs = [j for j in self._job_dirs() if self._valid_job(j)]
@@ -146,21 +154,39 @@ class NodeAgent:
         for job, col in list(self.collectors.items()):
             its: list[RankIteration] = col.drain()
             self.collect_profiled(job, col)
-            if its:
-                self._queue(Subjects.iterations(job, self.agent_id), partial(
-                    IterationBatch, job_id=job, agent_id=self.agent_id, rank=[i.rank for i in its],
-                    iteration=[i.iteration for i in its], end_ns=[i.end_wall_ns for i in its],
-                    duration_s=[i.duration_s for i in its]))
+            batch = self._valid(IterationBatch, job, {
+                "rank": [i.rank for i in its], "iteration": [i.iteration for i in its],
+                "end_ns": [i.end_wall_ns for i in its], "duration_s": [i.duration_s for i in its]
+            }) if its else None
+            if batch is not None:
+                self.backlog.append((Subjects.iterations(job, self.agent_id), batch))
             if not col.streams:  # every ring of the job is gone and drained: evict it
                 col.close()
                 del self.collectors[job]
+
+    def _valid(self, model: type[B], job: str, columns: dict[str, list[Any]],
+               **envelope: Any) -> B | None:
+        """The batch less the rows outside the contract's bounds (a negative iteration time, a
+        garbage counter): one bad row costs that row, never the batch or the agent; a batch
+        that still fails the contract is dropped and counted, never raised into the loop."""
+        try:
+            batch, bad = model.keep_valid(columns, job_id=job, agent_id=self.agent_id, **envelope)
+        except (ValidationError, ValueError) as exc:
+            self._malformed(exc)
+            return None
+        if bad:
+            self.invalid_rows += bad
+            log.warning("job %s: %d %s row(s) outside the bus contract's bounds left out (%d so "
+                        "far)", job, bad, model.__name__, self.invalid_rows)
+        return batch
 
     def collect_profiled(self, job: str, col: Collector) -> None:
         """Every collective of ranks in profile mode (switched through control), wall clock."""
         rows = col.take_profiled()
         for part in rows.chunks(COLLECTIVE_ROWS):
-            self._queue(Subjects.collectives(job, self.agent_id), partial(
-                CollectiveBatch, job_id=job, agent_id=self.agent_id, **vars(part)))
+            batch = self._valid(CollectiveBatch, job, vars(part))
+            if batch is not None:
+                self.backlog.append((Subjects.collectives(job, self.agent_id), batch))
 
     def collect_counters(self) -> None:
         now_mono = time.monotonic_ns()
@@ -168,9 +194,9 @@ class NodeAgent:
             rows = col.counters(now_mono)
             if not rows.rank:
                 continue
-            self._queue(Subjects.counters(job, self.agent_id), partial(
-                CounterBatch, job_id=job, agent_id=self.agent_id, sampled_ns=time.time_ns(),
-                **vars(rows)))
+            batch = self._valid(CounterBatch, job, vars(rows), sampled_ns=time.time_ns())
+            if batch is not None:
+                self.backlog.append((Subjects.counters(job, self.agent_id), batch))
 
     async def flush(self) -> None:
         while self.backlog:

@@ -13,11 +13,12 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from services.common.bus.auth import Credentials, redact, tls_context
+from services.common.bus.auth import Credentials, tls_context
 from services.common.bus.client import connect, ensure_streams
 from services.common.db.migrate import upgrade_async
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
+from services.common.redact import redact
 from services.common.settings import Settings
 
 log = logging.getLogger(__name__)

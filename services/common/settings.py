@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.redact import redact
+
 
 class Settings(BaseSettings):
     """Where the bus, the database and the rings live, and what every process needs alike.
@@ -23,7 +25,9 @@ class Settings(BaseSettings):
     configured runs the whole system; production sets the URLs and nothing is started.
     """
 
-    model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="forbid")
+    # hide_input_in_errors: a validation error must not repeat a URL with its password.
+    model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="forbid",
+                                      hide_input_in_errors=True)
 
     nats_url: str | None = None
     # Who this process is on the bus (docs/security.md): its NATS user and password, and TLS.
@@ -80,6 +84,14 @@ class Settings(BaseSettings):
         default=3, ge=1, description="confirmed incidents of one GPU/node/link that advise a drain")
     fleet_drain_jobs: int = Field(
         default=2, ge=1, description="... spread over at least this many jobs")
+    # The transactional outbox (services.common.outbox): every service with a database publishes
+    # what its commits announce through it.
+    outbox_poll_s: float = Field(
+        default=2.0, gt=0, le=3600,
+        description="how often a service's relay looks for messages committed and not yet sent")
+    outbox_grace_s: float = Field(
+        default=5.0, ge=0, le=3600,
+        description="the relay leaves messages younger than this to the process that made them")
 
     @model_validator(mode="after")
     def _partition_in_range(self) -> Settings:
@@ -100,16 +112,16 @@ class Settings(BaseSettings):
     @classmethod
     def _nats_scheme(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("nats://", "tls://", "ws://", "wss://")):
-            scheme = v.split(":", 1)[0][:16]
-            raise ValueError(f"GREYHOUND_NATS_URL must start with nats:// or tls://, got a "
-                             f"{scheme!r} URL")
+            raise ValueError(f"GREYHOUND_NATS_URL must start with nats:// or tls://, got "
+                             f"{redact(v)!r}")
         return v
 
     @field_validator("database_url")
     @classmethod
     def _pg_scheme(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("postgresql://", "postgresql+asyncpg://")):
-            raise ValueError(f"GREYHOUND_DATABASE_URL must be a postgresql:// URL, got {v!r}")
+            raise ValueError(f"GREYHOUND_DATABASE_URL must be a postgresql:// URL, got "
+                             f"{redact(v)!r}")
         return v
 
 

@@ -12,7 +12,6 @@ import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from greyhound.ids import check_token, slug
 
@@ -74,16 +73,3 @@ def tls_context(ca: Path | None, cert: Path | None, key: Path | None) -> ssl.SSL
     return ctx
 
 
-def redact(url: str) -> str:
-    """``url`` without its password (for logs and error messages)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else "***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))

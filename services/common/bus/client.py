@@ -19,11 +19,12 @@ from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from services.common.bus.auth import BusAuthError, Credentials, redact
+from services.common.bus.auth import BusAuthError, Credentials
 from services.common.bus.contract import Message, Subjects
 from services.common.bus.dead_letters import encode_dead_letter
 from services.common.bus.errors import PermanentError, TransientError, classify, describe
 from services.common.bus.streams import ConsumerSpec, stream_configs
+from services.common.redact import redact
 from services.common.settings import Settings
 
 __all__ = ["BusAuthError", "Consumer", "ConsumerLost", "ConsumerStats", "PermanentError",
