@@ -1,5 +1,5 @@
 /*
- * Overhead driver for bench/hook_overhead: ns per ncclAllReduce call against whatever NCCL the
+ * Overhead driver for bench/hook_overhead.py: ns per ncclAllReduce call against whatever NCCL the
  * loader finds (the fake in no-op mode), median over repeats. Run once plain, once preloaded.
  * Calls go in batches of BATCH, each timed; between batches (untimed) it plays the agent and
  * marks the ring consumed, and waits for the hook's poller to retire the batch's completion

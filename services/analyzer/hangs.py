@@ -10,7 +10,7 @@ import numpy as np
 
 from greyhound.core.hang_counters import SampledCounters, diagnosis_inputs
 from greyhound.core.hang_diagnosis import HangDiagnosis, diagnose_hang
-from greyhound.hookabi import op_name, signed64, unsigned64
+from greyhound.hookabi import op_name, signed64
 
 
 def diagnose_from_rows(rows: dict[str, list[Any]], *, now_ns: int,
@@ -50,5 +50,4 @@ def _op_names(op_codes: np.ndarray) -> np.ndarray:
     return np.array([names[int(o)] for o in op_codes.tolist()], dtype=str)
 
 
-# unsigned64 is greyhound.hookabi's; analyzer.service still imports it from here.
-__all__ = ["diagnose_from_rows", "unsigned64"]
+__all__ = ["diagnose_from_rows"]

@@ -36,7 +36,8 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from greyhound.core.known_causes import KnownCauses, OpenStep, ended_by
-from services.analyzer.hangs import diagnose_from_rows, unsigned64
+from greyhound.hookabi import unsigned64
+from services.analyzer.hangs import diagnose_from_rows
 from services.analyzer.profiling import CollectiveFeed
 from services.analyzer.retention import run_retention
 from services.analyzer.settings import AnalyzerSettings
