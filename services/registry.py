@@ -72,6 +72,8 @@ SERVICES: tuple[Service, ...] = (
     Service("analyzer", "services.analyzer.service:run_analyzer", "run the analyzer service"),
     Service("validator", "services.validator.service:run_validator",
             "run the validator service (pauses and benchmarks suspects)"),
+    Service("planner", "services.planner.service:run_planner",
+            "run the planner service (ski-rental escalation, plans, delivery to jobs)"),
     Service("api", "services.api.service:run_api", "run the REST API service", http=True),
     Service("notifier", "services.notifier.service:run_notifier",
             "run the notifier service (signed webhooks to on-call)"),

@@ -63,8 +63,9 @@ def test_every_pair_of_states(status: str, stage: str) -> None:
 def test_the_table_covers_the_chain_and_some_pairs_are_illegal() -> None:
     assert STATUSES == ("detected", "localized", "validated", "mitigated", "resolved")
     assert (*STATUSES, "acknowledged", *sorted(PLAN_NOTES, key=STAGES.index)) == STAGES
-    assert PLAN_NOTES == {"plan_proposed", "plan_approved", "plan_rejected", "plan_expired",
-                          "plan_failed", "plan_withdrawn", "plan_applied", "plan_reverted"}
+    notes = {"plan_proposed", "plan_approved", "plan_rejected", "plan_expired", "plan_failed",
+             "plan_withdrawn", "plan_applied", "plan_reverted"}
+    assert notes == PLAN_NOTES
     illegal = set(itertools.product(STATUSES, STAGES)) - set(LEGAL)
     assert {("detected", "validated"), ("localized", "mitigated"), ("resolved", "resolved"),
             ("resolved", "mitigated"), ("detected", "mitigated"),

@@ -44,8 +44,8 @@ def test_every_pair(status: str, action: str) -> None:
 
 
 def test_final_statuses_allow_nothing_and_the_rest_lead_somewhere() -> None:
-    assert FINAL == {"rejected", "expired", "failed", "reverted", "withdrawn"}
-    assert DELIVERED == {"approved", "applied"}
+    assert {"rejected", "expired", "failed", "reverted", "withdrawn"} == FINAL
+    assert {"approved", "applied"} == DELIVERED
     for status in PLAN_STATUSES:
         leads = {a for a in PLAN_ACTIONS if allows(status, a)}
         assert (not leads) == (status in FINAL), status
