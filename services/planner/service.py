@@ -45,7 +45,7 @@ from services.common.bus.contract import (
     Subjects,
     Suspicion,
 )
-from services.common.bus.streams import PLANNER
+from services.common.bus.streams import PLANNER, ConsumerSpec
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan
 from services.common.runtime import ServiceContext, supervise
@@ -73,6 +73,7 @@ class Planner:
         self._watch_since: dict[str, float] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._outbox: list[tuple[str, Message]] = []  # published after the commit that made them
+        self._flushing = asyncio.Lock()
         self._saved_at = time.monotonic()
 
     # ---- messages ---------------------------------------------------------------------------
@@ -91,13 +92,14 @@ class Planner:
     async def flush(self) -> None:
         """Publish what committed units of work left to announce; a failure stays queued for
         the next tick (the database already says it, a job also reads it over REST)."""
-        while self._outbox:
-            subject, msg = self._outbox[0]
-            await publish(self.ctx.js, subject, msg)
-            self._outbox.pop(0)
+        async with self._flushing:  # in order: the plans stream keeps each job's last message
+            while self._outbox:
+                subject, msg = self._outbox[0]
+                await publish(self.ctx.js, subject, msg)
+                self._outbox.pop(0)
 
     async def _claimed(self, session: AsyncSession, event_id: str) -> bool:
-        return await repo.claim_event(session, PLANNER.durable, event_id)
+        return await repo.claim_event(session, "planner", event_id)
 
     async def _detection(self, det: DetectionEvent) -> None:
         job = det.job_id
@@ -132,7 +134,6 @@ class Planner:
                              det.before_s, det.after_s,
                              "the plan's doing" if t.recovered_under_plan else "the fault's end",
                              t.incident_id)
-                await session.rollback()
 
     # ---- starting an escalation, and the validator's re-checks ------------------------------
 
@@ -506,7 +507,6 @@ class Planner:
             return
         async with self.ctx.db()() as session:
             plans = await repo.plans_by_id(session, [p for p in waiting if p])
-            await session.rollback()
         for plan_id, plan in plans.items():
             t = waiting[plan_id]
             if plan.status not in ("rejected", "expired", "withdrawn", "failed"):
@@ -541,7 +541,6 @@ class Planner:
                          if p.status == "applied"]
                 layout = await self._layout(session, t.job_id)
                 state, _ = await job_state(session, t.job_id)
-                await session.rollback()
             if not plans or layout is None:
                 continue
             culprit = _in_layout(t, state, layout)
@@ -601,7 +600,6 @@ class Planner:
         """Escalations of open incidents (or with plans still in force) from the database."""
         async with self.ctx.db()() as session:
             rows = await repo.open_escalations(session)
-            await session.rollback()
         # From now on: the loss counted before the restart is in the saved state already.
         since = datetime.now(UTC)
         for row, incident in rows:
@@ -655,12 +653,12 @@ def _in_layout(t: Tracked, state: JobState, layout: JobLayout) -> Culprit:
 
 async def run_planner(ctx: ServiceContext, stop: asyncio.Event,
                       settings: PlannerSettings | None = None, *,
-                      planner: Planner | None = None) -> None:
+                      planner: Planner | None = None, spec: ConsumerSpec = PLANNER) -> None:
     """The service: its settings from the environment unless given; ends when ``stop`` is set,
     or raises when its consumer cannot go on (the process exits for its supervisor)."""
     planner = planner or Planner(ctx, settings)
     await planner.restore()
-    consumer: Consumer[Event] = Consumer(ctx.js, PLANNER, Event, planner.handle)
+    consumer: Consumer[Event] = Consumer(ctx.js, spec, Event, planner.handle)
 
     async def ticker() -> None:
         while not stop.is_set():

@@ -379,7 +379,7 @@ async def open_escalations(session: AsyncSession) -> Sequence[tuple[Escalation, 
     rows = await session.execute(
         select(Escalation, Incident).join(Incident, Incident.id == Escalation.incident_id)
         .where(or_(Incident.status != "resolved", Incident.id.in_(in_force))))
-    return [(e, i) for e, i in rows.tuples().all()]
+    return [(e, i) for e, i in rows.all()]
 
 
 # ---- API tokens -------------------------------------------------------------------------------
