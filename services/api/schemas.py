@@ -195,7 +195,7 @@ class JobPlanOut(BaseModel):
 class PlanReportIn(Input):
     """The job applied (or could not apply) a delivered version."""
 
-    version: int = Field(ge=1, examples=[3])
+    version: int = Field(ge=1, le=2**31 - 1, examples=[3])
     outcome: Literal["applied", "failed"] = "applied"
     cost_s: float | None = Field(default=None, ge=0, le=1e7, examples=[0.4], description=(
         "seconds of training time applying it cost (the planner learns overheads from it)"))

@@ -26,57 +26,34 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
-from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from greyhound.core.escalation import Apply, Escalation, Strategy
+from greyhound.core.escalation import Apply, Escalation
 from greyhound.core.lifecycle import IllegalTransition, advance
-from services.common.bus.client import Consumer, publish
-from services.common.bus.contract import (
-    DetectionEvent,
-    IncidentEvent,
-    JobLayout,
-    Message,
-    PlanReport,
-    Subjects,
-    Suspicion,
-)
+from services.common.bus.client import Consumer
+from services.common.bus.contract import DetectionEvent, IncidentEvent, PlanReport, Subjects
 from services.common.bus.streams import PLANNER, ConsumerSpec
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan
 from services.common.runtime import ServiceContext, supervise
 from services.planner import build
-from services.planner.build import NAMES, STRATEGIES, Culprit, JobState
+from services.planner.base import IN_FORCE, culprit_of, in_layout
+from services.planner.build import NAMES, STRATEGIES
 from services.planner.delivery import announce, deliver, job_state, note, take_back
-from services.planner.iterations import IterationWatch
+from services.planner.rounds import PlannerRounds
 from services.planner.settings import PlannerSettings
 from services.planner.tracked import KINDS, Tracked, level, recovery_is_the_plans
 
 log = logging.getLogger(__name__)
 
 Event = IncidentEvent | DetectionEvent | PlanReport
-IN_FORCE = ("approved", "applied")
-WATCH_GRACE_S = 600.0  # a watched job with no validated incident by then is no longer watched
 
 
-class Planner:
-    def __init__(self, ctx: ServiceContext, settings: PlannerSettings | None = None) -> None:
-        self.ctx = ctx
-        self.config = settings or PlannerSettings()
-        self.tracked: dict[str, Tracked] = {}
-        self.watches: dict[str, IterationWatch] = {}
-        self._watch_tasks: dict[str, asyncio.Task[None]] = {}
-        self._watch_since: dict[str, float] = {}
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._outbox: list[tuple[str, Message]] = []  # published after the commit that made them
-        self._flushing = asyncio.Lock()
-        self._saved_at = time.monotonic()
-
-    # ---- messages ---------------------------------------------------------------------------
+class Planner(PlannerRounds):
+    """The planner's message handlers (its periodic round and shared state: rounds, base)."""
 
     async def handle(self, subject: str, msg: Event) -> None:
         if isinstance(msg, PlanReport):
@@ -88,18 +65,6 @@ class Planner:
         elif msg.stage == "resolved":
             await self._resolved(msg)
         await self.flush()
-
-    async def flush(self) -> None:
-        """Publish what committed units of work left to announce; a failure stays queued for
-        the next tick (the database already says it, a job also reads it over REST)."""
-        async with self._flushing:  # in order: the plans stream keeps each job's last message
-            while self._outbox:
-                subject, msg = self._outbox[0]
-                await publish(self.ctx.js, subject, msg)
-                self._outbox.pop(0)
-
-    async def _claimed(self, session: AsyncSession, event_id: str) -> bool:
-        return await repo.claim_event(session, "planner", event_id)
 
     async def _detection(self, det: DetectionEvent) -> None:
         job = det.job_id
@@ -135,8 +100,6 @@ class Planner:
                              "the plan's doing" if t.recovered_under_plan else "the fault's end",
                              t.incident_id)
 
-    # ---- starting an escalation, and the validator's re-checks ------------------------------
-
     async def _validated(self, ev: IncidentEvent) -> None:
         async with self._locks[ev.job_id], self.ctx.db()() as session:
             if not await self._claimed(session, ev.event_id):
@@ -151,7 +114,7 @@ class Planner:
                 if tracked.recheck_id and validation.get("suspicion") == tracked.recheck_id:
                     await self._recheck_result(session, tracked, incident, validation)
                 elif validation.get("verdict") not in (None, "transient"):
-                    tracked.culprit = _culprit(incident)
+                    tracked.culprit = culprit_of(incident)
                     tracked.dirty = True
                 await session.commit()
                 return
@@ -175,7 +138,7 @@ class Planner:
             log.info("incident %s: job %s declared no layout (PUT /v1/jobs/{id}/layout); "
                      "no plan can be built", incident.id, incident.job_id)
             return None
-        culprit = _culprit(incident)
+        culprit = culprit_of(incident)
         if culprit.empty:
             return None
         detection = incident.evidence.get("detection") or {}
@@ -196,29 +159,6 @@ class Planner:
                  {s.name: round(v, 3) for s, v in esc.overheads.items()})
         return t
 
-    async def _overheads(self, session: AsyncSession, job: str,
-                         layout: JobLayout) -> dict[Strategy, float]:
-        """Settings first, then every cost this job reported, oldest first (the same moving
-        average the escalation applies within an incident)."""
-        c = self.config
-        out = {Strategy.MICROBATCH: c.s2_overhead_s, Strategy.TOPOLOGY: c.s3_overhead_s,
-               Strategy.RESTART: build.restart_overhead(layout, c)}
-        for name, cost in await repo.learned_costs(session, job):
-            s = STRATEGIES.get(name)
-            if s is not None:
-                out[s] += c.alpha * (cost - out[s])
-        return out
-
-    async def _layout(self, session: AsyncSession, job: str) -> JobLayout | None:
-        raw = await repo.job_layout(session, job)
-        if raw is None:
-            return None
-        try:
-            return JobLayout.model_validate(raw)
-        except ValidationError as exc:
-            log.warning("job %s: stored layout unusable: %s", job, exc)
-            return None
-
     async def _recheck_result(self, session: AsyncSession, t: Tracked, incident: Incident,
                               validation: dict[str, object]) -> None:
         t.recheck_id = None
@@ -228,16 +168,6 @@ class Planner:
             return
         why = "a re-validation found the culprit healthy again: the fault has ended"
         await self._end(session, t, incident, why)
-
-    # ---- the loss and the decisions it triggers ---------------------------------------------
-
-    def _watch(self, job: str, since: datetime) -> IterationWatch:
-        watch = self.watches.get(job)
-        if watch is None:
-            watch = self.watches[job] = IterationWatch(self.ctx.js, job, since, self._observe)
-            self._watch_tasks[job] = asyncio.create_task(watch.run(), name=f"planner-watch-{job}")
-        self._watch_since[job] = time.monotonic()
-        return watch
 
     async def _observe(self, job: str, _new: list[float] | None = None) -> None:
         """Feed every escalation of the job the iterations it has not seen (the watch calls this
@@ -269,7 +199,7 @@ class Planner:
                 await session.rollback()
                 return
             state, _ = await job_state(session, t.job_id)
-            proposal = build.propose(d.strategy, layout, _in_layout(t, state, layout), state, c)
+            proposal = build.propose(d.strategy, layout, in_layout(t, state, layout), state, c)
             if proposal is None:
                 t.esc.failed(d.strategy)
                 log.info("incident %s: %s would change nothing; the ladder moves past it",
@@ -308,8 +238,6 @@ class Planner:
             await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
             t.dirty = False
             await session.commit()
-
-    # ---- the job's reports ------------------------------------------------------------------
 
     async def _report(self, rep: PlanReport) -> None:
         async with self._locks[rep.job_id], self.ctx.db()() as session:
@@ -390,13 +318,6 @@ class Planner:
         log.warning("plan %s (%s) failed on job %s: %s", plan.id, plan.strategy, plan.job_id,
                     rep.error)
 
-    async def _in_force(self, session: AsyncSession, job: str) -> list[Plan]:
-        rows = await repo.list_plans(session, job_id=job, limit=1000)
-        return sorted((p for p in rows if p.status in IN_FORCE and p.version is not None),
-                      key=lambda p: p.version or 0)
-
-    # ---- the end of a fault -----------------------------------------------------------------
-
     async def _resolved(self, ev: IncidentEvent) -> None:
         async with self._locks[ev.job_id], self.ctx.db()() as session:
             if not await self._claimed(session, ev.event_id):
@@ -416,239 +337,6 @@ class Planner:
             else:
                 await self._end(session, t, incident, "the job recovered: the fault has ended")
             await session.commit()
-
-    async def _withdraw_undelivered(self, session: AsyncSession, incident: Incident) -> None:
-        for plan in await repo.plans_of_incidents(session, [incident.id]):
-            if plan.status == "proposed" or (plan.status == "approved" and plan.version is None):
-                repo.move_plan(plan, "withdraw", reason="the fault ended before it took effect")
-                await note(session, incident, "plan_withdrawn", plan, reason=plan.reason)
-
-    async def _end(self, session: AsyncSession, t: Tracked | None, incident: Incident,
-                   why: str) -> None:
-        """The fault is over: every plan of the incident goes (those in force are reverted,
-        delivered like plans), and its escalation closes."""
-        await self._withdraw_undelivered(session, incident)
-        layout = await self._layout(session, incident.job_id)
-        for plan in reversed(await self._in_force(session, incident.job_id)):
-            if plan.incident_id != incident.id or layout is None:
-                continue
-            others = [p for p in await self._in_force(session, incident.job_id) if p.id != plan.id]
-            cost = t.esc.overheads.get(STRATEGIES[plan.strategy]) if t is not None else None
-            msg = await take_back(session, plan, layout, others_in_force=others, cost_s=cost)
-            self._outbox.append((Subjects.plan(plan.job_id), msg))
-            action, stage = ("revert", "plan_reverted") if plan.status == "applied" \
-                else ("withdraw", "plan_withdrawn")
-            repo.move_plan(plan, action, reason=why)
-            await note(session, incident, stage, plan, reason=why, version=msg.version)
-            if action == "revert":
-                await announce(session, plan, "reverted", note_text=why,
-                               dashboard=self.ctx.settings.api_public_url)
-            log.info("plan %s (%s) on job %s: %s as version %d (%s)", plan.id, plan.strategy,
-                     plan.job_id, stage.removeprefix("plan_"), msg.version, why)
-        if t is not None:
-            t.esc.recovered()
-            t.resolved = incident.status == "resolved"
-            t.recovered_under_plan = False
-            await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
-            self._forget(t)
-
-    def _forget(self, t: Tracked) -> None:
-        self.tracked.pop(t.incident_id, None)
-        if not any(o.job_id == t.job_id for o in self.tracked.values()):
-            self._watch_since[t.job_id] = time.monotonic() - WATCH_GRACE_S + 30.0
-
-    # ---- periodic work ----------------------------------------------------------------------
-
-    async def tick(self) -> None:
-        await self._deliver_approved()
-        await self._expire()
-        await self._decisions()
-        await self._rechecks()
-        await self._hold_limits()
-        await self._save()
-        self._drop_idle_watches()
-        await self.flush()
-
-    async def _deliver_approved(self) -> None:
-        """Plans an operator approved since: into force, unless their incident is over."""
-        async with self.ctx.db()() as session:
-            plans = await repo.approved_undelivered(session, ("S2", "S3"))
-            for plan in plans:
-                t = self.tracked.get(plan.incident_id)
-                incident = await repo.get_incident_for_update(session, plan.incident_id)
-                layout = await self._layout(session, plan.job_id)
-                if incident is None or incident.status == "resolved" or layout is None or (
-                        t is not None and t.esc.closed):
-                    repo.move_plan(plan, "withdraw", reason="the fault ended before it was "
-                                   "delivered" if layout else "the job's layout is unknown")
-                    await note(session, incident, "plan_withdrawn", plan, reason=plan.reason)
-                    continue
-                cost = t.esc.overheads.get(STRATEGIES[plan.strategy]) if t else None
-                msg = await deliver(session, plan, layout, cost)
-                self._outbox.append((Subjects.plan(plan.job_id), msg))
-                log.info("plan %s (%s) approved by an operator: delivered to job %s as "
-                         "version %d", plan.id, plan.strategy, plan.job_id, msg.version)
-            await session.commit()
-
-    async def _expire(self) -> None:
-        async with self.ctx.db()() as session:
-            for plan in await repo.due_proposals(session, datetime.now(UTC)):
-                repo.move_plan(plan, "expire", reason=f"no decision within "
-                               f"{self.config.proposal_ttl_s:g} s")
-                incident = await repo.get_incident_for_update(session, plan.incident_id)
-                await note(session, incident, "plan_expired", plan, reason=plan.reason)
-                log.info("plan %s (%s) expired", plan.id, plan.strategy)
-            await session.commit()
-
-    async def _decisions(self) -> None:
-        """Pending plans that were rejected or expired (or withdrawn): the ladder moves past."""
-        waiting = {t.pending_plan: t for t in self.tracked.values() if t.pending_plan}
-        if not waiting:
-            return
-        async with self.ctx.db()() as session:
-            plans = await repo.plans_by_id(session, [p for p in waiting if p])
-        for plan_id, plan in plans.items():
-            t = waiting[plan_id]
-            if plan.status not in ("rejected", "expired", "withdrawn", "failed"):
-                continue
-            async with self._locks[t.job_id]:
-                strategy = STRATEGIES[plan.strategy]
-                if t.esc.pending is strategy:
-                    t.esc.failed(strategy)
-                t.pending_plan = None
-                t.dirty = True
-                log.info("incident %s: %s %s; the escalation moves on", t.incident_id,
-                         plan.strategy, plan.status)
-
-    async def _rechecks(self) -> None:
-        c = self.config
-        if c.recheck_s <= 0:
-            return
-        now = time.monotonic()
-        for t in list(self.tracked.values()):
-            if not t.checkable:
-                continue
-            if t.recheck_id is not None:
-                if now - t.recheck_at > c.recheck_timeout_s:
-                    log.warning("incident %s: re-check %s unanswered; retrying later",
-                                t.incident_id, t.recheck_id)
-                    t.recheck_id, t.last_check_at = None, now
-                continue
-            if now - t.last_check_at < c.recheck_s:
-                continue
-            async with self.ctx.db()() as session:
-                plans = [p for p in await repo.plans_of_incidents(session, [t.incident_id])
-                         if p.status == "applied"]
-                layout = await self._layout(session, t.job_id)
-                state, _ = await job_state(session, t.job_id)
-            if not plans or layout is None:
-                continue
-            culprit = _in_layout(t, state, layout)
-            s = Suspicion(job_id=t.job_id, incident_id=t.incident_id, kind="compute_slow",
-                          ranks=sorted(culprit.gpu_ranks), comm_ids=[],
-                          evidence={"by": "planner", "recheck": [p.id for p in plans]})
-            t.recheck_id, t.recheck_at = s.event_id, now
-            self._outbox.append((Subjects.suspicion(t.job_id), s))
-            log.info("incident %s: asking the validator whether ranks %s are still slow",
-                     t.incident_id, s.ranks)
-
-    async def _hold_limits(self) -> None:
-        """A plan kept after its incident recovered under it, whose fault nothing can check, is
-        taken back after ``hold_max_s``: if the fault is still there, the job slows again and the
-        escalation starts over, with what this plan cost learned."""
-        c = self.config
-        if c.hold_max_s <= 0:
-            return
-        now = time.monotonic()
-        for t in list(self.tracked.values()):
-            if not (t.resolved and t.resolved_at is not None) or t.checkable:
-                continue
-            if now - t.resolved_at < c.hold_max_s:
-                continue
-            async with self._locks[t.job_id], self.ctx.db()() as session:
-                incident = await repo.get_incident_for_update(session, t.incident_id)
-                if incident is not None:
-                    await self._end(session, t, incident, f"held {c.hold_max_s:g} s after the "
-                                    "job recovered under it; nothing can check the fault")
-                await session.commit()
-
-    async def _save(self) -> None:
-        if time.monotonic() - self._saved_at < 5.0:
-            return
-        self._saved_at = time.monotonic()
-        dirty = [t for t in self.tracked.values() if t.dirty]
-        if not dirty:
-            return
-        async with self.ctx.db()() as session:
-            for t in dirty:
-                await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
-                t.dirty = False
-            await session.commit()
-
-    def _drop_idle_watches(self) -> None:
-        now = time.monotonic()
-        for job in list(self.watches):
-            if any(t.job_id == job for t in self.tracked.values()):
-                continue
-            if now - self._watch_since.get(job, 0.0) > WATCH_GRACE_S:
-                self.watches.pop(job).stop()
-                self._watch_tasks.pop(job, None)
-
-    # ---- start and stop ---------------------------------------------------------------------
-
-    async def restore(self) -> None:
-        """Escalations of open incidents (or with plans still in force) from the database."""
-        async with self.ctx.db()() as session:
-            rows = await repo.open_escalations(session)
-        # From now on: the loss counted before the restart is in the saved state already.
-        since = datetime.now(UTC)
-        for row, incident in rows:
-            try:
-                t = Tracked.from_state(row.incident_id, row.job_id, row.state)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("escalation of incident %s not restored: %s", row.incident_id, exc)
-                continue
-            if incident.status == "resolved":
-                t.resolved, t.resolved_at = True, time.monotonic()
-            t.last_check_at = time.monotonic()
-            self.tracked[t.incident_id] = t
-            self._watch(t.job_id, since)
-        if rows:
-            log.info("restored %d escalation(s)", len(self.tracked))
-
-    async def close(self) -> None:
-        for watch in self.watches.values():
-            watch.stop()
-        await asyncio.gather(*self._watch_tasks.values(), return_exceptions=True)
-        self.watches.clear()
-        self._watch_tasks.clear()
-        try:
-            self._saved_at = 0.0
-            await self._save()
-        except Exception:
-            log.exception("could not save escalation state on shutdown")
-
-
-def _culprit(incident: Incident) -> Culprit:
-    detection = incident.evidence.get("detection") or {}
-    before, after = detection.get("before_s"), detection.get("after_s")
-    slowdown = float(after) / float(before) if before and after else float(incident.severity)
-    return Culprit.from_incident(incident.culprit, incident.evidence, slowdown)
-
-
-def _in_layout(t: Tracked, state: JobState, layout: JobLayout) -> Culprit:
-    """The culprit's ranks where its GPUs are now (a topology plan since moved ranks)."""
-    if t.gpu_of_rank == state.gpu_of_rank:
-        return t.culprit
-    then = JobState(gpu_of_rank=t.gpu_of_rank).gpus(layout)
-    now = state.gpus(layout)
-    rank_now = {int(g): r for r, g in enumerate(now.tolist())}
-
-    def move(r: int) -> int:
-        return rank_now[int(then[r])] if 0 <= r < len(then) else r
-
-    return Culprit({move(r): f for r, f in t.culprit.gpu_ranks.items()},
-                   tuple((move(a), move(b)) for a, b in t.culprit.link_ranks), t.culprit.slowdown)
 
 
 async def run_planner(ctx: ServiceContext, stop: asyncio.Event,

@@ -508,7 +508,7 @@ class PlanMessage(Message):
     """
 
     kind: Literal["plan"] = "plan"
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=2**31 - 1)
     plan_id: str = Field(min_length=1, max_length=32)
     incident_id: str = Field(min_length=1, max_length=32)
     strategy: PlanStrategy
@@ -526,7 +526,7 @@ class PlanReport(Message):
     it (``failed``, with why). The planner learns each strategy's overhead from ``cost_s``."""
 
     kind: Literal["plan_report"] = "plan_report"
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=2**31 - 1)
     outcome: Literal["applied", "failed"]
     cost_s: float | None = Field(default=None, ge=0, le=1e7)
     error: str | None = Field(default=None, max_length=2000)
