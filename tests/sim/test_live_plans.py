@@ -61,7 +61,7 @@ def test_only_a_scenario_with_a_mitigation_section_follows_plans() -> None:
     assert scenario(J, mitigation={}).follows_plans
     off = scenario(J, mitigation={"follow_plans": False, "poll_s": 1.0})
     assert not off.follows_plans and off.mitigation is not None and off.mitigation.poll_s == 1.0
-    with pytest.raises(ScenarioError, match="mitigation.follow_plans"):
+    with pytest.raises(ScenarioError, match=r"mitigation\.follow_plans"):
         scenario(J, mitigation={"follow_plans": "yes"})
-    with pytest.raises(ScenarioError, match="mitigation.speed"):
+    with pytest.raises(ScenarioError, match=r"mitigation\.speed"):
         scenario(J, mitigation={"speed": 2})
