@@ -127,7 +127,7 @@ class SimPlanFollower:
 
     def _report(self) -> None:
         for a in self.sim.applied():
-            version = int(a.tag)  # type: ignore[call-overload]
+            version = a.tag
             body = self._pending.pop(version, {})
             self.steps.append(Step(version, str(body.get("action")), body.get("strategy"),
                                    body.get("plan_id"), a.virtual_s, a.cost_s, a.error))

@@ -61,7 +61,7 @@ class AppliedPlan:
     """A submitted plan in force: from the iteration starting at ``virtual_s`` (after its pause
     of ``cost_s``); ``tag`` is the submitter's (e.g. the delivery version)."""
 
-    tag: object
+    tag: int
     virtual_s: float
     cost_s: float
     iteration: int
@@ -131,7 +131,7 @@ class LiveSimulation:
         self._lock = threading.Lock()  # run()'s clock keeper restamps between steps
         self._shown_at = time.monotonic()
         self.samples: list[tuple[int, float]] = [(self.wall0_ns, 0.0)]  # (wall ns, virtual s)
-        self._submitted: collections.deque[tuple[object, list[Plan]]] = collections.deque()
+        self._submitted: collections.deque[tuple[int, list[Plan]]] = collections.deque()
         self._applied: list[AppliedPlan] = []
         self._starts: list[float] = []  # virtual start of each simulated iteration
 
@@ -167,7 +167,7 @@ class LiveSimulation:
         return LiveProgress(self._v, its, self._clock() - self._start, self._written,
                             sum(r.dropped for r in self.rings), self.model.hung)
 
-    def submit(self, tag: object, plans: list[Plan]) -> None:
+    def submit(self, tag: int, plans: list[Plan]) -> None:
         """Apply ``plans`` (in order, as one change) at the next iteration boundary the
         simulation reaches; safe to call from the driver's callbacks."""
         self._submitted.append((tag, list(plans)))

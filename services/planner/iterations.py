@@ -91,7 +91,7 @@ class IterationWatch:
         self._name: str | None = None
         self._last_ts: float | None = None
 
-    async def _bind(self) -> object:
+    async def _bind(self) -> JetStreamContext.PullSubscription:
         self._name = f"planner-iter-{uuid.uuid4().hex[:16]}"
         start = self.since if self._last_ts is None else datetime.fromtimestamp(self._last_ts, UTC)
         config = ConsumerConfig(
@@ -104,12 +104,12 @@ class IterationWatch:
     async def run(self) -> None:
         """Read until stop(); a broken consumer is re-created from the last batch's time (the
         series drops what it saw already), so the watch outlives a bus restart."""
-        sub = None
+        sub: JetStreamContext.PullSubscription | None = None
         while not self._stopping.is_set():
             try:
                 if sub is None:
                     sub = await self._bind()
-                msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)  # type: ignore[attr-defined]
+                msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)
             except (NatsTimeoutError, TimeoutError):
                 continue
             except Exception as exc:
@@ -133,10 +133,10 @@ class IterationWatch:
                 await self.on_times(self.job, new)
         await self._drop(sub)
 
-    async def _drop(self, sub: object) -> None:
+    async def _drop(self, sub: JetStreamContext.PullSubscription | None) -> None:
         if sub is not None:
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()  # type: ignore[attr-defined]
+                await sub.unsubscribe()
         if self._name is not None:
             with contextlib.suppress(Exception):
                 await self.js.delete_consumer(TELEMETRY, self._name)

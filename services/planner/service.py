@@ -271,13 +271,11 @@ class Planner(PlannerRounds):
         detail = {"plan_id": plan.id, "strategy": plan.strategy, "version": plan.version,
                   "cost_s": rep.cost_s, "summary": plan.params.get("summary", "")}
         if incident is not None:
+            stage = "mitigated"
             try:
-                stage = "mitigated"
                 advance(incident.status, stage)
-                if incident.status == "resolved":
-                    raise IllegalTransition(incident.status, stage, "closed")
             except IllegalTransition:
-                stage = "plan_applied"  # re-localised meanwhile, or over already
+                stage = "plan_applied"  # localised again meanwhile, or over already
             await repo.add_timeline(session, incident, stage, detail)
             if stage == "mitigated":
                 self._outbox.append((Subjects.incident(plan.job_id), IncidentEvent(
