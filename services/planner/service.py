@@ -121,10 +121,6 @@ class Planner(PlannerRounds):
             started = await self._start(session, incident, validation)
             await session.commit()
         if started is not None:
-            watch = self._watch(ev.job_id, incident.opened_at
-                                - timedelta(seconds=self.config.lookback_s))
-            # the slow iterations since the watch began (at the tracker's slowdown) count too
-            started.fed = watch.series.count - len(watch.series.recent)
             await self._observe(ev.job_id)
 
     async def _start(self, session: AsyncSession, incident: Incident,
@@ -151,6 +147,10 @@ class Planner(PlannerRounds):
                          available=build.available(layout, culprit))
         t = Tracked(incident.id, incident.job_id, esc, culprit, gpu_of_rank=state.gpu_of_rank,
                     preplan_s=float(detection.get("after_s") or 0.0) or None)
+        watch = self._watch(incident.job_id, incident.opened_at
+                            - timedelta(seconds=self.config.lookback_s))
+        # the slow iterations since the watch began (at the tracker's slowdown) count too
+        t.fed = watch.series.count - len(watch.series.recent)
         self.tracked[incident.id] = t
         await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
         t.dirty = False
