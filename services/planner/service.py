@@ -69,6 +69,10 @@ class Planner(PlannerRounds):
     async def _detection(self, det: DetectionEvent) -> None:
         job = det.job_id
         if det.kind == "slowdown":
+            # A job that declared no layout gets no plan: reading its iterations would be waste.
+            async with self.ctx.db()() as session:
+                if await self._layout(session, job) is None:
+                    return
             span = max(det.detected_iteration - det.first_iteration + 3, 3) * max(det.after_s, 0.0)
             back = min(self.config.lookback_s, max(span, 1.0))
             self._watch(job, datetime.fromtimestamp(det.detected_ns / 1e9 - back, UTC))
