@@ -192,11 +192,15 @@ def test_compute_fail_slow_reaches_s2_and_is_reverted_after_it_ends(mstack: Stac
     assert s2["params"]["slow_dp_groups"] == [1]
     assert s2["params"]["microbatches"][1] < 4 and sum(s2["params"]["microbatches"]) == 16
     assert not [p for p in run.plans if p["strategy"] != "S2" and p["applied_at"]]
-    # every step is on the incident's timeline, in order
+    # every step is on the incident's timeline, in order; the end either way round: a re-check
+    # finds the GPU healthy (reverted, then the tracker's recovery resolves it), or the tracker
+    # sees the fault's end under the plan first (resolved, then reverted)
     stages = [e["stage"] for e in incident["timeline"]]
-    order = ["detected", "localized", "validated", "plan_proposed", "plan_approved", "mitigated",
-             "plan_reverted", "resolved"]
-    assert _in_order(stages, order), stages
+    print(f"  timeline: {' '.join(stages)}")
+    order = ["detected", "localized", "validated", "plan_proposed", "plan_approved", "mitigated"]
+    assert _in_order(stages, order), " ".join(stages)
+    tail = stages[stages.index("mitigated"):]
+    assert "plan_reverted" in tail and "resolved" in tail, " ".join(stages)
     # the job ran the plan and then its own split again: apply and revert, both reported
     steps = [(s.action, s.strategy) for s in run.follower.steps]
     assert steps[:1] == [("apply", "S2")] and steps[-1] == ("revert", "S2"), steps
@@ -237,8 +241,9 @@ def test_congested_link_waits_for_the_loss_and_an_approval_then_s3_is_reverted(
     assert [(a["decision"], a["approver"]) for a in s3["approvals"]] == [("approve", "oncall")]
     assert s3["status"] == "reverted" and s3["cost_s"] == 10.0, run.describe()
     stages = [e["stage"] for e in incident["timeline"]]
+    print(f"  timeline: {' '.join(stages)}")
     assert _in_order(stages, ["validated", "plan_proposed", "plan_approved", "mitigated",
-                              "plan_reverted"]), stages
+                              "plan_reverted"]), " ".join(stages)
     approved = next(e for e in incident["timeline"] if e["stage"] == "plan_approved")
     assert approved["detail"]["by"] == "oncall"
     steps = [(s.action, s.strategy) for s in run.follower.steps]
