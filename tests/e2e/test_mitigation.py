@@ -8,7 +8,7 @@
   its pause, and reverted when the congestion ends.
 
 Both run on their own stack (embedded NATS and Postgres, small overheads from the planner's
-settings) at 10x virtual time, about a minute each; the iteration times before, during and after
+settings) at 10x virtual time, under a minute each on an idle machine; the iteration times before, during and after
 mitigation are printed (``pytest -s``).
 """
 
@@ -179,7 +179,7 @@ def test_compute_fail_slow_reaches_s2_and_is_reverted_after_it_ends(mstack: Stac
                     and r.named()[0]["status"] == "resolved" and _ran_revert(r))
 
     run.play(done)
-    run.print_phases(60.0, 180.0)
+    run.print_phases(60.0, 220.0)
     (incident,) = run.named()
     assert incident["kind"] == "compute_slow" and incident["culprit"]["ranks"] == [2], \
         run.describe()
@@ -207,7 +207,7 @@ def test_compute_fail_slow_reaches_s2_and_is_reverted_after_it_ends(mstack: Stac
     assert run.get(f"/v1/jobs/{run.job}/plan")["microbatches"] is None
     # S2 helped: the iterations under the plan (fault on) beat the slow ones before it
     on = next(s.virtual_s for s in run.follower.steps if s.action == "apply")
-    slow, mitigated = run.medians(65.0, on - 1.0), run.medians(on + 2.0, 178.0)
+    slow, mitigated = run.medians(65.0, on - 1.0), run.medians(on + 2.0, 218.0)
     assert mitigated < 0.9 * slow, (slow, mitigated)
 
 
@@ -228,7 +228,7 @@ def test_congested_link_waits_for_the_loss_and_an_approval_then_s3_is_reverted(
         return bool(s3 and s3["status"] == "reverted" and _ran_revert(r))
 
     run.play(done, on_poll=approve)
-    run.print_phases(60.0, 220.0)
+    run.print_phases(60.0, 340.0)
     named = run.named()
     assert named and named[0]["kind"] in ("comm_slow", "mixed_slow"), run.describe()
     incident = named[0]
@@ -249,7 +249,7 @@ def test_congested_link_waits_for_the_loss_and_an_approval_then_s3_is_reverted(
     steps = [(s.action, s.strategy) for s in run.follower.steps]
     assert steps == [("apply", "S3"), ("revert", "S3")], steps
     on = run.follower.steps[0].virtual_s
-    slow, mitigated = run.medians(65.0, on - 12.0), run.medians(on + 2.0, 218.0)
+    slow, mitigated = run.medians(65.0, on - 12.0), run.medians(on + 2.0, 338.0)
     assert mitigated < 0.6 * slow, (slow, mitigated)
 
 
