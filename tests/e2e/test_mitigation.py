@@ -8,8 +8,8 @@
   its pause, and reverted when the congestion ends.
 
 Both run on their own stack (embedded NATS and Postgres, small overheads from the planner's
-settings) at 10x virtual time, under a minute each on an idle machine; the iteration times before, during and after
-mitigation are printed (``pytest -s``).
+settings) at 10x virtual time, under a minute each on an idle machine; the iteration times
+before, during and after mitigation and the incidents' timelines are printed (``pytest -s``).
 """
 
 from __future__ import annotations
