@@ -115,7 +115,7 @@ class _NaiveTracker:
 async def _bus_run(shape: BusShape, naive: bool) -> tuple[float, int]:
     """Publish everything, then time the real tracker consumer until every message is acked."""
     with tempfile.TemporaryDirectory(prefix="gh-bench-") as d:
-        server = EmbeddedNats(Path(d))
+        server = EmbeddedNats(Path(d), auth=False)  # an open bus: the benchmark connects without users
         url = server.start()
         try:
             settings = Settings(nats_url=url, data_dir=Path(d))

@@ -5,6 +5,11 @@ down and hang like NCCL ranks do, without GPUs. This module starts one process p
 fake libraries and an optional LD_PRELOAD hook, and changes faults while the job runs. All rank
 processes share one process group, which is killed on exit, on error and at interpreter exit, so a
 hung job never outlives its test.
+
+As on a GPU, each rank's host launches its iteration's device work (compute kernels, then the
+collectives) asynchronously and synchronises once per iteration: host times (IterTimes.start_ns,
+compute_end_ns, end_ns) say when the host launched and waited, device times (gpu_arrive_ns,
+gpu_done_ns) when the rank's GPU reached its collectives and finished them.
 """
 
 from __future__ import annotations
@@ -40,28 +45,46 @@ class FakeJobSpec:
     job_id: str = "fakejob"
     ckpt_every: int = 0
     ckpt_ms: float = 0.0
-    # Share of compute_ms done as real CPU work (SGEMMs), the rest sleeps. Real work is the point,
-    # but many ranks busy on a 2-core CI machine turn scheduler delays into ms of timing noise.
+    # compute_ms is device time (kernels on the fake GPU, which sleep). compute_busy is the host's
+    # real CPU work (SGEMMs) to launch them, as a share of compute_ms: real work is the point, but
+    # many ranks busy on a 2-core CI machine turn scheduler delays into ms of timing noise.
     compute_busy: float = 0.1
     verbose: bool = True  # one line per iteration in rank<N>.out: progress and timing for tests
+    kernels: int = 4  # compute_ms is launched as this many kernels
+    launch_us: float | None = None  # host cost of every launch instead of compute_busy's share
 
 
 @dataclass(frozen=True)
 class IterTimes:
-    """One iteration of one rank, CLOCK_MONOTONIC ns (comparable with time.monotonic_ns())."""
+    """One iteration of one rank, CLOCK_MONOTONIC ns (comparable with time.monotonic_ns()).
+
+    Host: start_ns (iteration start), compute_end_ns (all device work launched: the host enters
+    its synchronisation), end_ns (the synchronisation returned). Device, from CUDA events
+    anchored at the iteration's start: gpu_arrive_ns (the GPU reached the collectives, i.e. ended
+    its compute), gpu_done_ns (the DP all-reduce completed); 0 when the events gave no time.
+    """
 
     it: int
     start_ns: int
     compute_end_ns: int
     end_ns: int
+    gpu_arrive_ns: int = 0
+    gpu_done_ns: int = 0
 
     @property
     def comm_ms(self) -> float:
+        """Host time blocked in the iteration's synchronisation."""
         return (self.end_ns - self.compute_end_ns) / 1e6
 
     @property
     def total_ms(self) -> float:
         return (self.end_ns - self.start_ns) / 1e6
+
+    @property
+    def gpu_comm_ms(self) -> float:
+        """Device time from reaching the collectives to the end of the DP all-reduce: the
+        transfers plus the wait for the rank's peers."""
+        return (self.gpu_done_ns - self.gpu_arrive_ns) / 1e6
 
 
 _MAKE_FAKES = ["make", "-s", "-C", str(_REPO / "native"), "-f", "fake/fake.mk",
@@ -158,6 +181,8 @@ class FakeJob:
     ) -> None:
         if spec.world_size < 1 or spec.world_size % (spec.tp * spec.pp) != 0:
             raise ValueError("world_size must be a positive multiple of tp * pp")
+        if spec.kernels < 1:
+            raise ValueError("kernels must be >= 1")
         self.spec = spec
         self.workdir = workdir
         self.hook = hook
@@ -178,7 +203,7 @@ class FakeJob:
             RANK=str(rank), WORLD_SIZE=str(s.world_size), LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(s.world_size), GH_ITERS=str(s.iters),
             GH_COMPUTE_MS=str(s.compute_ms), GH_COMPUTE_BUSY=str(s.compute_busy),
-            GH_BYTES=str(s.bytes), GH_TP=str(s.tp), GH_PP=str(s.pp),
+            GH_KERNELS=str(s.kernels), GH_BYTES=str(s.bytes), GH_TP=str(s.tp), GH_PP=str(s.pp),
             GH_CKPT_EVERY=str(s.ckpt_every), GH_CKPT_MS=str(s.ckpt_ms),
             GH_VERBOSE="1" if s.verbose else "0", GH_RDZV=str(self.workdir / "rdzv"),
             FAKE_NCCL_FAULTS=str(self.faults.path), GREYHOUND_JOB_ID=s.job_id,
@@ -187,6 +212,8 @@ class FakeJob:
             FAKE_GPU_GFLOPS=env.get("FAKE_GPU_GFLOPS", "0.5"),
             LD_LIBRARY_PATH=f"{lib}:{old}" if old else lib,
         )
+        if s.launch_us is not None:
+            env["GH_LAUNCH_US"] = str(s.launch_us)
         if self.shm_dir is not None:
             env["GREYHOUND_SHM_DIR"] = str(self.shm_dir)
         if self.hook is not None:
@@ -245,7 +272,8 @@ class FakeJob:
             if not line.startswith("it="):
                 continue
             f = dict(kv.split("=", 1) for kv in line.split())
-            out.append(IterTimes(int(f["it"]), int(f["t0"]), int(f["t1"]), int(f["t2"])))
+            out.append(IterTimes(int(f["it"]), int(f["t0"]), int(f["t1"]), int(f["t2"]),
+                                 int(f.get("ga", 0)), int(f.get("gd", 0))))
         return out
 
     def wait_iteration(self, rank: int, it: int, timeout: float) -> None:

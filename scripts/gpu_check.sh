@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# GPU check of the hook (issue 3): on a machine with an NVIDIA GPU and PyTorch, build the hook,
-# run a short single-rank PyTorch NCCL training loop unhooked, hooked in monitor mode and hooked
-# in profile mode, check that records carry real GPU timings, run one GEMM benchmark through the
-# pause path, and print the overhead versus no hook as the last line: RESULT {json}.
-# Under 5 minutes. Exits non-zero with a clear message when something needed is missing.
+# GPU check of the hook (issues 3 and 10): on a machine with an NVIDIA GPU and PyTorch, build the
+# hook and run single-rank PyTorch NCCL processes (scripts/gpu_check_train.py):
+#   train  a short training loop unhooked, hooked in monitor mode and in profile mode: records,
+#          completion marks, GPU timings, one GEMM benchmark through the pause path (after the
+#          drain), ms per step and host time per all_reduce call in each mode;
+#   async  (a) a collective queued behind a ~50 ms GPU spin: host time in the call, pending mark,
+#          GPU start and duration from profile mode; (b) a collective hung on the GPU
+#          (cuStreamWaitValue32 on a flag): pending and ageing in the comm table while the
+#          training thread waits in a stream synchronisation, the tracker's hang-watch core run
+#          on it when importable, and released by the flag.
+# Prints a summary and, last, RESULT {json}. About two minutes; at most 4 x 100 s. Exits non-zero with a clear message
+# when something needed is missing or a check fails.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,38 +40,57 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export GREYHOUND_SHM_DIR="$WORK/shm" MASTER_ADDR=127.0.0.1 RANK=0 WORLD_SIZE=1
 export GH_STEPS="${GH_STEPS:-300}"
 
-# One training run; $1 = label, $2 = mode (none|monitor|profile). Prints "<label> <ms/step>".
-train() {
-  local label=$1 mode=$2 port
+# One run; $1 = label, $2 = check (train|async), $3 = mode (none|monitor|profile). Prints its JSON.
+run() {
+  local label=$1 check=$2 mode=$3 port
   port=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])")
   local preload=""
   [[ "$mode" != none ]] && preload="$HOOK"
-  MASTER_PORT=$port GREYHOUND_JOB_ID="gpu-$label" GH_MODE="$mode" LD_PRELOAD="$preload" \
-    timeout 200 "$PY" "$ROOT/scripts/gpu_check_train.py" || { echo "gpu_check: run '$label' failed" >&2; return 1; }
+  MASTER_PORT=$port GREYHOUND_JOB_ID="gpu-$label" GH_CHECK="$check" GH_MODE="$mode" LD_PRELOAD="$preload" \
+    timeout 100 "$PY" "$ROOT/scripts/gpu_check_train.py" || { echo "gpu_check: run '$label' failed" >&2; return 1; }
 }
 
-base=$(train base none | tail -1) || fail "the unhooked training run failed"
-mon=$(train monitor monitor | tail -1) || fail "the monitor-mode training run failed"
-prof=$(train profile profile | tail -1) || fail "the profile-mode training run failed"
-"$PY" - "$base" "$mon" "$prof" <<'PYEOF'
+base=$(run base train none | tail -1) || fail "the unhooked training run failed"
+mon=$(run monitor train monitor | tail -1) || fail "the monitor-mode training run failed"
+prof=$(run profile train profile | tail -1) || fail "the profile-mode training run failed"
+asy=$(run async async monitor | tail -1) || fail "the asynchronous-timeline run failed"
+"$PY" - "$base" "$mon" "$prof" "$asy" <<'PYEOF'
 import json, sys
-base, mon, prof = (json.loads(a) for a in sys.argv[1:])
-ok = mon["records"] > 0 and prof["gpu_done"] > 0 and prof["gemm_ok"]
+base, mon, prof, asy = (json.loads(a) for a in sys.argv[1:])
+q, h = asy["queued"], asy["hang"]
+train_ok = (mon["records"] > 0 and mon["gpu_marks"] == 1 and prof["gpu_done"] > 0 and prof["gemm_ok"])
 res = {
-    "ok": ok,
+    "ok": bool(train_ok and q["ok"] and h["ok"]),
+    "train_ok": train_ok, "queued_ok": q["ok"], "hang_ok": h["ok"],
     "ms_per_step_unhooked": base["ms_per_step"],
     "ms_per_step_monitor": mon["ms_per_step"],
     "ms_per_step_profile": prof["ms_per_step"],
     "overhead_monitor_pct": round(100 * (mon["ms_per_step"] / base["ms_per_step"] - 1), 3),
     "overhead_profile_pct": round(100 * (prof["ms_per_step"] / base["ms_per_step"] - 1), 3),
+    "us_per_allreduce_unhooked": base["us_per_allreduce_call"],
+    "us_added_per_call_monitor": round(mon["us_per_allreduce_call"] - base["us_per_allreduce_call"], 3),
+    "us_added_per_call_profile": round(prof["us_per_allreduce_call"] - base["us_per_allreduce_call"], 3),
     "allreduce_records_monitor": mon["records"],
+    "marks_monitor": {k: mon.get(k) for k in ("gpu_marks", "marks_behind", "marks_lost")},
     "profiled_records_with_gpu_times": prof["gpu_done"],
     "median_gpu_allreduce_us": prof["gpu_us_median"],
-    "gemm_benchmark_ns": prof["gemm_ns"],
-    "device": prof["device"],
+    "gemm_benchmark_ns": prof["gemm_ns"], "gemm_drain_ns": prof["gemm_drain_ns"],
+    "queued": q, "hang": h, "device": prof["device"],
 }
-print(f"unhooked {base['ms_per_step']:.3f} ms/step; monitor {mon['ms_per_step']:.3f}; "
-      f"profile {prof['ms_per_step']:.3f}; GPU-timed all-reduces: {prof['gpu_done']}")
+print(f"training: unhooked {base['ms_per_step']:.3f} ms/step; monitor {mon['ms_per_step']:.3f}; "
+      f"profile {prof['ms_per_step']:.3f}; GPU-timed all-reduces: {prof['gpu_done']}; GEMM "
+      f"{'ok' if prof['gemm_ok'] else 'FAILED'} after a {prof['gemm_drain_ns']} ns drain")
+print(f"host time per all_reduce: {base['us_per_allreduce_call']} us unhooked, "
+      f"+{res['us_added_per_call_monitor']} us with the monitor-mode mark, "
+      f"+{res['us_added_per_call_profile']} us in profile mode")
+qm, qp = q["monitor"], q["profile"]
+print(f"(a) queued behind 50 ms: {qm['host_ms_in_all_reduce']} ms in all_reduce on the host, pending "
+      f"on the GPU: {qm['pending_while_queued']}; profile: GPU start {qp.get('gpu_start_after_enqueue_ms')} ms "
+      f"after enqueue, {qp.get('gpu_duration_ms')} ms on the GPU -> {'ok' if q['ok'] else 'FAILED'}")
+print(f"(b) hung on the GPU: pending seq {h.get('pending_seq_seen')} ageing {h.get('pending_age_first_s')} -> "
+      f"{h.get('pending_age_last_s')} s, host inside NCCL in {h.get('host_inside_nccl_samples')} samples, "
+      f"training thread blocked {h.get('blocked_in_sync_s')} s; hang watch: {h.get('hang_watch')} -> "
+      f"{'ok' if h['ok'] else 'FAILED: ' + str(h.get('error', ''))}")
 print("RESULT " + json.dumps(res))
-sys.exit(0 if ok else 1)
+sys.exit(0 if res["ok"] else 1)
 PYEOF

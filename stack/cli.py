@@ -33,7 +33,8 @@ def _install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
 async def _serve(service: Service, options: dict[str, Any]) -> None:
     stop = asyncio.Event()
     _install_stop(asyncio.get_running_loop(), stop)
-    ctx = await start_service(service.name, get_settings(), need_db=service.postgres)
+    ctx = await start_service(service.name, get_settings(), need_db=service.postgres,
+                              bus_user=service.bus_user(options))
     try:
         await service.run(ctx, stop, options)
     finally:
@@ -94,8 +95,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from stack.demo import run_demo
 
-    return run_demo(get_settings(), ranks=args.ranks, slow_rank=args.slow_rank,
-                    factor=args.factor, slow_from=args.slow_from, port=args.port)
+    return run_demo(get_settings(), fault=args.fault, ranks=args.ranks, rank=args.rank,
+                    factor=args.factor, at=args.at, port=args.port, timeout_s=args.timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,11 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_token_parser(sub)
     sub.choices["token"].set_defaults(func=cmd_token)
 
-    demo = sub.add_parser("demo", help="the small fake-NCCL job with one slow rank, end to end")
+    demo = sub.add_parser("demo", help="a small fake-NCCL job with one fault, found end to end")
+    demo.add_argument("--fault", choices=("slow", "link", "hang"), default="slow",
+                      help="a slow GPU (default), a slow link between two ranks, or a collective "
+                      "that never completes on one rank's GPU")
     demo.add_argument("--ranks", type=int, default=4)
-    demo.add_argument("--slow-rank", type=int, default=2)
-    demo.add_argument("--factor", type=float, default=1.5)
-    demo.add_argument("--slow-from", type=int, default=100)
+    demo.add_argument("--rank", "--slow-rank", dest="rank", type=int, default=None,
+                      help="the slow GPU, the hung rank, or the slow link's first end (the other "
+                      "is the next rank); default 2, 2, 1")
+    demo.add_argument("--factor", type=float, default=None,
+                      help="how much slower (slow: 1.5, link: 4)")
+    demo.add_argument("--at", "--slow-from", dest="at", type=int, default=100,
+                      help="the iteration at which the fault is injected")
+    demo.add_argument("--timeout", type=float, default=60.0,
+                      help="seconds after the fault to wait for the incident")
     demo.add_argument("--port", type=int, default=None)
     demo.set_defaults(func=cmd_demo)
 

@@ -3,6 +3,10 @@
 ``greyhound up`` and the demo use this. Each service is its own OS process (as in production,
 where compose or the operator runs them), sharing the embedded servers through URLs in the
 environment. If any service dies, the stack stops rather than run half-blind.
+
+With the embedded NATS (which requires credentials) each child gets its own bus user and
+password in its environment, as compose gives each container its own; credentials set in the
+settings go to every child unchanged.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ class Stack:
         if unknown:
             raise ValueError(f"unknown service(s) {unknown}; the registry has {sorted(BY_NAME)}")
 
-    def env(self) -> dict[str, str]:
-        """The children get this process's settings (however they were made) plus the URLs."""
+    def env(self, service: str | None = None) -> dict[str, str]:
+        """The children get this process's settings (however they were made) plus the URLs,
+        and ``service``'s own bus credentials when the embedded NATS hands them out."""
         assert self.backends is not None
         env = dict(os.environ)
         for s in (self.settings, *self.service_settings):
@@ -56,6 +61,12 @@ class Stack:
         env["GREYHOUND_NATS_URL"] = self.backends.nats_url
         env["GREYHOUND_DATABASE_URL"] = self.backends.database_url
         env["GREYHOUND_DATA_DIR"] = str(Path(self.settings.data_dir).resolve())
+        nats = self.backends.embedded_nats
+        if service is not None and nats is not None and nats.auth \
+                and self.settings.nats_user is None:
+            creds = nats.credentials(BY_NAME[service].bus_user())
+            env["GREYHOUND_NATS_USER"] = creds.user
+            env["GREYHOUND_NATS_PASSWORD"] = creds.password
         return env
 
     def start(self) -> None:
@@ -68,7 +79,7 @@ class Stack:
             if BY_NAME[name].http:
                 argv += ["--host", self.host, "--port", str(self.port)]
             out = (logdir / f"{name}.log").open("ab")
-            self.procs[name] = subprocess.Popen(argv, env=self.env(), stdout=out,
+            self.procs[name] = subprocess.Popen(argv, env=self.env(name), stdout=out,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
             out.close()
         log.info("started %s; logs in %s", ", ".join(self.services), logdir)

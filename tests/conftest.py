@@ -14,7 +14,7 @@ from services.common.embedded import EmbeddedNats, EmbeddedPostgres
 @pytest.fixture(scope="session")
 def nats_url() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="gh-nats-") as d:
-        server = EmbeddedNats(Path(d))
+        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
         url = server.start()
         yield url
         server.stop()

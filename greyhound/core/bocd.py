@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from greyhound.core.detector import NORMAL, SLOW, Detection, LevelState
+from greyhound.core.levels import NORMAL, SLOW, Detection, LevelState
 from greyhound.core.recurring import BurstConfig, RecurringBursts
 
 FloatArray = npt.NDArray[np.float64]

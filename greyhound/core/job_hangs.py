@@ -17,10 +17,21 @@ hung one (its calls' virtual time stands still). Long waits inside a collective 
 normally (peers pending in a barrier while rank 0 writes a checkpoint) are learned: the next one
 of that length does not alarm. Samples that stop arriving (the job ended, its agent went away)
 stop the watch rather than raise a hang: that is a fail-stop, not a hang.
+
+A hang that was reported ends when its communicator moves again (calls complete and the longest
+waiter is no longer waiting that long): ``take_recovered`` hands those communicators out once, so
+the tracker can report that the job's hang is over. The alarms survive a restart of the tracker
+(``state_dict``): a communicator still stuck is not reported twice, one that moved meanwhile
+is reported over at its first sample.
+
+Bounds: waits that are not finite numbers are read as no wait, so ``Infinity`` never reaches
+the threshold; communicators not sampled for ``forget_s`` are dropped (``forget``), and at most
+``max_comms`` are watched (the least recently sampled go first).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,8 +53,10 @@ WaitBasis = Literal["gpu", "host", "mixed"]
 
 def row_wait_s(row: tuple[Any, ...]) -> float:
     """How long the row's rank has been waiting on its communicator: the age of its oldest call
-    not done on the GPU, or, without GPU marks, its host thread's time inside NCCL."""
-    return float(row[_GPU_PENDING] if row[_MARKS] else row[_INFLIGHT])
+    not done on the GPU, or, without GPU marks, its host thread's time inside NCCL (0 for a
+    value that is not a finite non-negative number)."""
+    wait = float(row[_GPU_PENDING] if row[_MARKS] else row[_INFLIGHT])
+    return wait if math.isfinite(wait) and wait > 0.0 else 0.0
 
 
 def _row_progress(row: tuple[Any, ...]) -> int:
@@ -72,6 +85,7 @@ class _Comm:
     progress: int = -1  # calls done, summed over members (on the GPU where marks exist)
     longest_wait_s: float = 0.0  # longest wait seen since the last wait that ended
     alarmed: bool = False
+    restored: bool = False  # alarmed before a restart: no progress count to compare yet
 
 
 @dataclass
@@ -79,14 +93,42 @@ class JobHangMonitor:
     floor_s: float = 60.0
     multiple: float = 20.0
     stale_s: float = 10.0
+    max_comms: int = 65_536
     policy: HangPolicy = field(init=False)
     comms: dict[int, _Comm] = field(default_factory=dict)
+    _recovered: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.policy = HangPolicy(floor_s=self.floor_s, multiple=self.multiple)
 
     def observe_iteration(self, duration_s: float) -> None:
-        self.policy.observe_iteration(duration_s)
+        if math.isfinite(duration_s) and duration_s > 0.0:
+            self.policy.observe_iteration(duration_s)
+
+    def alarmed(self) -> list[int]:
+        """Communicators reported hung and not moving since."""
+        return [cid for cid, c in self.comms.items() if c.alarmed]
+
+    def take_recovered(self) -> list[int]:
+        """Communicators reported hung that moved again since the last call (each once)."""
+        out, self._recovered = self._recovered, []
+        return out
+
+    def forget(self, now_s: float, forget_s: float) -> list[int]:
+        """Drop communicators not sampled for ``forget_s`` (destroyed, or their job left this
+        tracker) and, past ``max_comms``, the least recently sampled; the dropped ids. A
+        forgotten alarmed communicator is not reported as recovered: nobody saw it move. One
+        restored from a saved state and not sampled since is kept until it is (its job's
+        tracker state goes when the job does)."""
+        gone = [cid for cid, c in self.comms.items()
+                if now_s - c.sampled_s > forget_s and not c.restored]
+        extra = len(self.comms) - len(gone) - self.max_comms
+        if extra > 0:
+            keep = sorted((c.sampled_s, cid) for cid, c in self.comms.items() if cid not in gone)
+            gone += [cid for _, cid in keep[:extra]]
+        for cid in gone:
+            del self.comms[cid]
+        return gone
 
     def observe_counters(self, sampled_s: float, columns: dict[str, list[Any]]) -> None:
         """One agent's sample: columnar rows (COUNTER_FIELDS) of its ranks' communicators."""
@@ -104,6 +146,15 @@ class JobHangMonitor:
             comm = self.comms[comm_id]
             progress = sum(_row_progress(r) for r in comm.rows.values())
             waiting = max(row_wait_s(r) for r in comm.rows.values())
+            if comm.restored:  # alarmed before a restart: over unless it still waits that long
+                comm.restored = False
+                comm.progress = progress
+                if waiting > self.policy.threshold_s():
+                    comm.longest_wait_s = waiting
+                else:
+                    comm.alarmed, comm.longest_wait_s = False, waiting
+                    self._recovered.append(comm_id)
+                continue
             if progress > comm.progress:
                 # A wait ended when calls completed and the longest waiter is no longer waiting
                 # that long. (Progress alone is not enough on the GPU: calls on another stream
@@ -115,6 +166,8 @@ class JobHangMonitor:
                     self.policy.observe_recovered_pause(comm.longest_wait_s)
                 comm.progress = progress
                 if ended:
+                    if comm.alarmed:
+                        self._recovered.append(comm_id)
                     comm.longest_wait_s, comm.alarmed = waiting, False
                     continue
             comm.longest_wait_s = max(comm.longest_wait_s, waiting)
@@ -159,19 +212,25 @@ class JobHangMonitor:
         return {f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}
 
     def state_dict(self) -> dict[str, Any]:
-        """What a restarted tracker needs: the learned iteration times and long phases.
+        """What a restarted tracker needs: the learned iteration times and long phases, and
+        which communicators are reported hung.
 
-        The per-communicator watches are not kept: the next samples rebuild them, and a call
-        already stuck reports its own pending time, so a hang is still raised.
+        The other per-communicator watches are not kept: the next samples rebuild them, and a
+        call already stuck reports its own pending time, so a hang is still raised.
         """
         policy = self.policy
         return {"floor_s": self.floor_s, "multiple": self.multiple, "stale_s": self.stale_s,
-                "recent": list(policy._recent), "long": list(policy._long)}
+                "recent": list(policy._recent), "long": list(policy._long),
+                "alarmed": self.alarmed()}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> JobHangMonitor:
         mon = cls(floor_s=float(state["floor_s"]), multiple=float(state["multiple"]),
                   stale_s=float(state["stale_s"]))
-        mon.policy._recent.extend(float(x) for x in state["recent"])
-        mon.policy._long.extend(float(x) for x in state["long"])
+        mon.policy._recent.extend(x for x in map(float, state["recent"])
+                                  if math.isfinite(x) and x > 0.0)
+        mon.policy._long.extend(x for x in map(float, state["long"])
+                                if math.isfinite(x) and x > 0.0)
+        for cid in state.get("alarmed", []):
+            mon.comms[int(cid)] = _Comm(alarmed=True, restored=True)
         return mon

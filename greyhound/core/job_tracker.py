@@ -17,6 +17,11 @@ All ranks of a job advance together through one batched detector (one vectorised
 process absorb tens of thousands of rank-iterations per second. A rank that falls behind (paused,
 hung, its agent late) does not hold the others back: after ``max_lag`` pending values the round
 goes ahead without it.
+
+Memory follows the ranks a job has, never the values they carry: ranks map to streams through a
+sorted index (a rank of 2^31-1 costs one entry, not an array that long), ``max_ranks`` bounds the
+streams of one job, and a message that brings many values of one rank is taken in slices so the
+pending queue stays a few rounds deep.
 """
 
 from __future__ import annotations
@@ -135,6 +140,15 @@ class _Pending:
         return out
 
 
+class TooManyRanks(ValueError):
+    """A job would have more ranks than its tracker's bound (``max_ranks``)."""
+
+
+# Values of one rank taken from one call before the pending rounds are advanced: the queue holds
+# at most max_lag + SLICE values per rank, whatever a message carries.
+SLICE = 64
+
+
 @dataclass
 class JobTracker:
     """Per-job detector bank fed with (rank, iteration time) pairs in each rank's order."""
@@ -144,9 +158,12 @@ class JobTracker:
     max_lag: int = 8
     settle: int = 16
     slow: bool = False
+    max_ranks: int | None = None
     index: dict[int, int] = field(default_factory=dict)  # rank -> stream
     _queue: _Pending = field(default_factory=lambda: _Pending(0))
-    _lut: npt.NDArray[np.intp] = field(default_factory=lambda: np.full(0, -1, dtype=np.intp))
+    # The index as sorted arrays, for vectorised look-ups of a message's ranks.
+    _keys: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    _vals: npt.NDArray[np.intp] = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
     _batch: BatchDetector | None = None
     _slow: list[bool] = field(default_factory=list)
     _last: list[Detection | None] = field(default_factory=list)
@@ -155,44 +172,56 @@ class JobTracker:
     rounds: int = 0
     updates: int = 0
 
-    def _stream(self, rank: int) -> int:
-        s = self.index.get(rank)
-        if s is None:
-            if rank < 0:
-                raise ValueError(f"rank must be >= 0, got {rank}")
-            s = self.index[rank] = len(self._slow)
+    def _lookup(self, ranks: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
+        """Each rank's stream, -1 for a rank not seen yet."""
+        keys = self._keys
+        if keys.size == 0:
+            return np.full(ranks.size, -1, dtype=np.intp)
+        pos = np.minimum(np.searchsorted(keys, ranks), keys.size - 1)
+        return np.where(keys[pos] == ranks, self._vals[pos], -1)
+
+    def _reindex(self) -> None:
+        keys = np.fromiter(self.index.keys(), dtype=np.int64, count=len(self.index))
+        vals = np.fromiter(self.index.values(), dtype=np.intp, count=len(self.index))
+        order = np.argsort(keys)
+        self._keys, self._vals = keys[order], vals[order]
+
+    def _add_ranks(self, new: list[int]) -> None:
+        """Give new ranks their streams (they join at start-up; the batch detector grows and its
+        warm-up starts over)."""
+        for rank in new:
+            self.index[rank] = len(self._slow)
             self._slow.append(False)
             self._last.append(None)
             self._began.append(-(1 << 40))
-            if rank >= self._lut.size:
-                grown = np.full(max(2 * self._lut.size, rank + 1, 8), -1, dtype=np.intp)
-                grown[: self._lut.size] = self._lut
-                self._lut = grown
-            self._lut[rank] = s
-            # Ranks join at start-up only; a new batch sized for them restarts the warm-up.
-            cap = self._batch.streams if self._batch is not None else 0
-            if s >= cap:
-                self._batch = make_batch_detector(self.method, max(8, 2 * cap, s + 1))
-            self._queue.resize(self._batch.streams if self._batch is not None else s + 1)
-        return s
+        s = len(self._slow) - 1
+        cap = self._batch.streams if self._batch is not None else 0
+        if s >= cap:
+            self._batch = make_batch_detector(self.method, max(8, 2 * cap, s + 1))
+        self._queue.resize(self._batch.streams if self._batch is not None else s + 1)
+        self._reindex()
 
     def _streams_of(self, ranks: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
-        if ranks.min() >= 0 and ranks.max() < self._lut.size:
-            fast = self._lut[ranks]
-            if fast.min() >= 0:  # every rank already known: the steady state
-                return fast
-        known = (ranks >= 0) & (ranks < self._lut.size)
-        streams = np.full(ranks.size, -1, dtype=np.intp)
-        streams[known] = self._lut[ranks[known]]
-        for j in np.flatnonzero(streams < 0).tolist():
-            streams[j] = self._stream(int(ranks[j]))
-        return streams
+        streams = self._lookup(ranks)
+        if streams.min() >= 0:  # every rank already known: the steady state
+            return streams
+        new = np.unique(ranks[streams < 0])
+        if new[0] < 0:
+            raise ValueError(f"ranks must be >= 0, got {int(new[0])}")
+        if self.max_ranks is not None and len(self.index) + new.size > self.max_ranks:
+            raise TooManyRanks(f"{len(self.index) + new.size} ranks, more than the "
+                               f"{self.max_ranks} a job may have")
+        self._add_ranks(new.tolist())
+        return self._lookup(ranks)
 
     def _needed(self) -> int:
         return max(1, int(self.quorum * len(self.index) + 0.999999))
 
     def observe_many(self, ranks: npt.ArrayLike, durations: npt.ArrayLike) -> list[JobDetection]:
-        """Queue each rank's values (in its order) and advance every complete (or overdue) round."""
+        """Queue each rank's values (in its order) and advance every complete (or overdue) round.
+
+        Raises ValueError (TooManyRanks past ``max_ranks``) before anything is observed when a
+        rank is negative or a value is not a finite positive time."""
         r = np.asarray(ranks, dtype=np.int64).reshape(-1)
         d = np.asarray(durations, dtype=np.float64).reshape(-1)
         if r.size != d.size:
@@ -200,7 +229,25 @@ class JobTracker:
         out: list[JobDetection] = []
         if r.size == 0:
             return out
-        self._queue.push(self._streams_of(r), d)
+        if not (np.isfinite(d).all() and (d > 0).all()):
+            raise ValueError("iteration times must be finite and > 0")
+        streams = self._streams_of(r)
+        counts = np.bincount(streams, minlength=self._queue.buf.shape[0])
+        if counts.max() <= SLICE:
+            self._queue.push(streams, d)
+            return self._advance(out)
+        # Many values of one rank (a rank far ahead, a replay): take them SLICE at a time.
+        order = np.argsort(streams, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        occurrence = np.empty(r.size, dtype=np.int64)
+        occurrence[order] = np.arange(r.size) - starts[streams[order]]
+        for lo in range(0, int(counts.max()), SLICE):
+            part = (occurrence >= lo) & (occurrence < lo + SLICE)
+            self._queue.push(streams[part], d[part])
+            self._advance(out)
+        return out
+
+    def _advance(self, out: list[JobDetection]) -> list[JobDetection]:
         active = len(self.index)
         q = self._queue
         while True:
@@ -238,16 +285,20 @@ class JobTracker:
             return None
         if any(det.change == "full" for _, det in found) and len(fired) < needed:
             self.slow = False
-            return self._decision("recovery", "full", self._latest("full"))
+            # A blip (back within `settle` rounds of its onset) is still over: its recovery
+            # began before the settled window, so it is named by every rank that saw it end.
+            return self._decision("recovery", "full",
+                                  self._latest("full") or self._latest("full", settled=False))
         for change, kind in (("further", "slowdown"), ("partial", "recovery")):
             ranks = self._latest(change)
             if len(ranks) >= needed:
                 return self._decision(kind, change, ranks)
         return None
 
-    def _latest(self, change: str) -> list[int]:
-        """Ranks whose newest report is `change` about a change after the last decision's."""
-        after = self._mark + self.settle
+    def _latest(self, change: str, *, settled: bool = True) -> list[int]:
+        """Ranks whose newest report is `change` about a change after the last decision's
+        (``settled``: begun more than `settle` rounds after it)."""
+        after = self._mark + self.settle if settled else -(1 << 62)
         return [r for r, s in self.index.items()
                 if (d := self._last[s]) is not None and d.change == change
                 and self._began[s] > after]
@@ -283,6 +334,8 @@ class JobTracker:
                 max_lag=int(state["max_lag"]), settle=int(state.get("settle", 16)),
                 slow=bool(state["slow"]))
         t.index = {int(r): int(s) for r, s in state["index"].items()}
+        if any(r < 0 for r in t.index) or sorted(t.index.values()) != list(range(len(t.index))):
+            raise ValueError("corrupt tracker state: ranks must be >= 0 and streams 0..n-1")
         t._slow = [bool(x) for x in state["stream_slow"]]
         t._last = [Detection.from_json(d) if d is not None else None for d in state["last"]]
         t._began = [int(x) for x in state.get("began", [-(1 << 40)] * len(t._slow))]
@@ -291,8 +344,5 @@ class JobTracker:
         t._batch = batch_from_state(state["batch"]) if state["batch"] is not None else None
         rows = t._batch.streams if t._batch is not None else len(t._slow)
         t._queue = _Pending.from_lists([list(q) for q in state["pending"]], rows)
-        top = max(t.index, default=-1)
-        t._lut = np.full(max(8, top + 1), -1, dtype=np.intp)
-        for r, s in t.index.items():
-            t._lut[r] = s
+        t._reindex()
         return t

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from greyhound.core.detector import SLOW, Detection, LevelState
+from greyhound.core.levels import SLOW, Detection, LevelState
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 MAGIC = 0x31474E4952484721
 HEADER_BYTES = 4096
 DEFAULT_RECORDS = 65536
@@ -22,6 +22,10 @@ MAX_COMMS = 64
 MAX_PEERS = 64
 BENCH_SLOTS = 16
 BENCH_MAX_REPEAT = 64
+BENCH_MAX_GEMM_N = 16384  # a GEMM of N takes 3 N^2 floats of scratch on the rank's GPU
+BENCH_MAX_P2P_BYTES = 1 << 30
+PAUSE_LEASE_DEFAULT_MS = 30_000  # the hook's lease for a pause requested without one
+PAUSE_LEASE_MAX_MS = 600_000  # a deadline further out is brought in to this
 NO_REDOP = 255
 
 
@@ -248,6 +252,8 @@ CONTROL_DTYPE = _struct(
         ("pause_count", "<u8", 16),
         ("pause_comm_id", "<u8", 24),
         ("pause_seq", "<u8", 32),
+        ("pause_lease_ns", "<u8", 40),
+        ("lease_expired", "<u8", 48),
         ("slots", (BENCH_SLOT_DTYPE, (BENCH_SLOTS,)), 64),
     ],
     9280,
@@ -292,11 +298,20 @@ class RingHeader:
 
 @dataclass(frozen=True)
 class BenchRequest:
+    """One benchmark for a parked rank. Sizes are checked here, where requests are built, as the
+    hook checks them again: a GEMM's 3 N^2 floats must not overflow nor take the GPU's memory."""
+
     kind: BenchKind
     size: int  # P2P: bytes; GEMM: matrix dimension N
     repeat: int = 1
     comm_id: int = 0
     peer: int = -1
+
+    def __post_init__(self) -> None:
+        if self.kind == BenchKind.GEMM and not 1 <= self.size <= BENCH_MAX_GEMM_N:
+            raise ValueError(f"GEMM dimension {self.size} is outside 1..{BENCH_MAX_GEMM_N}")
+        if self.kind != BenchKind.GEMM and not 0 <= self.size <= BENCH_MAX_P2P_BYTES:
+            raise ValueError(f"transfer of {self.size} bytes is outside 0..{BENCH_MAX_P2P_BYTES}")
 
 
 @dataclass(frozen=True)

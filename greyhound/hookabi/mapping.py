@@ -1,4 +1,9 @@
-"""One ring file mapped into memory, checked against the layout before any view is made."""
+"""One ring file mapped into memory, checked against the layout before any view is made.
+
+The writer's side (the simulator's RingWriter, tests that forge rings) maps its own files. The
+agent never maps a ring it did not write: it reads through greyhound.hookabi.ringfile, since a
+mapping of a file that another process shrinks faults with SIGBUS.
+"""
 
 from __future__ import annotations
 
@@ -13,46 +18,39 @@ from greyhound.hookabi.layout import (
     CONTROL_DTYPE,
     HEADER_BYTES,
     HEADER_DTYPE,
-    LAYOUT_VERSION,
-    MAGIC,
     MAX_COMMS,
     RECORD_DTYPE,
     RingHeader,
 )
+from greyhound.hookabi.validation import RingError, check_header
 
 
 class RingMapping:
     """A shared mapping of one ring file with numpy views of its regions (header, control
-    block, comm table, records); the agent's reader and the simulator's writer both work on it."""
+    block, comm table, records), for the process that writes the ring."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        fd = os.open(self.path, os.O_RDWR)
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES:
-                raise ValueError(f"{path}: {size} bytes is too small for a ring")
+                raise RingError(path, "truncated", f"{size} bytes is too small for a ring")
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.hdr = np.ndarray((), HEADER_DTYPE, buffer=self.mm, offset=0)
-        if int(self.hdr["magic"]) != MAGIC:
-            raise ValueError(f"{path}: not a Greyhound ring")
-        if int(self.hdr["version"]) != LAYOUT_VERSION:
-            raise ValueError(f"{path}: layout {int(self.hdr['version'])}, need {LAYOUT_VERSION}")
-        cap = int(self.hdr["capacity"])
-        if int(self.hdr["file_bytes"]) > size or cap & (cap - 1):
-            raise ValueError(f"{path}: header does not match the file")
-        self.capacity = cap
-        self.ctl = np.ndarray(
-            (), CONTROL_DTYPE, buffer=self.mm, offset=int(self.hdr["control_offset"])
-        )
-        self.comm_table = np.ndarray(
-            (MAX_COMMS,), COMM_DTYPE, buffer=self.mm, offset=int(self.hdr["comms_offset"])
-        )
-        self.records = np.ndarray(
-            (cap,), RECORD_DTYPE, buffer=self.mm, offset=int(self.hdr["records_offset"])
-        )
+        try:
+            g = check_header(self.hdr, size, path)
+        except RingError:
+            del self.hdr
+            self.mm.close()
+            raise
+        cap = self.capacity = g.capacity
+        self.ctl = np.ndarray((), CONTROL_DTYPE, buffer=self.mm, offset=g.control_offset)
+        self.comm_table = np.ndarray((MAX_COMMS,), COMM_DTYPE, buffer=self.mm,
+                                     offset=g.comms_offset)
+        self.records = np.ndarray((cap,), RECORD_DTYPE, buffer=self.mm, offset=g.records_offset)
 
     def header(self) -> RingHeader:
         h = self.hdr

@@ -1,4 +1,10 @@
-"""The agent's side of a ring: records out (RingReader), requests in (Control)."""
+"""The agent's side of a ring: records out (RingReader), requests in (Control).
+
+Both go through a :class:`RingFile` (pread/pwrite, never a mapping), so a ring that shrinks,
+lies in its header or counts nonsense raises a RingError here instead of crashing the agent or
+making it allocate what the header claims: every read is bounded by the checked geometry and by
+``max_poll`` records.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,10 @@ import numpy as np
 
 from greyhound.hookabi.layout import (
     BENCH_MAX_REPEAT,
+    BENCH_SLOT_DTYPE,
+    CONTROL_DTYPE,
     FINAL_BENCH_STATES,
+    PAUSE_LEASE_MAX_MS,
     RECORD_DTYPE,
     BenchRequest,
     BenchResult,
@@ -19,74 +28,144 @@ from greyhound.hookabi.layout import (
     Mode,
     ModeName,
     RingHeader,
+    unsigned64,
 )
-from greyhound.hookabi.mapping import RingMapping
+from greyhound.hookabi.ringfile import FileId, RingFile
+from greyhound.hookabi.validation import RingError
 
 _GPU_PENDING = int(Flag.PROFILED)
 _GPU_SETTLED = int(Flag.GPU_DONE | Flag.GPU_LOST | Flag.ABORTED)
+# Records handed out by one poll: 8 MiB of copies at most, whatever the ring's size or lag.
+MAX_POLL_RECORDS = 1 << 16
+# No real ring reaches 2^62 records (a billion calls a second for 146 years).
+_MAX_INDEX = 1 << 62
+
+
+def _field(name: str) -> tuple[int, np.dtype[np.generic]]:
+    dtype, offset = CONTROL_DTYPE.fields[name][:2]  # type: ignore[index]
+    return int(offset), dtype
+
+
+_MODE, _PAUSE_REQUEST, _PAUSE_COMM, _PAUSE_SEQ, _PAUSE_LEASE = (
+    _field(n) for n in ("mode", "pause_request", "pause_comm_id", "pause_seq", "pause_lease_ns"))
+_SLOTS_AT = _field("slots")[0]
+_STATE_AT = int(BENCH_SLOT_DTYPE.fields["state"][1])  # type: ignore[index]
+
+
+def _put(ring: RingFile, where: tuple[int, np.dtype[np.generic]], value: int) -> None:
+    ring.write_control(where[0], np.array(value, where[1]))
+
+
+def _header(ring: RingFile) -> RingHeader:
+    h = ring.header()
+    return RingHeader(
+        version=int(h["version"]),
+        job=bytes(h["job"].item()).decode(errors="replace"),
+        rank=ring.geometry.rank,  # as checked on open: a header rewritten later cannot move it
+        host=bytes(h["host"].item()).decode(errors="replace"),
+        pid=int(h["pid"]),
+        device=int(h["device"]),
+        capacity=ring.geometry.capacity,
+        head=int(h["head"]),
+        dropped=int(h["dropped"]),
+        mono_anchor_ns=int(h["mono_anchor_ns"]),
+        wall_anchor_ns=int(h["wall_anchor_ns"]),
+    )
 
 
 class Control:
-    """The agent's side of a rank's control block: mode, pause/resume and benchmark requests."""
+    """The agent's side of a rank's control block: mode, pause/resume and benchmark requests.
 
-    def __init__(self, path: Path) -> None:
-        self._map = RingMapping(path)
-        self._ctl = self._map.ctl
-        slots = self._ctl["slots"]
-        self._next_id = int(slots["req_id"].max()) + 1
+    Made from a path it opens its own file; from a RingReader it shares the reader's, so it
+    acts on the very file the reader drains (see RingReader.control) and fails once that file
+    is closed, instead of writing into whatever file took its place at the path.
+    """
+
+    def __init__(self, ring: Path | RingFile) -> None:
+        self._owns = not isinstance(ring, RingFile)
+        self._ring = RingFile(Path(ring)) if not isinstance(ring, RingFile) else ring
+        ids = self._slots()["req_id"]
+        top = int(ids.max())
+        self._next_id = top + 1 if top < _MAX_INDEX else 1  # a nonsense id must not overflow
+
+    @property
+    def file_id(self) -> FileId:
+        return self._ring.id
+
+    def _slots(self) -> np.ndarray:
+        slots: np.ndarray = self._ring.control_block()["slots"]
+        return slots
 
     def set_mode(self, mode: ModeName) -> None:
-        self._ctl["mode"] = int(Mode[mode.upper()])
+        _put(self._ring, _MODE, int(Mode[mode.upper()]))
 
-    def pause(self, comm_id: int = 0, seq: int = 0) -> None:
+    def pause(self, comm_id: int = 0, seq: int = 0, *, lease_s: float | None = None) -> None:
         """Park the training thread at its next NCCL call, or, with comm_id, at the entry of the
         call on that communicator whose collective seq would be >= seq. Pausing several ranks
         needs the targeted form with one (comm_id, seq) for all of them, seq beyond every rank's
         last_seq_entered (see comms()): a rank parked early would leave its peers blocked inside
-        the collective it never entered."""
-        self._ctl["pause_comm_id"] = comm_id
-        self._ctl["pause_seq"] = seq
-        self._ctl["pause_request"] = 1
+        the collective it never entered.
+
+        The pause is a lease: the hook resumes by itself lease_s from now (None: its default
+        lease from when it sees the request), whatever becomes of the caller. Calling pause
+        again with the same target renews it."""
+        if not 0 <= seq < _MAX_INDEX:
+            raise ValueError(f"pause seq {seq} is out of range")
+        if lease_s is not None and not 0 < lease_s <= PAUSE_LEASE_MAX_MS / 1000:
+            raise ValueError(f"lease_s must be in (0, {PAUSE_LEASE_MAX_MS / 1000:g}]")
+        _put(self._ring, _PAUSE_COMM, unsigned64(comm_id))
+        _put(self._ring, _PAUSE_SEQ, seq)
+        # CLOCK_MONOTONIC, as the hook reads it (one host, one clock)
+        _put(self._ring, _PAUSE_LEASE, 0 if lease_s is None else (
+            time.monotonic_ns() + round(lease_s * 1e9)))
+        _put(self._ring, _PAUSE_REQUEST, 1)  # last: the hook acts on this store
 
     def paused(self) -> bool:
-        return bool(self._ctl["paused"])
+        return bool(self._ring.control_block()["paused"])
 
     def resume(self) -> None:
-        self._ctl["pause_request"] = 0
+        _put(self._ring, _PAUSE_REQUEST, 0)
 
     def submit(self, req: BenchRequest) -> int:
         if not 1 <= req.repeat <= BENCH_MAX_REPEAT:
             raise ValueError(f"repeat must be in 1..{BENCH_MAX_REPEAT}")
-        slots = self._ctl["slots"]
-        free = np.flatnonzero(slots["state"] == BenchState.EMPTY)
+        if not 0 < req.size < _MAX_INDEX:
+            raise ValueError(f"benchmark size {req.size} is out of range")
+        if not -1 <= req.peer < 1 << 31:
+            raise ValueError(f"benchmark peer {req.peer} is out of range")
+        free = np.flatnonzero(self._slots()["state"] == BenchState.EMPTY)
         if free.size == 0:
             raise RuntimeError("all benchmark slots are busy; collect results first")
-        slot = slots[int(free[0])]
+        index = int(free[0])
         req_id = self._next_id
         self._next_id += 1
+        slot = np.zeros((), BENCH_SLOT_DTYPE)  # state EMPTY: the hook ignores it until below
         slot["kind"] = int(req.kind)
-        slot["comm_id"] = req.comm_id
+        slot["comm_id"] = unsigned64(req.comm_id)
         slot["size"] = req.size
         slot["peer"] = req.peer
         slot["repeat"] = req.repeat
-        slot["result"] = 0
-        slot["n_done"] = 0
-        slot["total_ns"] = 0
         slot["req_id"] = req_id
-        slot["state"] = int(BenchState.SUBMITTED)  # last: the hook acts on this store
+        at = _SLOTS_AT + index * BENCH_SLOT_DTYPE.itemsize
+        self._ring.write_control(at, slot)
+        self._ring.write_control(at + _STATE_AT, np.array(BenchState.SUBMITTED, "<u4"))
         return req_id
 
     def result(self, req_id: int) -> BenchResult | None:
         """The final result of a request (its slot is then freed), or None while pending."""
-        slots = self._ctl["slots"]
+        slots = self._slots()
         hit = np.flatnonzero(slots["req_id"] == req_id)
         if hit.size == 0:
             raise KeyError(req_id)
-        slot = slots[int(hit[0])]
-        state = BenchState(int(slot["state"]))
+        index = int(hit[0])
+        slot = slots[index]
+        try:
+            state = BenchState(int(slot["state"]))
+        except ValueError:  # a state no hook writes: give the slot back as failed
+            state = BenchState.FAILED
         if state not in FINAL_BENCH_STATES:
             return None
-        n = int(slot["n_done"])
+        n = min(int(slot["n_done"]), BENCH_MAX_REPEAT)
         out = BenchResult(
             req_id=req_id,
             state=state,
@@ -94,12 +173,14 @@ class Control:
             durations_ns=tuple(int(d) for d in slot["durations_ns"][:n]),
             drain_ns=int(slot["drain_ns"]),
         )
-        slot["state"] = int(BenchState.EMPTY)
+        at = _SLOTS_AT + index * BENCH_SLOT_DTYPE.itemsize + _STATE_AT
+        self._ring.write_control(at, np.array(BenchState.EMPTY, "<u4"))
         return out
 
     def close(self) -> None:
-        del self._ctl
-        self._map.close()
+        if self._owns:
+            self._ring.close()
+
 
 
 class RingReader:
@@ -110,43 +191,69 @@ class RingReader:
     its GPU times, or for at most gpu_wait_ns after its return, so callers see each record once
     and in final form. A slot reserved by a writer that never completed it (a killed thread) is
     skipped after stuck_ns and counted in `lost`, with the records the hook dropped.
+
+    A head behind the cursor or more than the capacity ahead of it is no state a hook can write
+    (it reserves slots only while head - consumed < capacity): poll() raises a RingError.
     """
 
     def __init__(
-        self, path: Path, *, gpu_wait_ns: int = 2_000_000_000, stuck_ns: int = 1_000_000_000
+        self, path: Path, *, gpu_wait_ns: int = 2_000_000_000, stuck_ns: int = 1_000_000_000,
+        max_poll: int = MAX_POLL_RECORDS,
     ) -> None:
-        self._map = RingMapping(path)
-        self.header = self._map.header()
-        self._cursor = int(self._map.hdr["consumed"])
+        self._ring = RingFile(path)
+        try:
+            self.header = _header(self._ring)
+            self._cursor = self._ring.consumed()
+            if self._cursor >= _MAX_INDEX:
+                raise RingError(path, "head", f"consumed cursor {self._cursor} is nonsense")
+        except BaseException:
+            self._ring.close()
+            raise
         self._skipped = 0
         self._gpu_wait_ns = gpu_wait_ns
         self._stuck_ns = stuck_ns
+        self._max_poll = max_poll
         self._stuck_at: tuple[int, int] | None = None  # (cursor, first seen monotonic ns)
 
     @property
     def path(self) -> Path:
-        return self._map.path
+        return self._ring.path
+
+    @property
+    def file_id(self) -> FileId:
+        return self._ring.id
 
     @property
     def lost(self) -> int:
-        return int(self._map.hdr["dropped"]) + self._skipped
+        return int(self._ring.header()["dropped"]) + self._skipped
 
     @property
     def cursor(self) -> int:
         return self._cursor
 
     def refresh_header(self) -> RingHeader:
-        self.header = self._map.header()
+        self.header = _header(self._ring)
         return self.header
 
-    def poll(self, max_records: int | None = None) -> np.ndarray:
-        head = int(self._map.hdr["head"])
+    def control_block(self) -> np.ndarray:
+        """A copy of the control block (CONTROL_DTYPE), e.g. to read pause_count."""
+        return self._ring.control_block()
+
+    def _lag(self) -> int:
+        head = self._ring.head()
         n = head - self._cursor
+        if head >= _MAX_INDEX or n < 0 or n > self._ring.geometry.capacity:
+            raise RingError(self.path, "head", f"head {head} with the cursor at {self._cursor}: "
+                                               "no hook writes that")
+        return n
+
+    def poll(self, max_records: int | None = None) -> np.ndarray:
+        n = min(self._lag(), self._max_poll)
         if max_records is not None:
             n = min(n, max_records)
         if n <= 0:
             return np.empty(0, RECORD_DTYPE)
-        batch = self._map.slice_copy(self._cursor, n)
+        batch = self._ring.records(self._cursor, n)
         expect = np.arange(self._cursor + 1, self._cursor + n + 1, dtype=np.uint64)
         bad = batch["stamp"] != expect
         now = time.monotonic_ns()
@@ -163,7 +270,7 @@ class RingReader:
             batch = batch[:take]
         if take:
             self._cursor += take
-            self._map.hdr["consumed"] = self._cursor
+            self._ring.set_consumed(self._cursor)
         return batch
 
     def _skip_if_stuck(self, now: int) -> int:
@@ -174,17 +281,19 @@ class RingReader:
             return 0
         self._skipped += 1
         self._cursor += 1
-        self._map.hdr["consumed"] = self._cursor
+        self._ring.set_consumed(self._cursor)
         self._stuck_at = None
         return 0
 
     def comms(self) -> np.ndarray:
-        table = self._map.comm_table
-        rows: np.ndarray = table[table["state"] != CommState.FREE].copy()
+        """Comm-table rows in use, as the ring has them (the agent sanitises what it sends)."""
+        table = self._ring.comm_table()
+        rows: np.ndarray = table[table["state"] != CommState.FREE]
         return rows
 
     def control(self) -> Control:
-        return Control(self._map.path)
+        """The control block of this very file (shared descriptor, see Control)."""
+        return Control(self._ring)
 
     def close(self) -> None:
-        self._map.close()
+        self._ring.close()

@@ -1,11 +1,13 @@
 /*
  * The slice of the CUDA runtime and cuBLAS ABI that the fakes implement, with the real
- * signatures and error values (CUDA 12), so code written against the real headers calls them.
+ * signatures and error values (CUDA 12), so code written against the real headers calls them,
+ * plus a few fake-only entry points (named fake*) for the test workload and the other fakes.
  */
 #ifndef GH_CUDA_FAKE_H
 #define GH_CUDA_FAKE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "nccl_abi.h" /* cudaStream_t */
 
@@ -13,6 +15,7 @@ typedef enum {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
+  cudaErrorInitializationError = 3,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
@@ -31,6 +34,12 @@ enum cudaStreamCaptureMode {
   cudaStreamCaptureModeThreadLocal = 1,
   cudaStreamCaptureModeRelaxed = 2
 };
+
+#define cudaStreamDefault 0x0u
+#define cudaStreamNonBlocking 0x1u
+
+enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2,
+                      cudaMemcpyDeviceToDevice = 3, cudaMemcpyDefault = 4 };
 
 #define cudaEventDefault 0x0u
 #define cudaEventBlockingSync 0x1u
@@ -59,12 +68,19 @@ GH_CUDA_API(cudaError_t, cudaGetDevice, (int *device))
 GH_CUDA_API(cudaError_t, cudaSetDevice, (int device))
 GH_CUDA_API(cudaError_t, cudaGetDeviceCount, (int *count))
 GH_CUDA_API(cudaError_t, cudaStreamCreate, (cudaStream_t *stream))
+GH_CUDA_API(cudaError_t, cudaStreamCreateWithFlags, (cudaStream_t *stream, unsigned int flags))
 GH_CUDA_API(cudaError_t, cudaStreamDestroy, (cudaStream_t stream))
 GH_CUDA_API(cudaError_t, cudaStreamSynchronize, (cudaStream_t stream))
+GH_CUDA_API(cudaError_t, cudaStreamQuery, (cudaStream_t stream))
 GH_CUDA_API(cudaError_t, cudaDeviceSynchronize, (void))
 GH_CUDA_API(cudaError_t, cudaMalloc, (void **ptr, size_t size))
 GH_CUDA_API(cudaError_t, cudaFree, (void *ptr))
+GH_CUDA_API(cudaError_t, cudaMallocAsync, (void **ptr, size_t size, cudaStream_t stream))
+GH_CUDA_API(cudaError_t, cudaFreeAsync, (void *ptr, cudaStream_t stream))
 GH_CUDA_API(cudaError_t, cudaMemset, (void *ptr, int value, size_t count))
+GH_CUDA_API(cudaError_t, cudaMemsetAsync, (void *ptr, int value, size_t count, cudaStream_t stream))
+GH_CUDA_API(cudaError_t, cudaMemcpyAsync,
+            (void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream))
 GH_CUDA_API(cudaError_t, cudaGetLastError, (void))
 GH_CUDA_API(const char *, cudaGetErrorString, (cudaError_t error))
 GH_CUDA_API(cublasStatus_t, cublasCreate_v2, (cublasHandle_t *handle))
@@ -76,6 +92,36 @@ GH_CUDA_API(cublasStatus_t, cublasSgemm_v2,
              int ldc))
 /* Fake-only: counts of CUDA calls a graph capture in progress made illegal or turned into nodes. */
 GH_CUDA_API(void, fakeCudaCaptureStats, (long *violations, long *captured_records))
+/* Fake-only: device memory held now (allocations and bytes) and the most bytes ever held, so
+ * tests can see who keeps memory (the hook must give a validation's scratch back). */
+GH_CUDA_API(void, fakeCudaMemStats, (long *live_allocs, long *live_bytes, long *peak_bytes))
+/* Fake-only: a kernel that occupies the device for ns (times the rank's `slow_rank` factor),
+ * the analogue of PyTorch's torch.cuda._sleep. Returns at once, like every launch. */
+GH_CUDA_API(cudaError_t, fakeGpuSleep, (cudaStream_t stream, long long ns))
+
+/* Fake-only: how the other fakes (cuBLAS, NCCL) put work on the device. The caller allocates the
+ * item (usually embedded first in its own struct) and fills run/release/compute; the stream's
+ * executor calls run() when the stream reaches it, then release(). The device keeps its own
+ * timeline (CLOCK_MONOTONIC ns), as a GPU has its own clock: an item starts at start_ns, when its
+ * stream reached it (after the previous item's end, not before it was launched; compute items
+ * also after the SMs are free), and run() sets end_ns (start_ns for instant work), sleeping until
+ * then. So device timestamps are model times that scheduler delays of the executor thread do not
+ * shift, as long as it keeps up. `compute` work (GEMMs, kernels) holds the device's SMs: one
+ * compute item at a time per device, in launch order. Work that waits on other ranks
+ * (collectives) is not compute. On error the item is not taken: the caller still owns it. */
+struct fakeGpuWork {
+  void (*run)(struct fakeGpuWork *self);
+  void (*release)(struct fakeGpuWork *self);
+  int compute;
+  int64_t start_ns, end_ns; /* set by the device / by run() */
+  /* owned by the device */
+  int64_t launch_ns;
+  struct fakeGpuWork *next, *knext;
+  void *stream;
+};
+GH_CUDA_API(cudaError_t, fakeGpuLaunch, (cudaStream_t stream, struct fakeGpuWork *work))
+/* Fake-only: the rank's `slow_rank` factor (>= 1) as the device applies it to compute work. */
+GH_CUDA_API(double, fakeGpuSlowFactor, (void))
 #undef GH_CUDA_API
 
 #endif

@@ -7,23 +7,28 @@ FAKE_CFLAGS = $(or $(CFLAGS_COMMON),-O2 -Wall -Wextra -Werror) -std=c11 -fPIC -f
               -D_GNU_SOURCE -Iinclude -Ifake
 FAKE_DIR := $(BUILD)/fake
 FAKE_COMMON_SRC := fake/fk_faults.c
-FAKE_NCCL_SRC := fake/nccl_shm.c fake/nccl_model.c fake/nccl_comm.c fake/nccl_coll.c $(FAKE_COMMON_SRC)
-FAKE_HDRS := include/nccl_abi.h fake/nccl_fake.h fake/fk_faults.h fake/fk_time.h fake/cuda_fake.h
+FAKE_NCCL_SRC := fake/nccl_shm.c fake/nccl_model.c fake/nccl_comm.c fake/nccl_coll.c fake/nccl_device.c \
+                 $(FAKE_COMMON_SRC)
+FAKE_CUDART_SRC := fake/cudart.c fake/gpu.c $(FAKE_COMMON_SRC)
+FAKE_HDRS := include/nccl_abi.h fake/nccl_fake.h fake/fk_faults.h fake/fk_time.h fake/cuda_fake.h fake/gpu.h
+# The fake device lives in libcudart; the fake NCCL and cuBLAS put their work on it (real NCCL and
+# cuBLAS carry their own CUDA runtime; here one shared copy is what makes one device per process).
+FAKE_USE_CUDART := -L$(FAKE_DIR) -l:libcudart.so.12 -Wl,-rpath,'$$ORIGIN' -Wl,--enable-new-dtags
 
 .PHONY: all-fake clean-fake
 all-fake: $(FAKE_DIR)/libnccl.so $(FAKE_DIR)/libcudart.so $(FAKE_DIR)/libcublas.so
 
-$(FAKE_DIR)/libnccl.so.2: $(FAKE_NCCL_SRC) $(FAKE_HDRS)
+$(FAKE_DIR)/libnccl.so.2: $(FAKE_NCCL_SRC) $(FAKE_HDRS) $(FAKE_DIR)/libcudart.so.12
 	@mkdir -p $(@D)
-	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libnccl.so.2 -o $@ $(FAKE_NCCL_SRC) -lpthread
+	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libnccl.so.2 -o $@ $(FAKE_NCCL_SRC) $(FAKE_USE_CUDART) -lpthread
 
-$(FAKE_DIR)/libcudart.so.12: fake/cudart.c $(FAKE_COMMON_SRC) $(FAKE_HDRS)
+$(FAKE_DIR)/libcudart.so.12: $(FAKE_CUDART_SRC) $(FAKE_HDRS)
 	@mkdir -p $(@D)
-	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libcudart.so.12 -o $@ fake/cudart.c $(FAKE_COMMON_SRC) -lpthread
+	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libcudart.so.12 -o $@ $(FAKE_CUDART_SRC) -lpthread
 
-$(FAKE_DIR)/libcublas.so.12: fake/cublas.c $(FAKE_COMMON_SRC) $(FAKE_HDRS)
+$(FAKE_DIR)/libcublas.so.12: fake/cublas.c $(FAKE_HDRS) $(FAKE_DIR)/libcudart.so.12
 	@mkdir -p $(@D)
-	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libcublas.so.12 -o $@ fake/cublas.c $(FAKE_COMMON_SRC) -lpthread
+	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libcublas.so.12 -o $@ fake/cublas.c $(FAKE_USE_CUDART) -lpthread
 
 $(FAKE_DIR)/%.so: $(FAKE_DIR)/%.so.2
 	ln -sf $(<F) $@

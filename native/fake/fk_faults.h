@@ -3,7 +3,7 @@
  * links its own hidden copy; all of them read the file named by FAKE_NCCL_FAULTS, so a test changes
  * the behaviour of a running job by rewriting one file. Format (one fault a line, '#' comments):
  *   slow_rank R factor | slow_link A B factor | skip_call R seq | mismatch R seq
- *   never_complete R seq | inprogress R | gpu_lag_ms R ms | capture R
+ *   never_complete R seq | inprogress R | gpu_lag_ms R ms | capture R | slow_host R factor
  * Ranks are global ranks (env RANK). Removing a line ends that fault.
  */
 #ifndef GH_FK_FAULTS_H
@@ -18,6 +18,7 @@ enum fk_kind {
   FK_INPROGRESS,
   FK_GPU_LAG_MS,
   FK_CAPTURE,
+  FK_SLOW_HOST,
   FK_NKINDS
 };
 
@@ -38,5 +39,9 @@ int fk_fault_collect(enum fk_kind kind, struct fk_rule *out, int max);
 
 /* The global rank from env RANK, or fallback when unset. */
 int fk_global_rank(int fallback);
+
+/* fk_fault_find for a kind keyed by this process's own rank (RANK, else 0); reads the environment
+ * only when some rule of that kind exists, so the fake CUDA can ask on every call. */
+int fk_fault_mine(enum fk_kind kind, double *value);
 
 #endif

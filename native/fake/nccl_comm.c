@@ -38,7 +38,7 @@ static ncclResult_t init_rank(ncclComm_t *comm, int nranks, ncclUniqueId id, int
   if (r != ncclSuccess) return r;
   r = fk_wait_attached(c);
   if (r != ncclSuccess) {
-    fk_detach(c);
+    fk_comm_unref(c);
     return r;
   }
   *comm = c;
@@ -79,7 +79,7 @@ GH_EXPORT ncclResult_t pncclCommInitAll(ncclComm_t *comms, int ndev, const int *
   for (int i = 0; i < ndev; i++) {
     r = fk_attach(&comms[i], &id, ndev, i, i);
     if (r != ncclSuccess) {
-      while (i-- > 0) fk_detach(comms[i]);
+      while (i-- > 0) fk_comm_unref(comms[i]);
       return r;
     }
   }
@@ -144,7 +144,7 @@ GH_EXPORT ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclC
   if (r != ncclSuccess) return r;
   r = fk_wait_attached(child);
   if (r != ncclSuccess) {
-    fk_detach(child);
+    fk_comm_unref(child);
     return r;
   }
   *newcomm = child;
@@ -152,33 +152,44 @@ GH_EXPORT ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclC
 }
 GH_WEAK_ALIAS(ncclCommSplit);
 
+/* The handle is dead at once; this rank's queued and hung operations end (ncclInvalidUsage) when
+ * their device sees the flag, and the memory goes with the last one that still holds it. */
+static void release_device(struct ncclComm *c) {
+  atomic_store(&c->aborted, 1);
+  c->magic = 0;
+  fk_bump(c->shm);
+  fk_comm_unref(c);
+}
+
+/* Real NCCL's destroy flushes queued work first (and would hang on a hung collective); the fake
+ * releases this rank's work still queued, so a teardown never hangs: synchronise first, as the
+ * workload does, to finish it. The peers are not told (as with a destroy): they keep waiting. */
 GH_EXPORT ncclResult_t pncclCommDestroy(ncclComm_t comm) {
   if (!fk_comm_ok(comm)) return ncclInvalidArgument;
-  fk_detach(comm);
+  release_device(comm);
   return ncclSuccess;
 }
 GH_WEAK_ALIAS(ncclCommDestroy);
 
-/* Abort fails this rank's waiters with ncclInvalidUsage and the other ranks' with ncclRemoteError,
- * then frees the communicator once no call is inside it. */
+/* An abort also fails the peers' operations on this communicator with ncclRemoteError, reported
+ * by their GetAsyncError, as a dead rank makes real NCCL's peers fail. */
 GH_EXPORT ncclResult_t pncclCommAbort(ncclComm_t comm) {
   if (!fk_comm_ok(comm)) return comm == NULL ? ncclSuccess : ncclInvalidArgument;
-  struct ncclComm *c = comm;
-  atomic_store(&c->aborted, 1);
-  atomic_store(&c->shm->aborted, 1);
-  fk_bump(c->shm);
-  while (atomic_load(&c->inflight) > 0) fk_sleep_ns(1000000);
-  fk_detach(c);
+  atomic_store(&comm->shm->aborted, 1);
+  release_device(comm);
   return ncclSuccess;
 }
 GH_WEAK_ALIAS(ncclCommAbort);
 
+/* Errors of enqueued work arrive here, as with real NCCL: the first error a device operation met,
+ * else ncclRemoteError once a peer aborted. */
 GH_EXPORT ncclResult_t pncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
   if (!fk_comm_ok(comm) || asyncError == NULL) return ncclInvalidArgument;
   struct ncclComm *c = comm;
   if (atomic_load(&c->async) == ncclInProgress && atomic_fetch_sub(&c->async_polls, 1) <= 0)
     atomic_store(&c->async, ncclSuccess);
   ncclResult_t r = (ncclResult_t)atomic_load(&c->async);
+  if (r == ncclSuccess) r = (ncclResult_t)atomic_load(&c->dev_err);
   if (r == ncclSuccess && atomic_load(&c->shm->aborted)) r = ncclRemoteError;
   *asyncError = r;
   return ncclSuccess;

@@ -1,8 +1,14 @@
 /*
  * Internals of the fake NCCL. One shared-memory segment per communicator (named from its unique
- * id) holds what the ranks must agree on: who attached, how many collectives each rank entered and
- * what it entered (so a mismatch is visible), split votes, and P2P counters. Waiting is a futex on
- * one generation word, bumped at every change, with a timeout so aborts and fault changes are seen.
+ * id) holds what the ranks must agree on: who attached, how many collectives each rank's device
+ * reached and what it reached (so a mismatch is visible), split votes, and P2P counters. Waiting
+ * is a futex on one generation word, bumped at every change, with a timeout so aborts and fault
+ * changes are seen.
+ *
+ * Like real NCCL, a collective or a group is enqueued on the caller's CUDA stream (the fake
+ * device in libcudart) and the call returns at once: the host numbers the call, the device posts
+ * it to the peers when the stream reaches it (the rank's GPU "arrival"), waits for them, and
+ * models the transfer time there. Errors surface later, through ncclCommGetAsyncError.
  */
 #ifndef GH_NCCL_FAKE_H
 #define GH_NCCL_FAKE_H
@@ -10,6 +16,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "cuda_fake.h"
 #include "nccl_abi.h"
 
 #define GH_EXPORT __attribute__((visibility("default")))
@@ -65,21 +72,23 @@ struct ncclComm {
   int rank, nranks, global_rank;
   int nonblocking; /* made by InitRankConfig: may report ncclInProgress */
   uint32_t coll_seq, split_seq;
-  uint32_t sent[FK_MAX_RANKS], recvd[FK_MAX_RANKS];
-  _Atomic int aborted;
-  _Atomic int inflight;
-  _Atomic int async;       /* ncclResult_t reported by GetAsyncError */
+  uint32_t sent[FK_MAX_RANKS], recvd[FK_MAX_RANKS]; /* numbered by the host at enqueue */
+  _Atomic int aborted;     /* abort (or destroy with work still queued): the device lets go */
+  _Atomic int refs;        /* the handle + enqueued batches: the last one frees the comm */
+  _Atomic int async;       /* ncclInProgress while a non-blocking enqueue "completes" */
   _Atomic int async_polls; /* GetAsyncError calls left before an in-progress op is done */
+  _Atomic int dev_err;     /* first error a device operation met, reported by GetAsyncError */
 };
 
-/* One queued or immediate operation. */
+/* One operation, as the host enqueued it. */
 struct fk_call {
   struct ncclComm *comm;
+  cudaStream_t stream;
   uint32_t op, dtype;
   uint64_t count;
   int32_t root; /* root for rooted collectives, peer for P2P */
   int32_t redop;
-  uint32_t seq; /* filled when posted */
+  uint32_t seq; /* collective sequence, or per-peer P2P count, numbered at enqueue */
   int64_t deadline_ns;
 };
 
@@ -87,7 +96,7 @@ struct fk_call {
 extern int fk_noop;
 ncclResult_t fk_attach(struct ncclComm **out, const ncclUniqueId *id, int nranks, int rank, int global_rank);
 ncclResult_t fk_wait_attached(struct ncclComm *c);
-void fk_detach(struct ncclComm *c);
+void fk_comm_unref(struct ncclComm *c);
 void fk_bump(struct fk_shm *s);
 typedef int (*fk_ready_fn)(const struct ncclComm *c, const void *arg);
 ncclResult_t fk_wait(struct ncclComm *c, fk_ready_fn ready, const void *arg);
@@ -100,5 +109,8 @@ int64_t fk_model_ns(const struct ncclComm *c, uint32_t op, uint64_t bytes, int p
 
 /* nccl_coll.c */
 ncclResult_t fk_submit(struct fk_call *call);
+
+/* nccl_device.c: enqueue one batch (a call, or a group's calls) on its streams. */
+ncclResult_t fk_enqueue(const struct fk_call *calls, int n);
 
 #endif

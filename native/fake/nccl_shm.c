@@ -81,6 +81,7 @@ ncclResult_t fk_attach(struct ncclComm **out, const ncclUniqueId *id, int nranks
     return ncclSystemError;
   }
   c->magic = FK_COMM_MAGIC;
+  atomic_init(&c->refs, 1);
   c->shm = p;
   c->id = *id;
   c->rank = rank;
@@ -109,7 +110,9 @@ ncclResult_t fk_wait_attached(struct ncclComm *c) {
   return r;
 }
 
-void fk_detach(struct ncclComm *c) {
+/* The host's handle and every batch still on a device hold a reference; the last one unmaps. */
+void fk_comm_unref(struct ncclComm *c) {
+  if (atomic_fetch_sub(&c->refs, 1) != 1) return;
   c->magic = 0;
   munmap(c->shm, sizeof(struct fk_shm));
   free(c);

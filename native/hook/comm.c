@@ -71,17 +71,20 @@ static int free_table_slot(void) {
   return -1;
 }
 
+/* The marks lock keeps the poller off the entry while it changes hands (it writes the GPU fields). */
 struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t parent, int color,
-                                       int rank, int nranks) {
+                                       int rank, int nranks, int device) {
   if (comm == NULL || !gh_ring_ensure(rank)) return NULL;
   struct gh_comm_entry *e = NULL;
   pthread_mutex_lock(&reg_lock);
+  gh_marks_lock();
   e = gh_comm_lookup(comm);
   int idx = e != NULL ? (int)(e - gh_comms) : free_table_slot();
   if (idx >= 0) {
     e = &gh_comms[idx];
     __atomic_store_n(&e->state, GH_COMM_FREE, __ATOMIC_RELEASE);
     memset((char *)e + 8, 0, sizeof *e - 8);
+    gh_marks_attach(idx, device);
     e->parent_id = parent;
     e->rank = rank;
     e->nranks = nranks;
@@ -104,6 +107,7 @@ struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t pa
   } else {
     e = NULL;
   }
+  gh_marks_unlock();
   pthread_mutex_unlock(&reg_lock);
   return e;
 }
@@ -111,15 +115,18 @@ struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t pa
 void gh_comm_forget(ncclComm_t comm, uint32_t state) {
   if (comm == NULL || gh_comms == NULL) return;
   pthread_mutex_lock(&reg_lock);
+  gh_marks_lock();
   unsigned pos = map_pos(comm);
   for (unsigned i = 0; i < MAP_SLOTS; i++) {
     struct map_slot *s = &map[(pos + i) & (MAP_SLOTS - 1)];
     if (s->handle == NULL) break;
     if (s->handle == comm) {
+      gh_marks_detach(s->idx);
       __atomic_store_n(&gh_comms[s->idx].state, state, __ATOMIC_RELEASE);
       __atomic_store_n(&s->handle, TOMBSTONE, __ATOMIC_RELEASE);
       break;
     }
   }
+  gh_marks_unlock();
   pthread_mutex_unlock(&reg_lock);
 }

@@ -1,8 +1,19 @@
 /*
  * Validation support (GREYHOUND's pause path). The agent raises pause_request; the next training
  * thread that reaches an NCCL data-path call at depth 0 parks here, acknowledges, and runs the
- * agent's benchmark requests in that thread with the job's own communicators, until the request
- * is lowered. Other threads arriving meanwhile wait without acknowledging. Nothing re-initialises.
+ * agent's benchmark requests (bench.c) in that thread with the job's own communicators, until the
+ * request is lowered. Other threads arriving meanwhile wait without acknowledging. Nothing
+ * re-initialises.
+ *
+ * A pause is a lease, so that no agent or validator can park a job for good by dying (or by
+ * never resuming): the request carries a CLOCK_MONOTONIC deadline (pause_lease_ns; 0 takes the
+ * default lease, GREYHOUND_PAUSE_LEASE_MS, from the moment the hook first sees the request, and
+ * the hook writes that deadline back), brought in to GH_PAUSE_LEASE_MAX_MS if it lies further
+ * out. The agent may renew it by writing a later one. When it passes, the hook ends the pause
+ * itself: it lowers pause_request, counts lease_expired and lets training go on. A targeted pause
+ * whose call never comes expires the same way, so a stale request cannot keep every call on the
+ * slow path either. No benchmark wait outlasts the lease, and requests still queued when a pause
+ * ends (resumed or expired) end FAILED: they belonged to that pause.
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -12,130 +23,69 @@
 
 #include "gh_hook.h"
 
-typedef int (*malloc_fn)(void **, size_t);
-typedef int (*free_fn)(void *);
-typedef int (*sync_fn)(cudaStream_t);
-typedef int (*blas_create_fn)(void **);
-typedef int (*blas_set_stream_fn)(void *, cudaStream_t);
-typedef int (*blas_sgemm_fn)(void *, int, int, int, int, int, const float *, const float *, int,
-                             const float *, int, const float *, float *, int);
+#define NAP_NS 200000L
 
 static int pause_owner;
 
-static struct {
-  int tried;
-  malloc_fn dmalloc;
-  free_fn dfree;
-  sync_fn sync;
-  cudaStream_t stream;
-  void *buf;
-  size_t buf_bytes;
-  void *blas;
-} bench;
-
-static void bench_cuda(void) {
-  if (bench.tried) return;
-  bench.tried = 1;
-  bench.dmalloc = (malloc_fn)gh_cuda_sym("cudaMalloc");
-  bench.dfree = (free_fn)gh_cuda_sym("cudaFree");
-  bench.sync = (sync_fn)gh_cuda_sym("cudaStreamSynchronize");
-  if (bench.dmalloc == NULL || bench.dfree == NULL || bench.sync == NULL ||
-      gh_private_stream(&bench.stream) != 0) {
-    bench.dmalloc = NULL; /* no CUDA runtime in the process: host buffers, no stream */
-    bench.stream = NULL;
+static uint64_t default_lease_ns(void) {
+  static uint64_t ns;
+  uint64_t v = __atomic_load_n(&ns, __ATOMIC_RELAXED);
+  if (v == 0) {
+    const char *e = getenv("GREYHOUND_PAUSE_LEASE_MS");
+    long ms = e != NULL ? strtol(e, NULL, 10) : 0;
+    if (ms <= 0 || ms > GH_PAUSE_LEASE_MAX_MS) ms = GH_PAUSE_LEASE_DEFAULT_MS;
+    v = (uint64_t)ms * 1000000ull;
+    __atomic_store_n(&ns, v, __ATOMIC_RELAXED);
   }
+  return v;
 }
 
-/* A scratch buffer of at least n bytes: device memory when CUDA is present. */
-static void *scratch(size_t n) {
-  if (n <= bench.buf_bytes) return bench.buf;
-  if (bench.buf != NULL) {
-    if (bench.dmalloc != NULL) bench.dfree(bench.buf);
-    else free(bench.buf);
+/* The request's deadline, fixed the first time the hook sees it: 0 becomes now + the default,
+ * one beyond now + the maximum is brought in. A CAS, so that a renewal the agent writes
+ * meanwhile wins. */
+static uint64_t lease_deadline(uint64_t now) {
+  uint64_t lease = __atomic_load_n(&gh_ctl->pause_lease_ns, __ATOMIC_ACQUIRE);
+  uint64_t cap = now + (uint64_t)GH_PAUSE_LEASE_MAX_MS * 1000000ull;
+  for (int tries = 0; tries < 4 && (lease == 0 || lease > cap); tries++) {
+    uint64_t want = lease == 0 ? now + default_lease_ns() : cap;
+    if (__atomic_compare_exchange_n(&gh_ctl->pause_lease_ns, &lease, want, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE))
+      lease = want;
   }
-  bench.buf = NULL;
-  bench.buf_bytes = 0;
-  void *p = NULL;
-  if (bench.dmalloc != NULL) {
-    if (bench.dmalloc(&p, n) != 0) p = NULL;
-  } else {
-    p = calloc(1, n);
-  }
-  if (p != NULL) {
-    bench.buf = p;
-    bench.buf_bytes = n;
-  }
-  return p;
+  return lease;
 }
 
-static void finish_slot(struct gh_bench_slot *s, uint32_t state, int result) {
-  s->result = result;
-  __atomic_store_n(&s->state, state, __ATOMIC_RELEASE);
+/* The lease ran out: end the request. The deadline is cleared first, by CAS, so that a renewal
+ * written meanwhile keeps the pause (returns 0: look again). A new request stored in the few
+ * instructions between the two CAS is lost; its requester sees the rank not park. */
+static int end_expired(uint64_t lease) {
+  if (!__atomic_compare_exchange_n(&gh_ctl->pause_lease_ns, &lease, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+    return 0;
+  uint32_t one = 1;
+  if (__atomic_compare_exchange_n(&gh_ctl->pause_request, &one, 0u, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+    __atomic_fetch_add(&gh_ctl->lease_expired, 1, __ATOMIC_RELAXED);
+  return 1;
 }
 
-static void run_p2p(struct gh_bench_slot *s) {
-  static gh_send_fn send;
-  static gh_recv_fn recv;
-  if (send == NULL) send = (gh_send_fn)gh_real("ncclSend", (void *)&ncclSend);
-  if (recv == NULL) recv = (gh_recv_fn)gh_real("ncclRecv", (void *)&ncclRecv);
-  ncclComm_t comm = gh_comm_handle(s->comm_id);
-  void *buf = scratch(s->size > 0 ? s->size : 1);
-  if (comm == NULL || buf == NULL || send == NULL || recv == NULL) {
-    finish_slot(s, GH_BENCH_FAILED, ncclInvalidArgument);
-    return;
-  }
-  for (int i = 0; i < s->repeat; i++) {
-    uint64_t t0 = gh_now_ns();
-    ncclResult_t r = s->kind == GH_BENCH_SEND
-                         ? send(buf, s->size, ncclUint8, s->peer, comm, bench.stream)
-                         : recv(buf, s->size, ncclUint8, s->peer, comm, bench.stream);
-    if (r == ncclSuccess && bench.dmalloc != NULL && bench.sync(bench.stream) != 0) r = ncclUnhandledCudaError;
-    uint64_t dt = gh_now_ns() - t0;
-    if (r != ncclSuccess) {
-      finish_slot(s, GH_BENCH_FAILED, r);
-      return;
+/* 1 while a pause is requested and its lease runs (its deadline in *deadline); an expired
+ * request is ended here. */
+static int pause_live(uint64_t *deadline) {
+  for (int tries = 0; tries < 4; tries++) {
+    if (__atomic_load_n(&gh_ctl->pause_request, __ATOMIC_ACQUIRE) == 0) return 0;
+    uint64_t now = gh_now_ns(), lease = lease_deadline(now);
+    if (now < lease) {
+      *deadline = lease;
+      return 1;
     }
-    s->durations_ns[i] = dt;
-    s->total_ns += dt;
-    s->n_done = (uint32_t)i + 1;
+    if (end_expired(lease)) return 0;
   }
-  finish_slot(s, GH_BENCH_DONE, ncclSuccess);
+  return 0; /* the agent rewrote the lease four times meanwhile: do not park on a moving target */
 }
 
-static void run_gemm(struct gh_bench_slot *s) {
-  static const char *const sonames[] = {"libcublas.so.13", "libcublas.so.12", "libcublas.so", NULL};
-  blas_create_fn create = (blas_create_fn)gh_find_library_symbol("libcublas.so", sonames, "cublasCreate_v2");
-  blas_set_stream_fn set_stream =
-      (blas_set_stream_fn)gh_find_library_symbol("libcublas.so", sonames, "cublasSetStream_v2");
-  blas_sgemm_fn sgemm = (blas_sgemm_fn)gh_find_library_symbol("libcublas.so", sonames, "cublasSgemm_v2");
-  if (create == NULL || sgemm == NULL || bench.dmalloc == NULL) {
-    finish_slot(s, GH_BENCH_UNSUPPORTED, 0); /* no CPU fallback: a CPU GEMM says nothing of the GPU */
-    return;
-  }
-  int n = (int)s->size;
-  size_t bytes = (size_t)n * (size_t)n * sizeof(float);
-  char *buf = scratch(3 * bytes);
-  int rc = buf == NULL ? -1 : 0;
-  if (rc == 0 && bench.blas == NULL) rc = create(&bench.blas);
-  if (rc == 0 && set_stream != NULL) rc = set_stream(bench.blas, bench.stream);
-  const float alpha = 1.0f, beta = 0.0f;
-  for (int i = 0; rc == 0 && i < s->repeat; i++) {
-    uint64_t t0 = gh_now_ns();
-    rc = sgemm(bench.blas, 0, 0, n, n, n, &alpha, (float *)buf, n, (float *)(buf + bytes), n, &beta,
-               (float *)(buf + 2 * bytes), n);
-    if (rc == 0) rc = bench.sync(bench.stream);
-    uint64_t dt = gh_now_ns() - t0;
-    if (rc != 0) break;
-    s->durations_ns[i] = dt;
-    s->total_ns += dt;
-    s->n_done = (uint32_t)i + 1;
-  }
-  finish_slot(s, rc == 0 ? GH_BENCH_DONE : GH_BENCH_FAILED, rc);
-}
-
-/* Run the submitted requests addressed to this rank, lowest request id first. */
-static void run_requests(void) {
-  for (;;) {
+/* Run the submitted requests addressed to this rank, lowest request id first, while the lease
+ * lasts. */
+static void run_requests(uint64_t deadline) {
+  while (gh_now_ns() < deadline) {
     struct gh_bench_slot *next = NULL;
     for (int i = 0; i < GH_BENCH_SLOTS; i++) {
       struct gh_bench_slot *s = &gh_ctl->slots[i];
@@ -145,16 +95,15 @@ static void run_requests(void) {
     }
     if (next == NULL) return;
     __atomic_store_n(&next->state, GH_BENCH_RUNNING, __ATOMIC_RELEASE);
-    next->n_done = 0;
-    next->total_ns = 0;
-    if (next->repeat < 1 || next->repeat > GH_BENCH_MAX_REPEAT) {
-      finish_slot(next, GH_BENCH_FAILED, ncclInvalidArgument);
-      continue;
-    }
-    bench_cuda();
-    if (next->kind == GH_BENCH_SEND || next->kind == GH_BENCH_RECV) run_p2p(next);
-    else if (next->kind == GH_BENCH_GEMM) run_gemm(next);
-    else finish_slot(next, GH_BENCH_UNSUPPORTED, 0);
+    gh_bench_run(next, deadline);
+  }
+}
+
+/* Requests left when the pause ends were meant for it; a later pause must not run them. */
+static void cancel_queued(void) {
+  for (int i = 0; i < GH_BENCH_SLOTS; i++) {
+    struct gh_bench_slot *s = &gh_ctl->slots[i];
+    if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == GH_BENCH_SUBMITTED) gh_bench_cancel(s);
   }
 }
 
@@ -169,27 +118,45 @@ static int at_target(ncclComm_t comm) {
              __atomic_load_n(&gh_ctl->pause_seq, __ATOMIC_ACQUIRE);
 }
 
-void gh_pause_point_slow(ncclComm_t comm) {
-  if (!at_target(comm)) return;
-  int saved = errno;
-  int me = (int)syscall(SYS_gettid);
-  int expect = 0;
-  struct timespec nap = {0, 200000};
-  if (!__atomic_compare_exchange_n(&pause_owner, &expect, me, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-    while (__atomic_load_n(&gh_ctl->pause_request, __ATOMIC_ACQUIRE) != 0 ||
-           __atomic_load_n(&pause_owner, __ATOMIC_ACQUIRE) != 0)
-      nanosleep(&nap, NULL);
-    errno = saved;
-    return;
-  }
+static void park(int me, uint64_t deadline) {
   gh_ctl->paused_tid = me;
   __atomic_fetch_add(&gh_ctl->pause_count, 1, __ATOMIC_RELAXED);
   __atomic_store_n(&gh_ctl->paused, 1u, __ATOMIC_RELEASE);
-  while (__atomic_load_n(&gh_ctl->pause_request, __ATOMIC_ACQUIRE) != 0) {
-    run_requests();
+  /* Thread-local capture mode: a graph another thread captures must not make our event queries
+   * illegal, nor be invalidated by them. */
+  int mode = gh_cuda_ready() ? gh_cuda_thread_local() : -1;
+  struct timespec nap = {0, NAP_NS};
+  uint64_t used = deadline;
+  do {
+    used = deadline;
+    run_requests(deadline);
     nanosleep(&nap, NULL);
-  }
+  } while (pause_live(&deadline));
+  cancel_queued();
+  gh_bench_release(); /* training does not keep the benchmarks' memory */
+  /* Resumed before the lease ran out: clear the deadline this pause used, unless the agent has
+   * already written the next one. */
+  __atomic_compare_exchange_n(&gh_ctl->pause_lease_ns, &used, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+  if (mode >= 0) gh_cuda_restore_mode(mode);
   __atomic_store_n(&gh_ctl->paused, 0u, __ATOMIC_RELEASE);
   __atomic_store_n(&pause_owner, 0, __ATOMIC_RELEASE);
+}
+
+void gh_pause_point_slow(ncclComm_t comm) {
+  int saved = errno;
+  int me = 0;
+  struct timespec nap = {0, NAP_NS};
+  uint64_t deadline;
+  while (pause_live(&deadline) && at_target(comm)) {
+    int expect = 0;
+    if (me == 0) me = (int)syscall(SYS_gettid);
+    if (__atomic_compare_exchange_n(&pause_owner, &expect, me, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+      park(me, deadline);
+      break;
+    }
+    /* Another thread is parked: wait for it to leave (at the latest when the lease ends), then
+     * look again, since a new request may stand by then. */
+    while (__atomic_load_n(&pause_owner, __ATOMIC_ACQUIRE) != 0) nanosleep(&nap, NULL);
+  }
   errno = saved;
 }

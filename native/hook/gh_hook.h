@@ -133,7 +133,7 @@ static inline void gh_publish(struct gh_record *r, uint64_t index) {
 /* comm.c: communicator registry (handle -> entry index), stable ids. */
 struct gh_comm_entry *gh_comm_lookup(ncclComm_t comm);
 struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t parent, int color,
-                                       int rank, int nranks);
+                                       int rank, int nranks, int device);
 void gh_comm_forget(ncclComm_t comm, uint32_t state);
 uint64_t gh_hash_bytes(const void *p, size_t n, uint64_t seed);
 ncclComm_t gh_comm_handle(uint64_t comm_id);
@@ -160,6 +160,12 @@ typedef uint64_t __attribute__((may_alias)) gh_ctl_word_t;
 extern const gh_ctl_word_t *gh_ctl_word;
 #define GH_CTL_PAUSE(word) ((word) >> 32)
 
+/* bench.c: one benchmark request (its waits end at deadline_ns, the pause's lease, at the
+ * latest); a queued one cancelled; the benchmarks' scratch memory given back (end of a pause). */
+void gh_bench_run(struct gh_bench_slot *s, uint64_t deadline_ns);
+void gh_bench_cancel(struct gh_bench_slot *s);
+void gh_bench_release(void);
+
 /* control.c: pause point, run at depth 0 outside groups before a data-path call. */
 void gh_pause_point_slow(ncclComm_t comm);
 static inline void gh_pause_point(ncclComm_t comm) {
@@ -167,13 +173,91 @@ static inline void gh_pause_point(ncclComm_t comm) {
   if (GH_UNLIKELY(GH_CTL_PAUSE(__atomic_load_n(w, __ATOMIC_RELAXED)) != 0)) gh_pause_point_slow(comm);
 }
 
+/* cuda.c: the process's CUDA runtime, resolved once (never linked). */
+typedef void *gh_cuda_event;
+struct gh_cuda {
+  int (*ev_create)(gh_cuda_event *, unsigned);
+  int (*ev_record)(gh_cuda_event, cudaStream_t);
+  int (*ev_query)(gh_cuda_event);
+  int (*ev_sync)(gh_cuda_event);
+  int (*ev_elapsed)(float *, gh_cuda_event, gh_cuda_event);
+  int (*ev_destroy)(gh_cuda_event);
+  int (*is_capturing)(cudaStream_t, int *);
+  int (*capture_mode)(int *);
+  int (*set_device)(int);
+  int (*get_device)(int *);
+};
+#define GH_CUDA_NOT_READY 600 /* cudaErrorNotReady */
+#define GH_EVENT_DISABLE_TIMING 0x2u
+extern struct gh_cuda gh_cu;
+int gh_cuda_ready(void); /* 1 once the runtime resolved; 0 for good in a process without one */
+int gh_cuda_capturing(cudaStream_t stream);
+int gh_cuda_thread_local(void); /* switch this thread's capture mode; returns the old one */
+void gh_cuda_restore_mode(int mode);
+void gh_cuda_fork_child(void);
+void *gh_cuda_sym(const char *name);
+int gh_private_stream(cudaStream_t *out); /* 0 on success; non-blocking where CUDA allows */
+
+/* poller.c: the background thread; started at the first data-path call on a stream that is not
+ * capturing. Returns 1 while it runs. */
+int gh_poller_want(cudaStream_t stream);
+void gh_poller_fork_child(void);
+
 /* profile.c: CUDA events around calls when the agent selected profile mode. */
 void gh_profile_end(uint32_t slot);
 void gh_profile_group_end(void);
 void gh_profile_comm_gone(struct gh_comm_entry *e);
 void gh_profile_fork_child(void);
-void *gh_cuda_sym(const char *name);
-int gh_private_stream(cudaStream_t *out); /* 0 on success; non-blocking where CUDA allows */
+void gh_profile_poll(void);
+
+/* marks.c: GPU-side completion marks, always on (layout 3). Per communicator a single-producer
+ * ring of slots, each with a pre-created cudaEventDisableTiming event recorded on the call's
+ * stream after the call: the poller retires them oldest first and publishes gpu_calls_done,
+ * gpu_seq_done and the oldest pending call into the comm entry. A slot covers calls
+ * [first, last] (a group's calls on one communicator share one mark). */
+#define GH_MARKS 1024u
+/* Packed so the hot path fills it with six stores: last = first + span; the collective seq
+ * before the first call is upto - ncoll; the first call's own seq is that + 1 if it is a
+ * collective (GH_MARK_COLL in meta), else 0 (send/recv). */
+#define GH_MARK_META(op, dtype, first_is_coll) ((uint32_t)(op) | ((uint32_t)(dtype) << 8) | ((uint32_t)(first_is_coll) << 16))
+#define GH_MARK_SHAPE(span, ncoll) ((uint64_t)(span) | ((uint64_t)(ncoll) << 32))
+struct gh_mark_slot {
+  gh_cuda_event ev; /* created by the poller */
+  uint64_t first;   /* the first call covered (calls numbered as calls_entered) */
+  uint64_t upto;    /* the communicator's collective seq after the last call covered */
+  uint64_t count;   /* the first call's count ... */
+  uint64_t enter_ns; /* ... and host enqueue time */
+  uint64_t shape;   /* GH_MARK_SHAPE(calls covered - 1, collectives covered) */
+  uint32_t meta;    /* GH_MARK_META of the first call */
+  uint32_t pad[3];  /* 64 bytes: the hot path indexes with a shift */
+};
+struct gh_marks {
+  /* the producer: the one thread inside this communicator's calls (NCCL allows no more) */
+  uint64_t head;          /* slots published (release) */
+  cudaStream_t stream;    /* its last call's stream once the events exist: the fast path's key */
+  cudaStream_t noted;     /* its last call's stream, noted for the drain */
+  uint32_t ready;         /* events exist (set by the poller, release) */
+  uint32_t lost_ver;      /* seqlock over the three below */
+  uint64_t lost_call;     /* newest call without a mark ... */
+  uint64_t lost_seq;      /* ... the collective seq up to it ... */
+  uint64_t lost_n;        /* ... and how many calls were enqueued without one */
+  uint8_t pad0[8];
+  /* the poller (under the marks lock) */
+  uint64_t tail;          /* slots retired (release: the producer may reuse them) */
+  uint64_t done_call, done_seq, calls_done, seq_done, lost_seen[3];
+  int device, ev_device;  /* the communicator's CUDA device; the one its events belong to */
+  uint32_t active, failed;
+  uint8_t pad1[48];
+  struct gh_mark_slot slot[GH_MARKS];
+};
+extern struct gh_marks gh_marks[GH_MAX_COMMS];
+void gh_marks_lock(void);
+void gh_marks_unlock(void);
+void gh_marks_attach(int idx, int device); /* a communicator took entry idx (marks lock held) */
+void gh_marks_detach(int idx);  /* it was destroyed/aborted: pending marks dropped (lock held) */
+void gh_marks_poll(void);        /* poller thread */
+void gh_marks_group_end(void);   /* after the outermost ncclGroupEnd */
+int gh_streams_seen(cudaStream_t *out, int max); /* streams of this process's data-path calls */
 
 /* Real NCCL entry points used outside their own wrapper (benchmarks, comm registry). */
 typedef ncclResult_t (*gh_send_fn)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);

@@ -10,8 +10,11 @@
  * path saves and restores it, so the caller sees errno exactly as NCCL left it.
  *
  * A record is written once, at return; what is inside NCCL right now is visible to the agent
- * through the comm table (inflight_enter_ns, last_seq_entered vs last_seq_completed), so a hung
- * call is never invisible.
+ * through the comm table (inflight_enter_ns, last_seq_entered vs last_seq_completed). NCCL is
+ * asynchronous, though: a call returns once its work is enqueued on the stream, so what the GPU
+ * has finished comes from a completion mark recorded after each call (marks.c): the hot path fills
+ * a slot of the communicator's mark ring and records its pre-created event, two CUDA calls
+ * (cudaStreamIsCapturing, cudaEventRecord) and no lock or allocation.
  */
 #ifndef GREYHOUND_HOOK_HOT_H
 #define GREYHOUND_HOOK_HOT_H
@@ -25,6 +28,7 @@
  * the thread's Linux tid (0 until first needed). */
 extern GH_TLS ncclComm_t gh_last_comm;
 extern GH_TLS struct gh_comm_entry *gh_last_entry;
+extern GH_TLS struct gh_marks *gh_last_marks;
 extern GH_TLS uint32_t gh_tid;
 
 /* record.c */
@@ -47,25 +51,32 @@ GH_INLINE uint64_t gh_bump(uint64_t *p) {
 }
 
 struct gh_call {
-  uint64_t enter_ns, tsc, mult, seq;
+  uint64_t enter_ns, tsc, mult, seq, call_no;
   struct gh_comm_entry *e;
+  struct gh_marks *m;
   int profiled;
 };
+
+/* marks.c: everything but the common case (not ready yet, in a group, capturing, a new stream,
+ * a full ring, a failed or in-progress call). `hint`: GH_MARK_CHECK, or what the caller knows. */
+enum { GH_MARK_CHECK = 0, GH_MARK_CAPTURED = 1, GH_MARK_LOST = 2, GH_MARK_CLEAR = 3 };
+void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
+                  uint64_t count, uint32_t dtype, int hint);
 
 GH_INLINE void gh_hot_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream,
                             uint64_t count, uint32_t dtype) {
   uint64_t ctl = __atomic_load_n(__atomic_load_n(&gh_ctl_word, __ATOMIC_ACQUIRE), __ATOMIC_RELAXED);
   if (GH_UNLIKELY(ctl != 0) && GH_CTL_PAUSE(ctl) != 0 && gh_group_depth == 0) gh_pause_point_slow(comm);
   struct gh_comm_entry *e = gh_last_entry;
-  if (GH_UNLIKELY(comm != gh_last_comm || e == NULL ||
-                  __atomic_load_n(&e->state, __ATOMIC_RELAXED) != GH_COMM_ACTIVE ||
+  if (GH_UNLIKELY(comm != gh_last_comm || __atomic_load_n(&e->state, __ATOMIC_RELAXED) != GH_COMM_ACTIVE ||
                   e->handle != (uint64_t)(uintptr_t)comm))
     e = gh_comm_miss(comm);
   c->e = e;
+  c->m = gh_last_marks;
   c->enter_ns = gh_clock_enter(&c->tsc, &c->mult);
   c->seq = 0;
   if (GH_LIKELY(e != NULL)) {
-    gh_bump(&e->calls_entered);
+    c->call_no = gh_bump(&e->calls_entered);
     if (!GH_IS_P2P(op)) c->seq = gh_bump(&e->last_seq_entered);
     __atomic_store_n(&e->inflight_enter_ns, c->enter_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&e->last_op, (uint32_t)op, __ATOMIC_RELAXED);
@@ -76,12 +87,49 @@ GH_INLINE void gh_hot_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cud
   if (GH_UNLIKELY(ctl != 0)) c->profiled = gh_profile_enter(stream);
 }
 
+/* The completion mark of a call outside a group on a communicator whose ring is ready (its stream
+ * is then the one m->stream holds): fill the next slot (not the poller's until head moves), ask
+ * whether the stream captures a graph, record the slot's event behind the call, publish.
+ * Everything else goes to gh_mark_slow. The CUDA calls may touch errno: it is put back. */
+extern GH_TLS int *gh_errp;
+GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
+                       uint64_t count, uint32_t dtype, int in_group) {
+  struct gh_marks *m = c->m;
+  uint64_t h = m->head;
+  int hint = GH_MARK_CHECK;
+  /* In profile mode too: the capture check below is then asked twice, which costs, not breaks. */
+  if (GH_LIKELY(stream == m->stream && !in_group && res == ncclSuccess &&
+                h - __atomic_load_n(&m->tail, __ATOMIC_ACQUIRE) < GH_MARKS)) {
+    struct gh_mark_slot *s = &m->slot[h & (GH_MARKS - 1)];
+    gh_cuda_event ev = s->ev;
+    int coll = !GH_IS_P2P(op);
+    s->first = c->call_no;
+    s->upto = coll ? c->seq : __atomic_load_n(&c->e->last_seq_entered, __ATOMIC_RELAXED);
+    s->count = count;
+    s->enter_ns = c->enter_ns;
+    s->shape = GH_MARK_SHAPE(0, coll);
+    s->meta = GH_MARK_META(op, dtype, coll);
+    int *err = gh_errp;
+    int saved = *err, cap;
+    hint = GH_MARK_CAPTURED;
+    if (GH_LIKELY(gh_cu.is_capturing(stream, &cap) == 0 && cap == 0)) {
+      hint = GH_MARK_LOST;
+      if (GH_LIKELY(gh_cu.ev_record(ev, stream) == 0)) {
+        *err = saved;
+        __atomic_store_n(&m->head, h + 1, __ATOMIC_RELEASE);
+        return;
+      }
+    }
+    *err = saved;
+  }
+  gh_mark_slow(c, op, res, stream, count, dtype, hint);
+}
+
 GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
                            uint64_t count, int dtype, int redop, int peer) {
   uint64_t ret_ns = gh_clock_exit(c->tsc, c->mult, c->enter_ns);
-  uint32_t flags = res == ncclInProgress ? GH_F_IN_PROGRESS : 0u;
   int in_group = gh_group_depth > 0;
-  if (in_group) flags |= GH_F_IN_GROUP;
+  uint32_t flags = (res == ncclInProgress ? GH_F_IN_PROGRESS : 0u) | (in_group ? GH_F_IN_GROUP : 0u);
   if (GH_UNLIKELY(c->profiled != 0)) flags |= gh_profile_exit(c->profiled);
   struct gh_comm_entry *e = c->e;
   uint64_t seq = c->seq, comm_id = 0;
@@ -107,7 +155,7 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cud
     r->enter_ns = c->enter_ns;
     r->return_ns = ret_ns;
     r->stream = (uint64_t)(uintptr_t)stream;
-    r->group_id = in_group ? gh_group_id : 0;
+    r->group_id = gh_group_id; /* 0 outside groups */
     r->gpu_start_ns = 0;
     r->gpu_end_ns = 0;
     r->comm_rank = rank;
@@ -122,6 +170,7 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cud
     gh_publish(r, idx);
   }
   if (GH_UNLIKELY(c->profiled > 0)) gh_profile_attach((uint32_t)c->profiled - 1, idx, e);
+  if (GH_LIKELY(e != NULL)) gh_mark(c, op, res, stream, count, (uint32_t)dtype, in_group);
 }
 
 /* Body of a data-path wrapper: pass through when nested or disabled, else record around CALL. */

@@ -1,11 +1,12 @@
 /*
- * Profile mode: CUDA start/end events around each call, completed off the training thread.
- * CUDA is resolved from the process (never linked). Events come from a pool created once, in the
- * first profiled call's thread (so they belong to its device); a claim that finds its slot busy
- * drops the timing and counts it. The poller queries only the oldest pending end event of each
- * stream, converts event times to CLOCK_MONOTONIC through an anchor event recorded on a private
- * idle stream (re-anchored every ANCHOR_NS, float32 ms stays precise within that), and or-s
- * GH_F_GPU_DONE into the record.
+ * Profile mode: CUDA start/end events around each call, completed off the training thread by the
+ * poller (poller.c). Events come from a pool created once, in the first profiled call's thread (so
+ * they belong to its device); a claim that finds its slot busy drops the timing and counts it. The
+ * poller queries only the oldest pending end event of each stream, converts event times to
+ * CLOCK_MONOTONIC through an anchor event recorded on a private idle stream (re-anchored every
+ * ANCHOR_NS, float32 ms stays precise within that), and or-s GH_F_GPU_DONE into the record. The
+ * start event is reached when the stream reaches the call (the rank's GPU arrival at it), the end
+ * event when the call completed on the GPU.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -20,27 +21,9 @@
 #define CUDA_NOT_READY 600
 
 enum { S_FREE = 0, S_STARTED = 1, S_ENDED = 2, S_ATTACHED = 4, S_GONE = 8 };
+enum { P_UNTRIED = 0, P_READY = 1, P_NONE = 2 };
 
-typedef void *cuda_event;
-typedef int (*ev_create_fn)(cuda_event *, unsigned);
-typedef int (*ev_record_fn)(cuda_event, cudaStream_t);
-typedef int (*ev_query_fn)(cuda_event);
-typedef int (*ev_elapsed_fn)(float *, cuda_event, cuda_event);
-typedef int (*is_capturing_fn)(cudaStream_t, int *);
-typedef int (*capture_mode_fn)(int *);
-typedef int (*int_fn)(int);
-typedef int (*intp_fn)(int *);
-
-static struct {
-  ev_create_fn ev_create;
-  ev_record_fn ev_record;
-  ev_query_fn ev_query, ev_sync;
-  ev_elapsed_fn ev_elapsed;
-  is_capturing_fn is_capturing;
-  capture_mode_fn capture_mode;
-  int_fn set_device;
-  intp_fn get_device;
-} cu;
+typedef gh_cuda_event cuda_event;
 
 struct slot {
   cuda_event start, end;
@@ -53,33 +36,19 @@ struct slot {
 
 static struct slot pool[POOL];
 static uint64_t claim_next, poll_next;
-static int prof_state; /* P_* below */
+static int prof_state; /* P_* */
 static pthread_mutex_t prof_lock = PTHREAD_MUTEX_INITIALIZER;
 static cuda_event anchor_ev[ANCHORS];
 static uint64_t anchor_ns[ANCHORS];
 static uint32_t anchor_gen;
 static cudaStream_t anchor_stream;
-static int device = -1;
+static uint64_t last_anchor_ns;
 static GH_TLS uint32_t group_slots[MAX_GROUP];
 static GH_TLS int group_n;
 
-void *gh_cuda_sym(const char *name) {
-  static const char *const sonames[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so", NULL};
-  return gh_find_library_symbol("libcudart", sonames, name);
-}
-
-int gh_private_stream(cudaStream_t *out) {
-  typedef int (*flags_fn)(cudaStream_t *, unsigned);
-  typedef int (*plain_fn)(cudaStream_t *);
-  flags_fn with_flags = (flags_fn)gh_cuda_sym("cudaStreamCreateWithFlags");
-  if (with_flags != NULL) return with_flags(out, 1 /* cudaStreamNonBlocking */);
-  plain_fn plain = (plain_fn)gh_cuda_sym("cudaStreamCreate");
-  return plain != NULL ? plain(out) : -1;
-}
-
 static int take_anchor(void) {
   uint32_t g = (anchor_gen + 1) % ANCHORS;
-  if (cu.ev_record(anchor_ev[g], anchor_stream) != 0 || cu.ev_sync(anchor_ev[g]) != 0) return 0;
+  if (gh_cu.ev_record(anchor_ev[g], anchor_stream) != 0 || gh_cu.ev_sync(anchor_ev[g]) != 0) return 0;
   anchor_ns[g] = gh_now_ns();
   __atomic_store_n(&anchor_gen, anchor_gen + 1, __ATOMIC_RELEASE);
   return 1;
@@ -93,8 +62,8 @@ static void complete(struct slot *s, uint32_t extra_flags) {
   float ms0 = 0, ms1 = 0;
   uint64_t start = 0, end = 0;
   if (extra_flags == 0 && s->record != UINT64_MAX && anchor_gen - gen < ANCHORS - 1 &&
-      cu.ev_elapsed(&ms0, anchor_ev[gen % ANCHORS], s->start) == 0 &&
-      cu.ev_elapsed(&ms1, anchor_ev[gen % ANCHORS], s->end) == 0) {
+      gh_cu.ev_elapsed(&ms0, anchor_ev[gen % ANCHORS], s->start) == 0 &&
+      gh_cu.ev_elapsed(&ms1, anchor_ev[gen % ANCHORS], s->end) == 0) {
     uint64_t base = anchor_ns[gen % ANCHORS];
     start = base + (uint64_t)((double)ms0 * 1e6);
     end = base + (uint64_t)((double)ms1 * 1e6);
@@ -122,7 +91,7 @@ static void poll_once(void) {
       if (nblocked < 32) blocked[nblocked++] = s->stream;
       continue;
     }
-    int q = cu.ev_query(s->end);
+    int q = gh_cu.ev_query(s->end);
     if (q == 0) complete(s, 0);
     else if (st & S_GONE) complete(s, GH_F_ABORTED | GH_F_GPU_LOST);
     else if (q == CUDA_NOT_READY && nblocked < 32) blocked[nblocked++] = s->stream;
@@ -132,77 +101,45 @@ static void poll_once(void) {
     poll_next++;
 }
 
-static void *poller(void *arg) {
-  (void)arg;
-  if (device >= 0 && cu.set_device != NULL) cu.set_device(device);
-  int mode = 1; /* cudaStreamCaptureModeThreadLocal: our queries must not break others' captures */
-  if (cu.capture_mode != NULL) cu.capture_mode(&mode);
-  uint64_t last_anchor = gh_now_ns();
-  for (;;) {
-    struct timespec ts = {0, 200000};
-    nanosleep(&ts, NULL);
-    if (gh_now_ns() - last_anchor > ANCHOR_NS && take_anchor()) last_anchor = gh_now_ns();
-    poll_once();
-  }
-  return NULL;
-}
-
-static int resolve_cuda(void) {
-#define GH_CU(field, name) ((cu.field = (__typeof__(cu.field))gh_cuda_sym(name)) != NULL)
-  int ok = GH_CU(ev_create, "cudaEventCreateWithFlags") && GH_CU(ev_record, "cudaEventRecord") &&
-           GH_CU(ev_query, "cudaEventQuery") && GH_CU(ev_sync, "cudaEventSynchronize") &&
-           GH_CU(ev_elapsed, "cudaEventElapsedTime");
-  (void)GH_CU(is_capturing, "cudaStreamIsCapturing");
-  (void)GH_CU(capture_mode, "cudaThreadExchangeStreamCaptureMode");
-  (void)GH_CU(set_device, "cudaSetDevice");
-  (void)GH_CU(get_device, "cudaGetDevice");
-#undef GH_CU
-  return ok;
+/* Called by the poller thread. */
+void gh_profile_poll(void) {
+  if (__atomic_load_n(&prof_state, __ATOMIC_ACQUIRE) != P_READY) return;
+  if (gh_now_ns() - last_anchor_ns > ANCHOR_NS && take_anchor()) last_anchor_ns = gh_now_ns();
+  poll_once();
 }
 
 /* Runs in a training thread. Thread-local capture mode: a graph captured meanwhile by another
  * thread must not make our event synchronisation an illegal call (nor be invalidated by it). */
-static int setup(void) {
-  int mode = 1; /* cudaStreamCaptureModeThreadLocal */
-  if (cu.capture_mode != NULL) cu.capture_mode(&mode);
+static int setup(cudaStream_t stream) {
+  int mode = gh_cuda_thread_local();
   int ok = 0;
-  if (cu.get_device != NULL) cu.get_device(&device);
   if (gh_private_stream(&anchor_stream) != 0) goto out;
   for (unsigned i = 0; i < ANCHORS; i++)
-    if (cu.ev_create(&anchor_ev[i], 0) != 0) goto out;
+    if (gh_cu.ev_create(&anchor_ev[i], 0) != 0) goto out;
   for (unsigned i = 0; i < POOL; i++)
-    if (cu.ev_create(&pool[i].start, 0) != 0 || cu.ev_create(&pool[i].end, 0) != 0) goto out;
+    if (gh_cu.ev_create(&pool[i].start, 0) != 0 || gh_cu.ev_create(&pool[i].end, 0) != 0) goto out;
   anchor_gen = ANCHORS - 1;
   if (!take_anchor()) goto out;
-  pthread_t t;
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  ok = pthread_create(&t, &attr, poller, NULL) == 0;
-  pthread_attr_destroy(&attr);
+  last_anchor_ns = gh_now_ns();
+  ok = gh_poller_want(stream);
 out:
-  if (cu.capture_mode != NULL) cu.capture_mode(&mode);
+  gh_cuda_restore_mode(mode);
   return ok;
 }
 
-enum { P_UNTRIED = 0, P_READY = 1, P_NONE = 2, P_RESOLVED = 3 };
-
-/* Symbols first, the pool and poller only at the first call on a stream that is not capturing:
- * creating them is no business of a graph being captured. */
+/* The pool only at the first call on a stream that is not capturing: creating it is no business
+ * of a graph being captured. */
 static int ready(cudaStream_t stream, int *capturing) {
   int st = __atomic_load_n(&prof_state, __ATOMIC_ACQUIRE);
-  if (GH_UNLIKELY(st == P_UNTRIED)) {
-    pthread_mutex_lock(&prof_lock);
-    if (prof_state == P_UNTRIED) __atomic_store_n(&prof_state, resolve_cuda() ? P_RESOLVED : P_NONE, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&prof_lock);
-    st = __atomic_load_n(&prof_state, __ATOMIC_ACQUIRE);
-  }
   if (st == P_NONE) return 0;
-  int cap = 0;
-  *capturing = cu.is_capturing != NULL && cu.is_capturing(stream, &cap) == 0 && cap != 0;
+  if (GH_UNLIKELY(!gh_cuda_ready())) {
+    __atomic_store_n(&prof_state, P_NONE, __ATOMIC_RELEASE);
+    return 0;
+  }
+  *capturing = gh_cuda_capturing(stream);
   if (*capturing || st == P_READY) return 1;
   pthread_mutex_lock(&prof_lock);
-  if (prof_state == P_RESOLVED) __atomic_store_n(&prof_state, setup() ? P_READY : P_NONE, __ATOMIC_RELEASE);
+  if (prof_state == P_UNTRIED) __atomic_store_n(&prof_state, setup(stream) ? P_READY : P_NONE, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&prof_lock);
   return __atomic_load_n(&prof_state, __ATOMIC_ACQUIRE) == P_READY;
 }
@@ -226,7 +163,7 @@ int gh_profile_enter(cudaStream_t stream) {
   s->record = UINT64_MAX;
   s->entry = NULL;
   s->anchor_gen = __atomic_load_n(&anchor_gen, __ATOMIC_ACQUIRE);
-  cu.ev_record(s->start, stream);
+  gh_cu.ev_record(s->start, stream);
   uint32_t slot = (uint32_t)(n % POOL);
   res = (int)slot + 1;
   if (gh_group_depth > 0 && group_n < MAX_GROUP) group_slots[group_n++] = slot;
@@ -249,7 +186,7 @@ uint32_t gh_profile_exit(int profiled) {
 void gh_profile_end(uint32_t slot) {
   struct slot *s = &pool[slot];
   if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) & S_ENDED) return;
-  cu.ev_record(s->end, s->stream);
+  gh_cu.ev_record(s->end, s->stream);
   __atomic_fetch_or(&s->state, S_ENDED, __ATOMIC_RELEASE);
 }
 
@@ -277,4 +214,6 @@ void gh_profile_comm_gone(struct gh_comm_entry *e) {
 void gh_profile_fork_child(void) {
   prof_state = P_NONE; /* the poller thread did not survive the fork */
   pthread_mutex_init(&prof_lock, NULL);
+  gh_poller_fork_child();
+  gh_cuda_fork_child();
 }

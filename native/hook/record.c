@@ -11,8 +11,10 @@
 GH_TLS int gh_depth;
 GH_TLS int gh_group_depth;
 GH_TLS uint64_t gh_group_id;
-GH_TLS ncclComm_t gh_last_comm;
+/* Starts on a value no communicator has: a thread's first call always misses the cache. */
+GH_TLS ncclComm_t gh_last_comm = (ncclComm_t)(uintptr_t)~(uintptr_t)0;
 GH_TLS struct gh_comm_entry *gh_last_entry;
+GH_TLS struct gh_marks *gh_last_marks;
 GH_TLS uint32_t gh_tid;
 
 uint32_t gh_tid_slow(void) {
@@ -20,12 +22,16 @@ uint32_t gh_tid_slow(void) {
   return gh_tid;
 }
 
+/* The cache never holds a NULL entry (the next call on that communicator misses again), so the
+ * hot path's hit test need not check for one. */
 struct gh_comm_entry *gh_comm_miss(ncclComm_t comm) {
   int saved = errno; /* adopting asks NCCL about the communicator */
+  gh_errp = &errno;  /* every thread misses before its first hit: the hot path may use it */
   struct gh_comm_entry *e = gh_comm_lookup(comm);
   if (e == NULL && comm != NULL) e = gh_comm_adopt(comm);
-  gh_last_comm = comm;
+  gh_last_comm = e != NULL ? comm : (ncclComm_t)(uintptr_t)~(uintptr_t)0;
   gh_last_entry = e;
+  gh_last_marks = e != NULL ? &gh_marks[e - gh_comms] : NULL;
   errno = saved;
   return e;
 }

@@ -5,6 +5,24 @@
  * wait on the reader: a slot is reserved with a CAS on head (gh_hook.h), refused (and counted) when
  * the reader's published cursor is a full ring behind. The one wait is for the poller, and only
  * while it is inside its few stores into the very slot being recycled (gh_ring_gpu_complete).
+ *
+ * The ring must never harm the process that writes it, so it fails closed: whatever goes wrong
+ * while creating it leaves recording disabled and training untouched.
+ * - Space is reserved up front (posix_fallocate): a sparse file on a full tmpfs (Docker's
+ *   /dev/shm is 64 MB) would deliver SIGBUS at the first record. The ring is not created when
+ *   it would take more than half of the space left (NCCL keeps its own buffers there), nor when
+ *   it is larger than RLIMIT_FSIZE allows (growing past it sends SIGXFSZ, which kills).
+ * - Files are created safely: the job directory is this user's own (0700, opened without
+ *   following a symlink, refused when someone else owns it or can write into it), the temporary
+ *   has a random name and is opened O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600; nothing is ever
+ *   truncated through a name. The shared root ($GREYHOUND_SHM_DIR), when the hook creates it,
+ *   is 01777 like /tmp: every user's jobs get their directory there, none can touch another's.
+ *   The agent therefore runs as the training user or as root (deploy/compose.yaml: root).
+ * - The ring file stays open with a POSIX write lock for the life of the process: the agent's
+ *   reaper takes an unlocked ring as one no live process writes (a lock dies with its process,
+ *   kill -9 included, and is not inherited by forked children).
+ * - At normal exit the ring is unlinked (the agent keeps reading what it has mapped);
+ *   GREYHOUND_RING_KEEP=1 keeps it for a post-mortem read.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -14,7 +32,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "gh_hook.h"
@@ -32,6 +53,12 @@ const gh_ctl_word_t *gh_ctl_word = &zero_ctl;
 
 static int ring_state; /* 0 not tried, 1 ready, 2 failed for good */
 static pthread_mutex_t ring_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* What the exit handler needs: the job directory, the ring's name there, the open ring file
+ * (holding the lock) and the process that made it; the temporary while it exists. */
+static int job_fd = -1, ring_fd = -1, keep_ring;
+static pid_t ring_pid;
+static char ring_name[32], tmp_name[64];
 
 static int env_rank(void) {
   static const char *const names[] = {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", NULL};
@@ -54,53 +81,77 @@ static uint32_t env_capacity(void) {
   return (uint32_t)c;
 }
 
-static int mkdirs(const char *path) {
+/* The temporary's random suffix (weak: a test linking ring.c in picks its own, to plant a
+ * symlink where the hook will try first; the library's own is hidden and cannot be replaced). */
+__attribute__((weak)) uint64_t gh_ring_nonce(void) {
+  uint64_t v = 0;
+  if (getrandom(&v, sizeof v, GRND_NONBLOCK) != (ssize_t)sizeof v) {
+    v = gh_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&v;
+    v = (v ^ (v >> 31)) * 0xBF58476D1CE4E5B9ull;
+  }
+  return v;
+}
+
+/* $GREYHOUND_SHM_DIR, made if missing: ancestors 0755, the root itself 01777 (see above). */
+static int open_root(const char *dir) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0 || errno != ENOENT) return fd;
   char buf[4096];
-  if (strlen(path) >= sizeof buf) return -1;
-  strcpy(buf, path);
+  if (strlen(dir) >= sizeof buf) return -1;
+  strcpy(buf, dir);
   for (char *p = buf + 1; *p != '\0'; p++) {
     if (*p != '/') continue;
     *p = '\0';
-    if (mkdir(buf, 0777) != 0 && errno != EEXIST) return -1;
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
     *p = '/';
   }
-  return (mkdir(buf, 0777) != 0 && errno != EEXIST) ? -1 : 0;
+  int made = mkdir(dir, 0700) == 0;
+  if (!made && errno != EEXIST) return -1;
+  fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  struct stat st;
+  if (fd >= 0 && made && fstat(fd, &st) == 0 && st.st_uid == geteuid()) fchmod(fd, 01777);
+  return fd;
+}
+
+/* The job's directory: this user's own and writable by nobody else, or no ring at all. */
+static int open_job_dir(int root, const char *job) {
+  if (mkdirat(root, job, 0700) != 0 && errno != EEXIST) return -1;
+  int fd = openat(root, job, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  struct stat st;
+  if (fd < 0) return -1;
+  if (fstat(fd, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid() ||
+      ((st.st_mode & 022) != 0 && fchmod(fd, 0700) != 0)) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* Room for the ring: within RLIMIT_FSIZE (past it, growing the file sends SIGXFSZ), and at most
+ * half of what the filesystem has left. */
+static int room_for(int dirfd, uint64_t bytes) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_FSIZE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && (uint64_t)rl.rlim_cur < bytes)
+    return 0;
+  struct statvfs fs;
+  return fstatvfs(dirfd, &fs) != 0 || (uint64_t)fs.f_bavail * fs.f_frsize / 2 >= bytes;
 }
 
 static uint64_t page_up(uint64_t n) { return (n + 4095u) & ~(uint64_t)4095u; }
 
-static int create_ring(int rank) {
-  const char *dir = getenv("GREYHOUND_SHM_DIR");
-  const char *job = getenv("GREYHOUND_JOB_ID");
-  if (dir == NULL || *dir == '\0') dir = "/dev/shm/greyhound";
-  if (job == NULL || *job == '\0') job = "default";
-  if (strchr(job, '/') != NULL || strlen(job) >= 64) return 0;
-  char jobdir[4096], path[4200], tmp[4300];
-  if (snprintf(jobdir, sizeof jobdir, "%s/%s", dir, job) >= (int)sizeof jobdir) return 0;
-  if (mkdirs(jobdir) != 0) return 0;
-  snprintf(path, sizeof path, "%s/rank-%d.ring", jobdir, rank);
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-
-  uint32_t cap = env_capacity();
-  uint64_t control_off = GH_HEADER_BYTES;
-  uint64_t comms_off = page_up(control_off + sizeof(struct gh_control));
-  uint64_t records_off = page_up(comms_off + GH_MAX_COMMS * sizeof(struct gh_comm_entry));
-  uint64_t bytes = records_off + (uint64_t)cap * sizeof(struct gh_record);
-
-  int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-  if (fd < 0) return 0;
-  if (ftruncate(fd, (off_t)bytes) != 0) {
-    close(fd);
-    unlink(tmp);
-    return 0;
+/* A new file under a random name, never one that exists (O_EXCL: a symlink planted there fails
+ * the open instead of being followed). */
+static int open_temp(int dirfd) {
+  for (int tries = 0; tries < 8; tries++) {
+    snprintf(tmp_name, sizeof tmp_name, ".%s.%016llx", ring_name, (unsigned long long)gh_ring_nonce());
+    int fd = openat(dirfd, tmp_name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0 || errno != EEXIST) return fd;
   }
-  void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (m == MAP_FAILED) {
-    unlink(tmp);
-    return 0;
-  }
-  struct gh_ring_header *h = m;
+  return -1;
+}
+
+static void fill_header(struct gh_ring_header *h, const char *job, int rank, uint32_t cap,
+                        uint64_t control_off, uint64_t comms_off, uint64_t records_off, uint64_t bytes) {
   h->magic = GH_RING_MAGIC;
   h->version = GH_LAYOUT_VERSION;
   h->header_bytes = GH_HEADER_BYTES;
@@ -123,11 +174,58 @@ static int create_ring(int rank) {
   h->mono_anchor_ns = (uint64_t)mono.tv_sec * 1000000000ull + (uint64_t)mono.tv_nsec;
   h->wall_anchor_ns = (uint64_t)wall.tv_sec * 1000000000ull + (uint64_t)wall.tv_nsec;
   __atomic_store_n(&h->ready, 1u, __ATOMIC_RELEASE);
-  if (rename(tmp, path) != 0) {
-    munmap(m, bytes);
-    unlink(tmp);
+}
+
+static int create_ring(int rank) {
+  const char *dir = getenv("GREYHOUND_SHM_DIR");
+  const char *job = getenv("GREYHOUND_JOB_ID");
+  if (dir == NULL || *dir == '\0') dir = "/dev/shm/greyhound";
+  if (job == NULL || *job == '\0') job = "default";
+  if (strchr(job, '/') != NULL || strlen(job) >= 64 || strcmp(job, ".") == 0 || strcmp(job, "..") == 0)
+    return 0;
+  uint32_t cap = env_capacity();
+  uint64_t control_off = GH_HEADER_BYTES;
+  uint64_t comms_off = page_up(control_off + sizeof(struct gh_control));
+  uint64_t records_off = page_up(comms_off + GH_MAX_COMMS * sizeof(struct gh_comm_entry));
+  uint64_t bytes = records_off + (uint64_t)cap * sizeof(struct gh_record);
+  snprintf(ring_name, sizeof ring_name, "rank-%d.ring", rank);
+
+  int root = open_root(dir);
+  if (root < 0) return 0;
+  int dfd = open_job_dir(root, job);
+  close(root);
+  if (dfd < 0) return 0;
+  int fd = room_for(dfd, bytes) ? open_temp(dfd) : -1;
+  if (fd < 0) {
+    tmp_name[0] = '\0';
+    close(dfd);
     return 0;
   }
+  job_fd = dfd; /* from here the exit handler removes the temporary should we not finish */
+  struct flock lock = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
+  (void)fcntl(fd, F_SETLK, &lock); /* best effort: without it the reaper judges by pid */
+  void *m = MAP_FAILED;
+  if (posix_fallocate(fd, 0, (off_t)bytes) == 0)
+    m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m != MAP_FAILED) {
+    fill_header(m, job, rank, cap, control_off, comms_off, records_off, bytes);
+    if (renameat(dfd, tmp_name, dfd, ring_name) != 0) {
+      munmap(m, bytes);
+      m = MAP_FAILED;
+    }
+  }
+  if (m == MAP_FAILED) {
+    unlinkat(dfd, tmp_name, 0);
+    tmp_name[0] = '\0';
+    close(fd);
+    job_fd = -1;
+    close(dfd);
+    return 0;
+  }
+  tmp_name[0] = '\0';
+  ring_fd = fd;
+  ring_pid = getpid();
+  struct gh_ring_header *h = m;
   gh_ctl = (struct gh_control *)((char *)m + control_off);
   __atomic_store_n(&gh_ctl_word, (const gh_ctl_word_t *)gh_ctl, __ATOMIC_RELEASE);
   gh_comms = (struct gh_comm_entry *)((char *)m + comms_off);
@@ -202,6 +300,8 @@ static void on_fork_child(void) {
   __atomic_store_n(&gh_ctl_word, &zero_ctl, __ATOMIC_RELAXED);
   __atomic_store_n(&gh_gpu_busy, 0, __ATOMIC_RELAXED);
   ring_state = 2;
+  job_fd = -1; /* the parent's: the child's exit must not remove them */
+  tmp_name[0] = '\0';
   pthread_mutex_init(&ring_lock, NULL);
   gh_profile_fork_child();
 }
@@ -209,5 +309,22 @@ static void on_fork_child(void) {
 __attribute__((constructor)) static void gh_ring_init(void) {
   const char *off = getenv("GREYHOUND_HOOK_DISABLE");
   if (off != NULL && *off == '1') gh_disabled = 1;
+  const char *keep = getenv("GREYHOUND_RING_KEEP");
+  keep_ring = keep != NULL && *keep == '1';
   pthread_atfork(NULL, NULL, on_fork_child);
+}
+
+/* Normal exit: the ring goes (an agent still reads what it has mapped), and so does a temporary
+ * left by a creation this exit interrupted. Only the process that made it removes it, and only
+ * if the name still holds its file (a restarted rank may have put its own there). Nothing is
+ * unmapped: other threads may still be recording. */
+__attribute__((destructor)) static void gh_ring_fini(void) {
+  int saved = errno;
+  if (job_fd >= 0 && tmp_name[0] != '\0') unlinkat(job_fd, tmp_name, 0);
+  struct stat mine, named;
+  if (__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) == 1 && !keep_ring && getpid() == ring_pid &&
+      fstat(ring_fd, &mine) == 0 && fstatat(job_fd, ring_name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+      mine.st_dev == named.st_dev && mine.st_ino == named.st_ino)
+    unlinkat(job_fd, ring_name, 0);
+  errno = saved;
 }

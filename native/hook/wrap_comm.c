@@ -42,13 +42,16 @@ static void note_device(ncclComm_t comm) {
   }
 }
 
+/* A non-blocking communicator still initialising may not answer yet: -1, marks then go on the
+ * poller's current device. */
 static void after_init(ncclResult_t res, ncclComm_t comm, uint64_t id, uint64_t parent, int color,
                        int rank, int nranks, uint16_t op, uint64_t t0) {
   if ((res != ncclSuccess && res != ncclInProgress) || comm == NULL) return;
-  struct gh_comm_entry *e = gh_comm_register(comm, id, parent, color, rank, nranks);
+  int dev = res == ncclSuccess ? query(&real_cu_device, "ncclCommCuDevice", comm) : -1;
+  struct gh_comm_entry *e = gh_comm_register(comm, id, parent, color, rank, nranks, dev);
   if (e == NULL) return;
   last_async[e - gh_comms] = (int)res;
-  if (res == ncclSuccess) note_device(comm);
+  if (dev >= 0) gh_ring_set_device(dev);
   gh_record_event(op, e, (int)res, -1, t0);
 }
 
@@ -57,7 +60,8 @@ struct gh_comm_entry *gh_comm_adopt(ncclComm_t comm) {
   int nranks = query(&real_count, "ncclCommCount", comm);
   if (rank < 0 || nranks <= 0) return NULL;
   uint64_t key[2] = {(uint64_t)(uintptr_t)comm, (uint64_t)getpid()};
-  return gh_comm_register(comm, gh_hash_bytes(key, sizeof key, 0x61646f7074ull), 0, -1, rank, nranks);
+  return gh_comm_register(comm, gh_hash_bytes(key, sizeof key, 0x61646f7074ull), 0, -1, rank, nranks,
+                          query(&real_cu_device, "ncclCommCuDevice", comm));
 }
 
 GH_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {

@@ -1,7 +1,7 @@
 /*
  * Point-to-point and group wrappers. Inside a group NCCL launches nothing until the outermost
- * ncclGroupEnd, so records issued inside carry the group id and, in profile mode, their end
- * events are recorded after that outermost End (profile.c).
+ * ncclGroupEnd, so records issued inside carry the group id, and their completion marks (and in
+ * profile mode their end events) are recorded after that outermost End (marks.c, profile.c).
  */
 #include "hot.h"
 
@@ -46,6 +46,7 @@ GH_EXPORT ncclResult_t ncclGroupStart(void) {
   saved = errno;
   if (res == ncclSuccess && gh_group_depth++ == 0)
     gh_record_event(GH_OP_GROUP_START, NULL, (int)res, -1, t0);
+  if (gh_group_depth == 0) gh_group_id = 0; /* records outside groups carry id 0 */
   gh_depth--;
   errno = saved;
   return res;
@@ -63,6 +64,7 @@ GH_EXPORT ncclResult_t ncclGroupEnd(void) {
   saved = errno;
   if (gh_group_depth > 0 && --gh_group_depth == 0) {
     gh_profile_group_end();
+    gh_marks_group_end();
     gh_record_event(GH_OP_GROUP_END, NULL, (int)res, -1, t0);
     gh_group_id = 0;
   }

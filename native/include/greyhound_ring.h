@@ -1,7 +1,7 @@
 /*
  * Shared-memory layout between the hook (one writer process per rank) and the node agent (one
  * reader). The layout is versioned: any change to a struct below bumps GH_LAYOUT_VERSION, and
- * greyhound/hookabi.py mirrors it field for field (the tests compare offsets and sizes).
+ * greyhound/hookabi/layout.py mirrors it field for field (the tests compare offsets and sizes).
  *
  * One file per rank, $GREYHOUND_SHM_DIR/$GREYHOUND_JOB_ID/rank-<global rank>.ring:
  *   [0, 4096)                      gh_ring_header
@@ -16,13 +16,22 @@
 #include <stdint.h>
 
 #define GH_RING_MAGIC 0x31474e4952484721ULL /* "!GHRING1" little-endian */
-#define GH_LAYOUT_VERSION 3u
+#define GH_LAYOUT_VERSION 4u
 #define GH_HEADER_BYTES 4096u
 #define GH_DEFAULT_RECORDS 65536u
 #define GH_MAX_COMMS 64
 #define GH_MAX_PEERS 64
 #define GH_BENCH_SLOTS 16
 #define GH_BENCH_MAX_REPEAT 64
+/* Benchmark bounds the hook enforces (a request beyond them ends FAILED, ncclInvalidArgument):
+ * a GEMM of N needs 3 N^2 floats of scratch (3 GiB at the bound), a transfer its size. */
+#define GH_BENCH_MAX_GEMM_N 16384
+#define GH_BENCH_MAX_P2P_BYTES (1ull << 30)
+/* A pause is a lease: the hook resumes by itself at pause_lease_ns, or this long after it first
+ * saw a request whose lease is 0 (GREYHOUND_PAUSE_LEASE_MS overrides the default); a deadline
+ * further out than the maximum is brought in to it. */
+#define GH_PAUSE_LEASE_DEFAULT_MS 30000
+#define GH_PAUSE_LEASE_MAX_MS 600000
 
 /* Operation codes; values are part of the layout. */
 enum gh_op {
@@ -174,13 +183,16 @@ struct gh_bench_slot {
 
 struct gh_control {
   uint32_t mode;          /*  0 enum gh_mode, agent writes */
-  uint32_t pause_request; /*  4 agent: 1 = pause at next NCCL call, 0 = resume */
+  uint32_t pause_request; /*  4 agent: 1 = pause at next NCCL call, 0 = resume (hook: 0 at the lease end) */
   uint32_t paused;        /*  8 hook: 1 while a training thread is parked */
   int32_t paused_tid;     /* 12 */
   uint64_t pause_count;   /* 16 pauses honoured so far */
   uint64_t pause_comm_id; /* 24 0: pause at the next data-path call; else only on this comm ... */
   uint64_t pause_seq;     /* 32 ... at the call whose collective seq would be >= pause_seq */
-  uint8_t pad[24];        /* 40 */
+  uint64_t pause_lease_ns; /* 40 (v4) CLOCK_MONOTONIC deadline of the pause, agent writes before
+                            * pause_request (0: the hook's default lease, which it writes here) */
+  uint64_t lease_expired;  /* 48 (v4) hook: pauses it ended itself because their lease ran out */
+  uint8_t pad[8];          /* 56 */
   struct gh_bench_slot slots[GH_BENCH_SLOTS]; /* 64 */
 };                                            /* 9280 bytes */
 

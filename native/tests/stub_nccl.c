@@ -75,7 +75,7 @@ ncclResult_t pncclAllReduce(const void *s, void *r, size_t n, ncclDataType_t t, 
                             ncclComm_t comm, cudaStream_t st) {
   (void)s, (void)r, (void)n, (void)t, (void)op, (void)st;
   errno = EILSEQ;
-  return done(comm);
+  return comm != NULL ? done(comm) : ncclInvalidArgument;
 }
 ncclResult_t pncclBroadcast(const void *s, void *r, size_t n, ncclDataType_t t, int root,
                             ncclComm_t comm, cudaStream_t st) {

@@ -28,6 +28,13 @@ static struct gh_record *expect_op(uint16_t op) {
   return r;
 }
 
+/* A thread whose first call passes no communicator: the hook's per-thread cache must not take
+ * NULL for a hit. */
+static void *null_comm_caller(void *arg) {
+  (void)arg;
+  return (void *)(intptr_t)ncclAllReduce(NULL, NULL, 1, ncclFloat32, ncclSum, NULL, NULL);
+}
+
 static void *agent(void *arg) {
   ncclComm_t *comm_id_src = arg;
   (void)comm_id_src;
@@ -173,6 +180,14 @@ int main(void) {
   struct gh_record *a0 = expect_op(GH_OP_COMM_INIT_ALL), *a1 = expect_op(GH_OP_COMM_INIT_ALL);
   CHECK(a0->comm_id == a1->comm_id && a0->comm_rank == 0 && a1->comm_rank == 1 && a1->nranks == 2);
 
+  pthread_t nt;
+  void *nres = NULL;
+  pthread_create(&nt, NULL, null_comm_caller, NULL);
+  pthread_join(nt, &nres);
+  CHECK((intptr_t)nres == ncclInvalidArgument);
+  r = expect_op(GH_OP_ALLREDUCE); /* recorded, with no communicator */
+  CHECK(r->comm_id == 0 && r->result == ncclInvalidArgument);
+
   /* Pause -> benchmark (P2P send on the job's comm; GEMM unsupported: no cuBLAS) -> resume. */
   v.comms[0].comm_id = v.comms[0].comm_id; /* slot 0 is `comm` */
   CHECK(v.comms[0].comm_id == cid);
@@ -208,6 +223,9 @@ int main(void) {
   CHECK(v.h->head - v.h->consumed == 64 && v.h->dropped == 36);
   e = ring_comm(&v, cid);
   CHECK(e != NULL && e->last_seq_completed == 108); /* counters keep counting */
+  /* No CUDA runtime in this process: no completion marks, the GPU fields stay unused. */
+  CHECK(e != NULL && e->gpu_marks == 0 && e->gpu_calls_done == 0 && e->gpu_pending_ns == 0 &&
+        e->gpu_marks_lost == 0);
   CHECK(ncclCommDestroy(comm) == ncclSuccess && ncclCommDestroy(sub) == ncclSuccess);
   printf("test_hook_api: %s\n", gh_failures ? "FAIL" : "ok");
   return gh_failures != 0;

@@ -1,11 +1,18 @@
 /*
- * The test workload: N processes doing "compute, then all-reduce" like data-parallel training,
- * optionally with tensor-parallel groups (ncclCommSplit, a TP all-reduce per iteration) and
- * pipeline stages (a Send/Recv pair with the neighbouring stages per iteration), and a periodic
- * long non-NCCL phase (checkpoint). Configuration comes from the environment (see README lines in
- * usage()). Compute is real CPU work (a small SGEMM loop) for GH_COMPUTE_MS x GH_COMPUTE_BUSY of
- * wall time, then sleeps the rest; a `slow_rank` fault adds (factor-1) x GH_COMPUTE_MS as sleep,
- * so a straggler costs time, not CPU, on small CI machines.
+ * The test workload: N processes training like data-parallel ranks, optionally with
+ * tensor-parallel groups (ncclCommSplit, a TP all-reduce per iteration) and pipeline stages (a
+ * Send/Recv group with the neighbouring stages per iteration), and a periodic long non-NCCL phase
+ * (checkpoint). Configuration comes from the environment (see usage()).
+ *
+ * Like a PyTorch loop on a GPU, everything an iteration does on the device is asynchronous: the
+ * host launches GH_COMPUTE_MS of compute as GH_KERNELS kernels (fakeGpuSleep, the analogue of
+ * torch.cuda._sleep), then the pipeline group, the TP and the DP all-reduce, each returning at
+ * once, and synchronises once per iteration (the loss read). So the host runs ahead of the device
+ * by up to an iteration and its iteration period follows the device's. Each launch costs the host
+ * real CPU work (GH_LAUNCH_US, else GH_COMPUTE_BUSY x GH_COMPUTE_MS spread over the compute
+ * launches); `slow_host R f` multiplies it, which matters once the host can no longer stay ahead.
+ * `slow_rank` slows the device's kernels (fake CUDA), `skip_call R it` keeps the host from ever
+ * launching iteration it (H1), `mismatch R it` launches a DP all-reduce one element longer (H2).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -24,8 +31,8 @@
 #define MAT 48
 
 struct cfg {
-  int rank, world, iters, tp, pp, ckpt_every, verbose, nonblocking;
-  double compute_ms, busy, ckpt_ms;
+  int rank, world, iters, tp, pp, ckpt_every, verbose, nonblocking, kernels;
+  double compute_ms, busy, ckpt_ms, launch_us;
   size_t bytes;
   const char *rdzv;
 };
@@ -72,15 +79,38 @@ static int rendezvous(const struct cfg *c, ncclUniqueId *id) {
 
 static float g_a[MAT * MAT], g_b[MAT * MAT], g_c[MAT * MAT];
 
-static void compute(const struct cfg *c, cublasHandle_t blas) {
-  int64_t t0 = fk_now_ns(), busy_end = t0 + (int64_t)(c->compute_ms * c->busy * 1e6);
-  const float one = 1.0f, zero = 0.0f;
-  while (fk_now_ns() < busy_end)
-    cublasSgemm_v2(blas, CUBLAS_OP_N, CUBLAS_OP_N, MAT, MAT, MAT, &one, g_a, MAT, g_b, MAT, &zero, g_c, MAT);
+/* The host's launch work of the current iteration ends at host_due: each launch adds its cost (us
+ * x the `slow_host` factor) and does real CPU work (small SGEMM columns) until then. Against one
+ * schedule from the iteration's start rather than per launch, so a moment of preemption on a
+ * shared CPU is absorbed as it would be by a host with time to spare, and the iteration's launch
+ * times stay as regular as its GPU's. */
+static int64_t host_due;
+
+static void host_launch_cost(const struct cfg *c, double us) {
+  if (us <= 0) return;
   double factor = 1.0;
-  fk_fault_find(FK_SLOW_RANK, c->rank, -1, &factor);
-  if (factor < 1.0) factor = 1.0;
-  fk_sleep_until(t0 + (int64_t)(c->compute_ms * factor * 1e6));
+  if (!fk_fault_find(FK_SLOW_HOST, c->rank, -1, &factor) || factor < 1.0) factor = 1.0;
+  host_due += (int64_t)(us * factor * 1e3);
+  int64_t end = host_due;
+  for (int j = 0; fk_now_ns() < end; j = (j + 1) % MAT)
+    for (int i = 0; i < MAT; i++) {
+      float acc = 0.0f;
+      for (int p = 0; p < MAT; p++) acc += g_a[i + p * MAT] * g_b[p + j * MAT];
+      g_c[i + j * MAT] = acc;
+    }
+}
+
+static double nccl_launch_us(const struct cfg *c) { return c->launch_us >= 0 ? c->launch_us : 0.0; }
+
+static ncclResult_t compute(const struct cfg *c) {
+  if (c->compute_ms <= 0) return ncclSuccess;
+  double each_us = c->launch_us >= 0 ? c->launch_us : c->compute_ms * c->busy * 1e3 / c->kernels;
+  long long ns = (long long)(c->compute_ms * 1e6 / c->kernels);
+  for (int k = 0; k < c->kernels; k++) {
+    host_launch_cost(c, each_us);
+    if (fakeGpuSleep(NULL, ns) != cudaSuccess) return ncclUnhandledCudaError;
+  }
+  return ncclSuccess;
 }
 
 struct comms {
@@ -126,12 +156,56 @@ static ncclResult_t settle(ncclComm_t comm, ncclResult_t r) {
 }
 
 /* Forward activations one stage on, as a pipeline's steady state does. */
-static ncclResult_t pipeline_step(const struct comms *m, float *buf, size_t count) {
+static ncclResult_t pipeline_step(const struct cfg *c, const struct comms *m, float *buf, size_t count) {
+  host_launch_cost(c, nccl_launch_us(c));
   ncclResult_t r = ncclGroupStart();
   if (r != ncclSuccess) return r;
   if (m->pp_rank + 1 < m->pp_size) ncclSend(buf, count, ncclFloat32, m->pp_rank + 1, m->pp, NULL);
   if (m->pp_rank > 0) ncclRecv(buf, count, ncclFloat32, m->pp_rank - 1, m->pp, NULL);
   return ncclGroupEnd();
+}
+
+/* Errors of asynchronous work surface after the fact, as with real NCCL. */
+static ncclResult_t async_error(const struct comms *m) {
+  ncclComm_t all[4] = {m->world, m->tp, m->dp, m->pp};
+  for (int i = 0; i < 4; i++) {
+    ncclResult_t e = ncclSuccess;
+    if (all[i] != NULL && ncclCommGetAsyncError(all[i], &e) == ncclSuccess && e != ncclSuccess &&
+        e != ncclInProgress)
+      return e;
+  }
+  return ncclSuccess;
+}
+
+/* Device times of one iteration from events: on an idle stream (the host just synchronised) an
+ * event completes when recorded, so the first one anchors the others to the host clock. Not while
+ * the stream captures a graph: there an event record is a graph node, not a time. */
+struct gpu_marks {
+  cudaEvent_t ev[3];
+  int64_t anchor_ns;
+  int on;
+};
+
+static void gpu_mark(struct gpu_marks *g, int i) {
+  enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (i == 0) g->on = 1;
+  if (g->on) g->on = cudaStreamIsCapturing(NULL, &st) == cudaSuccess && st == cudaStreamCaptureStatusNone;
+  if (!g->on) return;
+  /* The anchor: the record's host time, taken again (the newest record counts) when a preemption
+   * stretched the call, so the device times below err by microseconds, not by the scheduler. */
+  for (int tries = 0; tries < (i == 0 ? 4 : 1); tries++) {
+    int64_t before = fk_now_ns();
+    cudaEventRecord(g->ev[i], NULL);
+    int64_t after = fk_now_ns();
+    g->anchor_ns = i == 0 ? before + (after - before) / 2 : g->anchor_ns;
+    if (after - before < 100000) break;
+  }
+}
+
+static int64_t gpu_at(const struct gpu_marks *g, int i) {
+  float ms = 0;
+  if (!g->on || cudaEventElapsedTime(&ms, g->ev[0], g->ev[i]) != cudaSuccess) return 0;
+  return g->anchor_ns + (int64_t)((double)ms * 1e6);
 }
 
 static int run(const struct cfg *c) {
@@ -143,27 +217,42 @@ static int run(const struct cfg *c) {
   r = settle(m.world, r);
   if (r != ncclSuccess) return fail("ncclCommInitRank", r);
   if ((r = make_comms(c, &m)) != ncclSuccess) return fail("ncclCommSplit", r);
-  cublasHandle_t blas;
-  if (cublasCreate_v2(&blas) != CUBLAS_STATUS_SUCCESS) return fail("cublasCreate", 0);
   for (int i = 0; i < MAT * MAT; i++) g_a[i] = g_b[i] = (float)(i % 7) * 0.25f;
+  struct gpu_marks g = {0};
+  for (int i = 0; c->verbose && i < 3; i++)
+    if (cudaEventCreate(&g.ev[i]) != cudaSuccess) return fail("cudaEventCreate", i);
   size_t count = c->bytes / sizeof(float);
   float *buf = calloc(count ? count : 1, sizeof(float));
   if (buf == NULL) return fail("out of memory", 0);
   for (int it = 0; it < c->iters; it++) {
     int64_t t0 = fk_now_ns();
     while (fk_fault_find(FK_SKIP_CALL, c->rank, it, NULL)) fk_sleep_ns(10000000); /* H1 */
-    compute(c, blas);
-    int64_t t1 = fk_now_ns();
-    if (c->pp > 1 && (r = pipeline_step(&m, buf, count)) != ncclSuccess) return fail("pipeline send/recv", r);
+    if (c->verbose) gpu_mark(&g, 0);
+    host_due = fk_now_ns();
+    if ((r = compute(c)) != ncclSuccess) return fail("compute launch", r);
+    if (c->verbose) gpu_mark(&g, 1); /* the device reaches the collectives */
+    if (c->pp > 1 && (r = pipeline_step(c, &m, buf, count)) != ncclSuccess) return fail("pipeline send/recv", r);
+    host_launch_cost(c, nccl_launch_us(c));
     if (c->tp > 1 && (r = ncclAllReduce(buf, buf, count, ncclFloat32, ncclSum, m.tp, NULL)) != ncclSuccess)
       return fail("tp all-reduce", r);
     size_t n = count + (fk_fault_find(FK_MISMATCH, c->rank, it, NULL) ? 1 : 0); /* H2 */
+    host_launch_cost(c, nccl_launch_us(c));
     r = settle(m.dp, ncclAllReduce(buf, buf, n, ncclFloat32, ncclSum, m.dp, NULL));
-    if (r != ncclSuccess)
-      return fail("dp all-reduce", r);
-    int64_t t2 = fk_now_ns();
+    if (r != ncclSuccess) return fail("dp all-reduce", r);
+    if (c->verbose) gpu_mark(&g, 2);
+    int64_t t1 = fk_now_ns();
     if (c->verbose) {
-      printf("it=%d t0=%lld t1=%lld t2=%lld\n", it, (long long)t0, (long long)t1, (long long)t2);
+      printf("sync it=%d t1=%lld\n", it, (long long)t1);
+      fflush(stdout);
+    }
+    if (cudaStreamSynchronize(NULL) != cudaSuccess) return fail("cudaStreamSynchronize", 0); /* loss.item() */
+    int64_t t2 = fk_now_ns();
+    if ((r = async_error(&m)) != ncclSuccess) return fail("asynchronous NCCL error", r);
+    if (c->verbose) {
+      long mem = 0;
+      fakeCudaMemStats(NULL, &mem, NULL);
+      printf("it=%d t0=%lld t1=%lld t2=%lld ga=%lld gd=%lld mem=%ld\n", it, (long long)t0, (long long)t1,
+             (long long)t2, (long long)gpu_at(&g, 1), (long long)gpu_at(&g, 2), mem);
       fflush(stdout);
     }
     if (c->ckpt_every > 0 && (it + 1) % c->ckpt_every == 0) fk_sleep_ns((int64_t)(c->ckpt_ms * 1e6));
@@ -172,9 +261,12 @@ static int run(const struct cfg *c) {
     long violations = 0, captured = 0;
     fakeCudaCaptureStats(&violations, &captured);
     printf("fake_cuda capture_violations=%ld captured_event_records=%ld\n", violations, captured);
+    long live = 0, bytes = 0, peak = 0;
+    fakeCudaMemStats(&live, &bytes, &peak);
+    printf("fake_cuda mem_allocs=%ld mem_bytes=%ld mem_peak_bytes=%ld\n", live, bytes, peak);
   }
+  for (int i = 0; c->verbose && i < 3; i++) cudaEventDestroy(g.ev[i]);
   free(buf);
-  cublasDestroy_v2(blas);
   if (m.tp != NULL) ncclCommDestroy(m.tp);
   if (m.pp != NULL) ncclCommDestroy(m.pp);
   if (m.dp != m.world) ncclCommDestroy(m.dp);
@@ -194,18 +286,21 @@ GH_EXPORT int gh_workload_main(int argc, char **argv) {
       .ckpt_every = (int)env_long("GH_CKPT_EVERY", 0),
       .verbose = (int)env_long("GH_VERBOSE", 0),
       .nonblocking = (int)env_long("GH_NONBLOCKING", 0),
+      .kernels = (int)env_long("GH_KERNELS", 4),
       .compute_ms = env_double("GH_COMPUTE_MS", 10.0),
       .busy = env_double("GH_COMPUTE_BUSY", 1.0),
       .ckpt_ms = env_double("GH_CKPT_MS", 0.0),
+      .launch_us = env_double("GH_LAUNCH_US", -1.0),
       .bytes = (size_t)env_long("GH_BYTES", 1 << 20),
       .rdzv = getenv("GH_RDZV"),
   };
   if (c.rdzv == NULL || c.world < 1 || c.rank < 0 || c.rank >= c.world || c.tp < 1 || c.pp < 1 ||
-      c.world % (c.tp * c.pp) != 0) {
+      c.world % (c.tp * c.pp) != 0 || c.kernels < 1) {
     fprintf(stderr,
-            "gh_workload: set RANK, WORLD_SIZE, GH_RDZV (dir); optional GH_ITERS, GH_COMPUTE_MS, "
-            "GH_COMPUTE_BUSY (0..1), GH_BYTES, GH_TP, GH_PP (WORLD_SIZE %% (TP*PP) == 0), GH_CKPT_EVERY, "
-            "GH_CKPT_MS, GH_NONBLOCKING (InitRankConfig, poll ncclInProgress), GH_VERBOSE\n");
+            "gh_workload: set RANK, WORLD_SIZE, GH_RDZV (dir); optional GH_ITERS, GH_COMPUTE_MS (device "
+            "time), GH_KERNELS (>= 1), GH_COMPUTE_BUSY (0..1, host launch work as a share of it), "
+            "GH_LAUNCH_US (host cost per launch instead), GH_BYTES, GH_TP, GH_PP (WORLD_SIZE %% (TP*PP) == 0), "
+            "GH_CKPT_EVERY, GH_CKPT_MS, GH_NONBLOCKING (InitRankConfig, poll ncclInProgress), GH_VERBOSE\n");
     return 2;
   }
   if (c.busy < 0) c.busy = 0;

@@ -1,12 +1,20 @@
 """Draining the hook's rings on one node: records in, per-rank iterations and counters out.
 
 No bus code here: the agent service publishes what this returns. One ``RankStream`` per ring file;
-new ring files (new ranks, restarted processes) are discovered on every scan.
+new ring files (new ranks, restarted processes) are discovered on every scan, and files that are
+gone are drained once more and closed.
+
+Every ring is untrusted input (it is written by the training process): a ring that fails its
+checks on attach, or fails while it is drained or sampled, is reported to the agent's
+``RingHealth`` and skipped, and every other ring is still served. Rows that cannot be real
+(counters past 2^63, ranks outside their communicator, iterations of no or negative length)
+are dropped before they become bus messages.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -15,7 +23,18 @@ from pathlib import Path
 import numpy as np
 
 from greyhound.core.period import IterationSegmenter
-from greyhound.hookabi import RECORD_DTYPE, CommState, Flag, Op, RingReader, list_rings
+from greyhound.hookabi import (
+    RECORD_DTYPE,
+    CommState,
+    FileId,
+    Flag,
+    Op,
+    RingError,
+    RingReader,
+    list_rings,
+)
+from greyhound.hookabi.validation import sane_comm_rows, sane_records
+from services.agent.health import RingHealth
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +42,8 @@ _COLLECTIVES = np.array([Op.ALLREDUCE, Op.ALLGATHER, Op.REDUCESCATTER, Op.BROADC
                          Op.ALLTOALL, Op.SEND, Op.RECV], dtype=np.uint16)
 # Flags the hook sets only on calls it handled in profile mode (timed, lost or captured).
 _PROFILE_FLAGS = np.uint32(Flag.PROFILED | Flag.CAPTURED)
+# An iteration longer than a day, or ending outside int64 ns, comes from nonsense timestamps.
+MAX_ITERATION_S = 86_400.0
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xC2B2AE3D27D4EB4F)
 
@@ -55,7 +76,6 @@ class RankStream:
     # Profile mode only: drained collective records kept for the analyzer (monitor mode keeps none).
     keep_records: bool = False
     kept: list[np.ndarray] = field(default_factory=list)
-    inode: int = 0
     ended: bool = False  # the writer process exited: drain what is left, report no counters
     _marked: bool = False  # the hook records GPU completion marks (see _gpu_marked)
 
@@ -76,6 +96,11 @@ class RankStream:
     @property
     def rank(self) -> int:
         return self.reader.header.rank
+
+    @property
+    def file_id(self) -> FileId:
+        """The identity of the file this stream reads (what control is keyed by)."""
+        return self.reader.file_id
 
     def take_kept(self) -> np.ndarray:
         """The records kept since the last call, in ring order (empty when none)."""
@@ -102,7 +127,7 @@ class RankStream:
         recs = self.reader.poll(max_records)
         if len(recs) == 0:
             return []
-        recs = recs[np.isin(recs["op"], _COLLECTIVES)]
+        recs = sane_records(recs[np.isin(recs["op"], _COLLECTIVES)])
         if len(recs) == 0:
             return []
         if self.keep_records:
@@ -112,7 +137,9 @@ class RankStream:
         iters = self.segmenter.feed(call_keys(recs), recs["enter_ns"].astype(np.int64),
                                     recs["return_ns"].astype(np.int64))
         off = self.wall_offset_ns()
-        return [RankIteration(self.rank, it.index, it.end_ns + off, it.duration_s) for it in iters]
+        return [RankIteration(self.rank, it.index, it.end_ns + off, it.duration_s) for it in iters
+                if 0 < it.duration_s <= MAX_ITERATION_S and math.isfinite(it.duration_s)
+                and 0 < it.end_ns + off < 1 << 63]
 
 
 @dataclass
@@ -231,64 +258,106 @@ class CollectiveRows:
 
 
 class Collector:
-    """All rank streams of one job on this node."""
+    """All rank streams of one job on this node; ``health`` is the agent's, shared by jobs."""
 
-    def __init__(self, shm_dir: Path, job: str) -> None:
+    def __init__(self, shm_dir: Path, job: str, *, health: RingHealth | None = None) -> None:
         self.shm_dir = shm_dir
         self.job = job
+        self.health = health if health is not None else RingHealth()
         self.streams: dict[Path, RankStream] = {}
+        self._retiring: list[RankStream] = []  # replaced or deleted: drained once more, closed
 
     def scan(self) -> list[RankStream]:
         """Attach to ring files that appeared (or were re-created by a restarted rank) since the
-        last scan, and retire those whose process exited; returns the new ones."""
+        last scan, retire those whose process exited or whose file is gone; returns the new
+        ones. A file that fails its checks is reported and skipped."""
         new: list[RankStream] = []
-        for path in list_rings(self.shm_dir, self.job):
+        listed = list_rings(self.shm_dir, self.job)
+        for path in listed:
             try:
-                inode = path.stat().st_ino
+                file_id = FileId.of(os.lstat(path))
             except OSError:
                 continue
             old = self.streams.get(path)
-            if old is not None and old.inode == inode:
+            if old is not None and old.file_id == file_id:
                 if not old.ended and old.writer_gone():
                     old.ended = True
                     log.info("rank %d of job %s exited; its ring is retired", old.rank, self.job)
                 continue
+            if self.health.skip(path, file_id):
+                continue
             try:
-                reader = RingReader(path)
-            except (OSError, ValueError) as exc:  # half-written or foreign file: retry next scan
-                log.debug("cannot attach %s yet: %s", path, exc)
+                stream = self._attach(path)
+            except Exception as exc:  # whatever the file holds, it costs this ring only
+                self.health.report(path, file_id, exc)
                 continue
             if old is not None:
-                old.reader.close()
-            stream = RankStream(path, reader, inode=inode)
+                self._retiring.append(old)
             self.streams[path] = stream
+            self.health.healed(path)
             new.append(stream)
+        present = set(listed)
+        for path in [p for p in self.streams if p not in present]:
+            self._retiring.append(self.streams.pop(path))
+        job_dir = Path(self.shm_dir) / self.job
+        self.health.forget(lambda p: p.parent != job_dir or p in present)
         return new
+
+    def _attach(self, path: Path) -> RankStream:
+        reader = RingReader(path)
+        try:
+            named = int(path.stem.split("-", 1)[1])
+            if reader.header.rank != named:
+                raise RingError(path, "rank", f"the header says rank {reader.header.rank}, the "
+                                              f"file name rank {named}")
+        except BaseException:
+            reader.close()
+            raise
+        return RankStream(path, reader)
+
+    def _fail(self, stream: RankStream, exc: Exception) -> None:
+        """A stream that failed while being read: reported, closed, tried again later."""
+        self.health.report(stream.path, stream.file_id, exc)
+        if self.streams.get(stream.path) is stream:
+            del self.streams[stream.path]
+        stream.reader.close()
 
     def drain(self) -> list[RankIteration]:
         out: list[RankIteration] = []
-        for stream in self.streams.values():
-            out.extend(stream.drain())
+        for stream in [*self._retiring, *self.streams.values()]:
+            try:
+                out.extend(stream.drain())
+            except Exception as exc:
+                self._fail(stream, exc)
+        for stream in self._retiring:
+            stream.reader.close()
+        self._retiring.clear()
         return out
 
     def take_profiled(self) -> CollectiveRows:
         """Collective records of the ranks in profile mode, drained since the last call."""
         rows = CollectiveRows()
-        for stream in self.streams.values():
+        for stream in list(self.streams.values()):
             if stream.kept:
                 rows.add(stream.rank, stream.take_kept(), stream.wall_offset_ns())
         return rows
 
     def counters(self, now_mono_ns: int) -> CounterRows:
         rows = CounterRows()
-        for stream in self.streams.values():
+        for stream in list(self.streams.values()):
             if stream.ended:
                 continue
-            for c in stream.reader.comms():
+            try:
+                comms = sane_comm_rows(stream.reader.comms())
+            except Exception as exc:
+                self._fail(stream, exc)
+                continue
+            for c in comms:
                 rows.add(stream.rank, c, now_mono_ns)
         return rows
 
     def close(self) -> None:
-        for stream in self.streams.values():
+        for stream in [*self._retiring, *self.streams.values()]:
             stream.reader.close()
         self.streams.clear()
+        self._retiring.clear()

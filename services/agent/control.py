@@ -1,10 +1,17 @@
 """The agent's control handler: requests from the validator and analyzer, acted on the rings.
 
 Control travels on core NATS request/reply (a conversation with a deadline, not a stream to
-replay), one subject per job and agent. Every request gets exactly one reply; anything wrong
-(unknown rank, a bad request, a full benchmark table) is an ``ok=False`` reply with the reason,
-never an exception that would silence the agent. Benchmarks only run on parked ranks, so a bench
+replay), two subjects per job and agent: the control subject for status and mode, the
+validation subject for what holds the job (pause, bench, resume), which only the validator may
+publish to (server permissions), so a holding request on the control subject is refused. Every
+request gets exactly one reply; anything wrong (unknown rank, a bad request, a full benchmark
+table, a ring that fails while it is acted on) is an ``ok=False`` reply with the reason, never
+an exception that would silence the agent. Benchmarks only run on parked ranks, so a bench
 request for a rank that is not paused is refused instead of queued for some later pause.
+
+Control blocks are keyed by file identity (device, inode), not path: after a rank restarts, its
+new ring sits at the old path, and a pause meant for the live process must reach the live
+process's file. Entries of files the collectors no longer serve are dropped at every sync.
 """
 
 from __future__ import annotations
@@ -14,7 +21,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Literal
 
 from nats.aio.client import Client as NATS
@@ -22,7 +28,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
-from greyhound.hookabi import BenchKind, BenchRequest, BenchState, CommState, Control
+from greyhound.hookabi import BenchKind, BenchRequest, BenchState, CommState, Control, FileId
+from greyhound.hookabi.validation import sane_comm_rows
 from services.agent.collector import Collector, RankStream
 from services.common.bus.contract import (
     BenchItem,
@@ -33,10 +40,12 @@ from services.common.bus.contract import (
     RankStatus,
     Subjects,
 )
+from services.common.bus.control import HOLDING_ACTIONS
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.003  # benchmark results are polled; this keeps the event loop free between looks
+MAX_IN_FLIGHT = 64  # requests answered at once; beyond, a request gets a "busy" reply
 _KINDS = {"gemm": BenchKind.GEMM, "send": BenchKind.SEND, "recv": BenchKind.RECV}
 _STATES: dict[BenchState, Literal["done", "unsupported", "failed"]] = {
     BenchState.DONE: "done", BenchState.UNSUPPORTED: "unsupported", BenchState.FAILED: "failed"}
@@ -54,29 +63,67 @@ class AgentControl:
         self.agent_id = agent_id
         self.collectors = collectors
         self._clock = clock
-        self._controls: dict[Path, Control] = {}
-        self._orphans: dict[Path, list[int]] = {}  # timed-out benchmark ids, freed when done
-        self._subs: dict[str, Subscription] = {}
+        self._controls: dict[FileId, Control] = {}
+        self._adopted: set[FileId] = set()  # rings whose leftover pause and mode were cleared
+        self._orphans: dict[FileId, list[int]] = {}  # timed-out benchmark ids, freed when done
+        self._subs: dict[str, list[Subscription]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.handled = 0
 
     # ---- bus --------------------------------------------------------------------------------
 
-    async def subscribe_new_jobs(self, nc: NATS) -> None:
-        """One subscription per job this agent serves (called after each ring scan)."""
+    async def sync_jobs(self, nc: NATS) -> None:
+        """Subscribe for jobs the collectors serve now, unsubscribe from jobs they dropped, and
+        forget control blocks of files no longer served (called after each ring scan)."""
+        self.adopt_rings()
         for job in list(self.collectors):
             if job not in self._subs:
-                self._subs[job] = await nc.subscribe(Subjects.control(job, self.agent_id),
-                                                     cb=self._on_msg)
+                self._subs[job] = [
+                    await nc.subscribe(Subjects.control(job, self.agent_id), cb=self._on_msg),
+                    await nc.subscribe(Subjects.validation(job, self.agent_id), cb=self._on_msg)]
+        for job in [j for j in self._subs if j not in self.collectors]:
+            for sub in self._subs.pop(job):
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self.prune()
+
+    def prune(self) -> None:
+        """Drop what is held for files that no collector serves any more."""
+        live = {s.file_id for col in self.collectors.values() for s in col.streams.values()}
+        for fid in [f for f in self._controls if f not in live]:
+            self._controls.pop(fid).close()
+        for fid in [f for f in self._orphans if f not in live]:
+            del self._orphans[fid]
+
+    def adopt_rings(self) -> None:
+        """Clear what an earlier agent left in rings this one meets for the first time: a pause
+        (its validator gone with it, nobody would resume; the lease would, later) and profile
+        mode (this agent publishes no collectives for it). Runs before any request is served."""
+        live = {s.file_id: s for col in self.collectors.values() for s in col.streams.values()}
+        for fid in live.keys() - self._adopted:
+            try:
+                ctl = self._control(live[fid])
+                ctl.resume()
+                ctl.set_mode("monitor")
+            except Exception:  # one ring that cannot be written costs that ring only
+                log.exception("could not clear the control block of %s", live[fid].path)
+        self._adopted = set(live)
 
     async def _on_msg(self, msg: Msg) -> None:
+        if len(self._tasks) >= MAX_IN_FLIGHT:
+            with contextlib.suppress(Exception):
+                await msg.respond(self._fail("busy: too many requests in flight").model_dump_json()
+                                  .encode())
+            return
         # A long benchmark must not hold up a status request: each request runs on its own.
         task = asyncio.create_task(self._respond(msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _respond(self, msg: Msg) -> None:
-        reply = await self.answer(Subjects.job_of(msg.subject), msg.data)
+        kind = msg.subject.split(".")[3] if msg.subject.count(".") >= 4 else ""
+        reply = await self.answer(Subjects.job_of(msg.subject), msg.data,
+                                  holding_allowed=kind == "validate")
         if msg.reply:
             try:
                 await msg.respond(reply.model_dump_json().encode())
@@ -84,9 +131,10 @@ class AgentControl:
                 log.exception("could not reply to a control request on %s", msg.subject)
 
     async def close(self) -> None:
-        for sub in self._subs.values():
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        for subs in self._subs.values():
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         self._subs.clear()
         for task in list(self._tasks):
             task.cancel()
@@ -96,8 +144,9 @@ class AgentControl:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def answer(self, job: str, data: bytes) -> ControlReply:
-        """The reply to one raw request addressed to ``job``."""
+    async def answer(self, job: str, data: bytes, *, holding_allowed: bool = True) -> ControlReply:
+        """The reply to one raw request addressed to ``job``; ``holding_allowed`` is False for
+        requests that came on the control subject, where pause, bench and resume are refused."""
         self.handled += 1
         try:
             req = ControlRequest.model_validate_json(data)
@@ -108,6 +157,9 @@ class AgentControl:
         try:
             if req.job_id != job:
                 raise ControlError(f"request for job {req.job_id} sent on job {job}'s subject")
+            if req.action in HOLDING_ACTIONS and not holding_allowed:
+                raise ControlError(f"{req.action} is accepted only on the validation subject "
+                                   f"({Subjects.validation(job, self.agent_id)})")
             return await self._dispatch(req)
         except ControlError as exc:
             return self._fail(str(exc))
@@ -153,9 +205,9 @@ class AgentControl:
         return [streams[r] for r in sorted(set(req.ranks))]
 
     def _control(self, stream: RankStream) -> Control:
-        ctl = self._controls.get(stream.path)
+        ctl = self._controls.get(stream.file_id)
         if ctl is None:
-            ctl = self._controls[stream.path] = stream.reader.control()
+            ctl = self._controls[stream.file_id] = stream.reader.control()
         return ctl
 
     def _status(self, s: RankStream) -> RankStatus:
@@ -163,7 +215,7 @@ class AgentControl:
         comms = [CommStatus(comm_id=int(c["comm_id"]), comm_rank=int(c["rank"]),
                             nranks=int(c["nranks"]), last_seq_entered=int(c["last_seq_entered"]),
                             last_seq_completed=int(c["last_seq_completed"]))
-                 for c in s.reader.comms() if int(c["state"]) == CommState.ACTIVE]
+                 for c in sane_comm_rows(s.reader.comms()) if int(c["state"]) == CommState.ACTIVE]
         h = s.reader.header
         return RankStatus(rank=s.rank, host=h.host, device=h.device,
                           mode="profile" if s.keep_records else "monitor",
@@ -176,7 +228,8 @@ class AgentControl:
                                f"pause parks ranks at different calls and deadlocks their "
                                f"peers); missing for ranks {missing}")
         for s in targets:
-            self._control(s).pause(req.pause_comm_id.get(s.rank, 0), req.pause_seq)
+            self._control(s).pause(req.pause_comm_id.get(s.rank, 0), req.pause_seq,
+                                   lease_s=req.lease_s)
 
     # ---- benchmarks -------------------------------------------------------------------------
 
@@ -188,7 +241,7 @@ class AgentControl:
             if not self._control(streams[rank]).paused():
                 raise ControlError(f"rank {rank} is not paused: benchmarks run only on parked "
                                    "ranks")
-        for s in {streams[it.rank].path: streams[it.rank] for it in items}.values():
+        for s in {streams[it.rank].file_id: streams[it.rank] for it in items}.values():
             self._reap(s)
         submitted: list[tuple[BenchItem, RankStream, int]] = []
         try:
@@ -198,9 +251,9 @@ class AgentControl:
                     kind=_KINDS[it.kind], size=it.size, repeat=it.repeat, comm_id=it.comm_id,
                     peer=it.peer))
                 submitted.append((it, s, req_id))
-        except RuntimeError as exc:  # all slots busy
+        except (RuntimeError, ValueError) as exc:  # all slots busy, or a bad ring or size
             for _, s, req_id in submitted:
-                self._orphans.setdefault(s.path, []).append(req_id)
+                self._orphans.setdefault(s.file_id, []).append(req_id)
             raise ControlError(f"cannot submit benchmarks: {exc}") from exc
         outcomes = await self._collect(submitted, req.timeout_s)
         return ControlReply(ok=True, agent_id=self.agent_id, results=outcomes,
@@ -242,13 +295,13 @@ class AgentControl:
             if i in done:
                 out.append(done[i])
             else:
-                self._orphans.setdefault(s.path, []).append(req_id)
+                self._orphans.setdefault(s.file_id, []).append(req_id)
                 out.append(BenchOutcome(item=it, state="timeout"))
         return out
 
     def _reap(self, s: RankStream) -> None:
         """Free the slots of earlier timed-out requests that have finished since."""
-        ids = self._orphans.get(s.path)
+        ids = self._orphans.get(s.file_id)
         if not ids:
             return
         ctl = self._control(s)
@@ -259,4 +312,4 @@ class AgentControl:
                     keep.append(req_id)
             except KeyError:
                 pass
-        self._orphans[s.path] = keep
+        self._orphans[s.file_id] = keep

@@ -1,9 +1,14 @@
 """Analyzer: detections in, incidents out.
 
-A slowdown opens (or updates) the job's slowdown incident; a recovery resolves it. Each incident
-change is committed first, then announced on the bus, then the detection is acked. A slowdown
+A slowdown opens (or updates) the job's slowdown incident; a recovery resolves it; a hang opens
+the job's hang incident and the end of the hang (its communicators move again) resolves it.
+Each incident change and its announcements are committed together (the announcements into the
+transactional outbox, services.common.outbox), then sent, then the detection is acked: a crash or
+a failed publish anywhere after the commit delays an announcement, never loses it. A slowdown
 also starts its localisation (``slow.SlowLocalizer``) as a task of its own, fed by the
-collectives consumer, so detections keep flowing while a job is profiled.
+collectives consumer, so detections keep flowing while a job is profiled. A localisation that
+its process did not live to record is started again when the analyzer starts (``resume``): an
+incident still ``detected``, open, with no localisation result.
 
 A second fault while the first is open is its own incident. When the tracker reports a further
 slowdown of a job that is already slow, a new incident opens (the open ones get a timeline entry
@@ -20,23 +25,31 @@ after the other, since a job is profiled through one window at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from greyhound.core.known_causes import KnownCauses, OpenStep, ended_by
 from services.analyzer.hangs import diagnose_from_rows, unsigned64
 from services.analyzer.profiling import CollectiveFeed
+from services.analyzer.retention import run_retention
+from services.analyzer.settings import AnalyzerSettings
 from services.analyzer.slow import SlowLocalizer
-from services.common.bus.client import Consumer, TransientError, publish
+from services.common.bus.bounds import MAX_SECONDS
+from services.common.bus.client import Consumer
 from services.common.bus.contract import DetectionEvent, IncidentEvent, IncidentStage, Subjects
+from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import ANALYZER
 from services.common.db import repository as repo
 from services.common.db.models import Incident
-from services.common.runtime import ServiceContext
+from services.common.outbox import Outbox
+from services.common.runtime import ServiceContext, supervise
 
 log = logging.getLogger(__name__)
 
@@ -54,21 +67,49 @@ class Recorded:
     second: bool = False
 
 
+def _severity(x: float) -> float:
+    """Severities as the contract and the incidents table take them: finite, 0..MAX_SECONDS."""
+    return min(max(x, 0.0), MAX_SECONDS) if x == x else MAX_SECONDS
+
+
 class Analyzer:
-    def __init__(self, ctx: ServiceContext, localizer: SlowLocalizer | None = None) -> None:
+    def __init__(self, ctx: ServiceContext, localizer: SlowLocalizer | None = None, *,
+                 outbox: Outbox | None = None) -> None:
         self.ctx = ctx
         self.localizer = localizer
+        self.outbox = outbox or (localizer.outbox if localizer is not None
+                                 else Outbox.of(ctx, "analyzer"))
         self._chains: dict[str, asyncio.Task[None]] = {}
 
     async def handle(self, subject: str, det: DetectionEvent) -> None:
-        try:
-            done = await self._record(det)
-        except OSError as exc:
-            raise TransientError(f"database unreachable: {exc}") from exc
-        for announce in done.events:
-            await publish(self.ctx.js, Subjects.incident(det.job_id), announce)
+        """A database failure propagates: the consumer retries what may succeed later."""
+        done = await self._record(det)
+        await self.outbox.flush([e.event_id for e in done.events])
         if done.localize is not None and self.localizer is not None:
             self._localize(done.localize, det, second=done.second)
+
+    async def resume(self) -> int:
+        """Localise again every open incident left ``detected`` without a localisation result
+        (the analyzer died while profiling, or a failure stopped it before it recorded what it
+        found), unless its job is being profiled now; how many were started."""
+        if self.localizer is None:
+            return 0
+        async with self.ctx.db()() as session:
+            rows = await repo.unlocalized_incidents(session, SLOW_KEY)
+            await session.commit()
+        started = 0
+        for inc in rows:
+            if inc.job_id in self._chains or inc.job_id in self.localizer.tasks:
+                continue
+            det = _detection_of(inc)
+            if det is None:
+                log.warning("incident %s: no usable detection to localise it again", inc.id)
+                continue
+            log.info("incident %s of job %s: its localisation never finished; starting it again",
+                     inc.id, inc.job_id)
+            self._localize(inc.id, det, second=inc.dedup_key != SLOW_KEY)
+            started += 1
+        return started
 
     def _localize(self, incident_id: str, det: DetectionEvent, *, second: bool) -> None:
         """Queue a localisation behind the job's running one; a repeat of the first one is
@@ -118,9 +159,9 @@ class Analyzer:
         if det.kind != "hang":
             summary = (f"job {det.job_id} {det.kind}: iteration {det.before_s:.3f}s -> "
                        f"{det.after_s:.3f}s ({det.slowdown:.2f}x)")
-            return det.kind, det.slowdown, {"ranks": det.ranks[:64]}, summary
+            return det.kind, _severity(det.slowdown), {"ranks": det.ranks[:64]}, summary
         stalled = det.stalled_s or 0.0
-        severity = stalled / det.threshold_s if det.threshold_s else 1.0
+        severity = _severity(stalled / det.threshold_s if det.threshold_s else 1.0)
         culprit: dict[str, Any] = {"comm_id": det.comm_id, "ranks": det.ranks[:64]}
         rows = det.evidence.get("counters", {})
         # Cascaded symptoms are already dropped by the diagnosis. Of what is left, a rank that
@@ -156,14 +197,29 @@ class Analyzer:
             await repo.touch_job(session, det.job_id)
             if det.kind == "hang":
                 done = await self._hang(session, det, detail)
+            elif det.hang_over:
+                done = await self._hang_over(session, det, detail)
             else:
                 open_ = await repo.open_incidents(session, det.job_id, SLOW_KEY)
                 if det.kind == "recovery":
                     done = await self._recovery(session, det, detail, change, open_)
                 else:
                     done = await self._slowdown(session, det, detail, change, open_)
+            for event in done.events:
+                await self.outbox.stage(session, Subjects.incident(det.job_id), event)
             await session.commit()
         return done
+
+    async def _hang_over(self, session: AsyncSession, det: DetectionEvent,
+                         detail: dict[str, Any]) -> Recorded:
+        """The stalled communicators move again: the job's hang incident is over."""
+        incident = await repo.find_open_incident(session, det.job_id, "hang")
+        if incident is None:
+            return Recorded()
+        await repo.add_timeline(session, incident, "resolved",
+                                {**detail, "comm_id": det.comm_id, "by": "hang-watch",
+                                 "moved_comms": det.evidence.get("moved_comms", [])})
+        return Recorded([self._event(det, incident, "resolved")])
 
     async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any]) -> Recorded:
         # One open incident per job and problem family: a hang stalls many communicators at once.
@@ -240,15 +296,53 @@ class Analyzer:
                              summary=incident.summary)
 
 
+def _detection_of(inc: Incident) -> DetectionEvent | None:
+    """The detection an incident was opened from, rebuilt from what it recorded."""
+    d = inc.evidence.get("detection") or {}
+    try:
+        return DetectionEvent(
+            job_id=inc.job_id, kind="slowdown", ranks=list(d.get("ranks") or [])[:64],
+            first_iteration=int(d["first_iteration"]),
+            detected_iteration=int(d["detected_iteration"]), before_s=float(d["before_s"]),
+            after_s=float(d["after_s"]), detected_ns=time.time_ns(),
+            method=str(d.get("method") or "bocd-v"),
+            evidence={"change": d.get("change") or "onset",
+                      "healthy_s": d.get("healthy_s") or d["before_s"]})
+    except (KeyError, TypeError, ValueError, ValidationError):
+        return None
+
+
 async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
-    localizer = SlowLocalizer(ctx)
-    analyzer = Analyzer(ctx, localizer)
+    """The service: detections, the collective feed, the outbox relay and the retention pass,
+    supervised (one that dies ends the process for its supervisor to restart it)."""
+    settings = AnalyzerSettings()
+    outbox = Outbox.of(ctx, "analyzer")
+    localizer = SlowLocalizer(ctx, outbox=outbox)
+    analyzer = Analyzer(ctx, localizer, outbox=outbox)
     consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.handle)
     feed = CollectiveFeed(ctx.js, localizer.buffers)
-    tasks = [asyncio.create_task(consumer.run()), asyncio.create_task(feed.run())]
-    await stop.wait()
-    consumer.stop()
-    feed.stop()
-    await analyzer.stop()
-    await localizer.stop()
-    await asyncio.gather(*tasks)
+
+    async def stopper() -> None:
+        await stop.wait()
+        consumer.stop()
+        feed.stop()
+
+    async def resumer() -> None:
+        """At start-up and every resume_every_s; the database being away is waited out."""
+        while not stop.is_set():
+            try:
+                await analyzer.resume()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("resuming localisations failed: %s", describe(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), settings.resume_every_s)
+
+    try:
+        await supervise(consumer.run(), feed.run(), outbox.run(stop), stopper(), resumer(),
+                        run_retention(ctx.db(), settings, stop,
+                                      events_max_age_s=ctx.settings.events_max_age_s))
+    finally:
+        await analyzer.stop()
+        await localizer.stop()

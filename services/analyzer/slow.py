@@ -3,8 +3,12 @@
 One task per job being profiled, so the detection consumer never waits on a window. The task
 switches the job's agents to profile mode, lets the collective feed fill the job's buffer until
 the window rule is met, switches them back (always, even on error), runs the pure
-``localize_slow`` off the event loop, then commits the result to the incident before announcing
-it: a classified ``Suspicion`` for the validator and an ``IncidentEvent``.
+``localize_slow`` off the event loop, then commits the result to the incident together with
+its announcements (a classified ``Suspicion`` for the validator and an ``IncidentEvent``, staged
+in the transactional outbox) and sends them. The profile is in memory only, so a database that
+is away when the result is recorded is waited out (``record_patience_s``) rather than the
+profiling done again; a localisation that its process did not live to record is started again
+at the analyzer's next start (``Analyzer.resume``).
 """
 
 from __future__ import annotations
@@ -15,21 +19,25 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from greyhound.core.known_causes import KnownCauses, new_causes
 from greyhound.core.slow_localization import NodeLabel, SlowLocalization, localize_slow
 from greyhound.hookabi import unsigned64
 from services.analyzer.profiling import ProfileBuffer, WindowRule
 from services.common.bus import control
-from services.common.bus.client import publish
 from services.common.bus.contract import (
     ControlRequest,
     DetectionEvent,
     IncidentEvent,
+    Message,
     Subjects,
     Suspicion,
 )
+from services.common.bus.errors import describe, is_transient
 from services.common.db import repository as repo
 from services.common.db.models import Rank
+from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext
 
 log = logging.getLogger(__name__)
@@ -39,10 +47,13 @@ class SlowLocalizer:
     """Owns the open profiling windows (``buffers``, shared with the collective feed)."""
 
     def __init__(self, ctx: ServiceContext, *, rule: WindowRule | None = None,
-                 control_timeout_s: float = 3.0) -> None:
+                 control_timeout_s: float = 3.0, outbox: Outbox | None = None,
+                 record_patience_s: float = 300.0) -> None:
         self.ctx = ctx
         self.rule = rule or WindowRule()
         self.control_timeout_s = control_timeout_s
+        self.outbox = outbox or Outbox.of(ctx, "analyzer")
+        self.record_patience_s = record_patience_s
         self.buffers: dict[str, ProfileBuffer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -71,14 +82,29 @@ class SlowLocalizer:
             loc, window, timing = await self._profile(det)
             if known is not None:
                 loc = new_causes(loc, known)
-            announce = await self._record(incident_id, det, loc, {"window": window,
-                                                                   "timing": timing})
-            for subject, msg in announce:
-                await publish(self.ctx.js, subject, msg)
+            ids = await self._record_patiently(incident_id, det, loc,
+                                               {"window": window, "timing": timing})
+            await self.outbox.flush(ids)
         except asyncio.CancelledError:
             raise
         except Exception:  # one failed localisation must not take the analyzer down
             log.exception("localisation of job %s failed", det.job_id)
+
+    async def _record_patiently(self, incident_id: str, det: DetectionEvent,
+                                loc: SlowLocalization, facts: dict[str, Any]) -> list[str]:
+        """Record the result, retrying while the database is away (up to record_patience_s)."""
+        deadline = time.monotonic() + self.record_patience_s
+        delay = 0.5
+        while True:
+            try:
+                return await self._record(incident_id, det, loc, facts)
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("incident %s: recording its localisation failed, retrying in "
+                            "%.1fs: %s", incident_id, delay, describe(exc))
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 10.0)
 
     async def _profile(self, det: DetectionEvent
                        ) -> tuple[SlowLocalization, dict[str, Any], dict[str, object]]:
@@ -125,53 +151,60 @@ class SlowLocalizer:
         return ok
 
     async def _record(self, incident_id: str, det: DetectionEvent, loc: SlowLocalization,
-                      facts: dict[str, Any]) -> list[tuple[str, Any]]:
-        evidence = {**_unsigned_evidence(loc.evidence), **facts}
+                      facts: dict[str, Any]) -> list[str]:
+        """Commit the result with its announcements; the event ids to send."""
         async with self.ctx.db()() as session:
-            incident = await repo.get_incident_for_update(session, incident_id)
-            if incident is None:
-                return []
-            if loc.kind == "none":
-                known_only = bool(loc.evidence.get("known_only"))
-                stage = ("resolved" if (loc.transient or known_only)
-                         and incident.status != "resolved" else None)
-                result = ("known cause" if known_only else "transient" if loc.transient
-                          else "unexplained")
-                detail = {"result": result, "by": "analyzer", "evidence": evidence}
-                await repo.add_timeline(session, incident, stage or "detected", detail)
-                await session.commit()
-                log.info("incident %s: profiling found nothing (%s)", incident.id, result)
-                if stage is None:
-                    return []
-                why = ("no new cause: an open incident's cause got worse" if known_only
-                       else "transient: over before it was localised")
-                return [(Subjects.incident(det.job_id), IncidentEvent(
-                    job_id=det.job_id, incident_id=incident.id, stage="resolved",
-                    kind=incident.kind, severity=incident.severity,
-                    summary=f"{incident.summary} ({why})"))]
-            culprit = _merge_culprit(incident.culprit, loc)
-            incident.kind = loc.kind
-            incident.culprit = culprit
-            incident.evidence = {**incident.evidence, "localization": evidence}
-            incident.summary = _summary(det, loc, culprit)
-            # the slowdown may have ended while profiling: then the lifecycle keeps it closed
-            resolved = await repo.add_timeline(
-                session, incident, "localized",
-                {"kind": loc.kind, "culprit": culprit, "evidence": evidence}) == "resolved"
+            announce = await self._apply(session, incident_id, det, loc, facts)
+            ids = [await self.outbox.stage(session, subject, msg) for subject, msg in announce]
             await session.commit()
-            log.info("incident %s localized: %s", incident.id, incident.summary)
-            out: list[tuple[str, Any]] = []
-            if not resolved:
-                out.append((Subjects.suspicion(det.job_id), Suspicion(
-                    job_id=det.job_id, incident_id=incident.id, kind=loc.kind,
-                    ranks=loc.compute_ranks, comm_ids=[unsigned64(c) for c in loc.comm_ids],
-                    slow_groups=[unsigned64(c) for c in loc.slow_groups],
-                    evidence={"nodes": loc.nodes, "links": [list(p) for p in loc.links],
-                              **evidence})))
-            out.append((Subjects.incident(det.job_id), IncidentEvent(
-                job_id=det.job_id, incident_id=incident.id, stage="localized", kind=loc.kind,
-                severity=incident.severity, summary=incident.summary)))
-            return out
+        return ids
+
+    async def _apply(self, session: AsyncSession, incident_id: str, det: DetectionEvent,
+                     loc: SlowLocalization, facts: dict[str, Any]) -> list[tuple[str, Message]]:
+        evidence = {**_unsigned_evidence(loc.evidence), **facts}
+        incident = await repo.get_incident_for_update(session, incident_id)
+        if incident is None:
+            return []
+        if loc.kind == "none":
+            known_only = bool(loc.evidence.get("known_only"))
+            stage = ("resolved" if (loc.transient or known_only)
+                     and incident.status != "resolved" else None)
+            result = ("known cause" if known_only else "transient" if loc.transient
+                      else "unexplained")
+            detail = {"result": result, "by": "analyzer", "evidence": evidence}
+            await repo.add_timeline(session, incident, stage or "detected", detail)
+            await session.commit()
+            log.info("incident %s: profiling found nothing (%s)", incident.id, result)
+            if stage is None:
+                return []
+            why = ("no new cause: an open incident's cause got worse" if known_only
+                   else "transient: over before it was localised")
+            return [(Subjects.incident(det.job_id), IncidentEvent(
+                job_id=det.job_id, incident_id=incident.id, stage="resolved",
+                kind=incident.kind, severity=incident.severity,
+                summary=f"{incident.summary} ({why})"))]
+        culprit = _merge_culprit(incident.culprit, loc)
+        incident.kind = loc.kind
+        incident.culprit = culprit
+        incident.evidence = {**incident.evidence, "localization": evidence}
+        incident.summary = _summary(det, loc, culprit)
+        # the slowdown may have ended while profiling: then the lifecycle keeps it closed
+        resolved = await repo.add_timeline(
+            session, incident, "localized",
+            {"kind": loc.kind, "culprit": culprit, "evidence": evidence}) == "resolved"
+        log.info("incident %s localized: %s", incident.id, incident.summary)
+        out: list[tuple[str, Message]] = []
+        if not resolved:
+            out.append((Subjects.suspicion(det.job_id), Suspicion(
+                job_id=det.job_id, incident_id=incident.id, kind=loc.kind,
+                ranks=loc.compute_ranks, comm_ids=[unsigned64(c) for c in loc.comm_ids],
+                slow_groups=[unsigned64(c) for c in loc.slow_groups],
+                evidence={"nodes": loc.nodes, "links": [list(p) for p in loc.links],
+                          **evidence})))
+        out.append((Subjects.incident(det.job_id), IncidentEvent(
+            job_id=det.job_id, incident_id=incident.id, stage="localized", kind=loc.kind,
+            severity=incident.severity, summary=incident.summary)))
+        return out
 
 
 def _merge_culprit(old: dict[str, Any], loc: SlowLocalization) -> dict[str, Any]:

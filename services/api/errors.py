@@ -3,19 +3,35 @@
 Routes raise an ``ApiError`` subclass; a single handler turns it (and FastAPI's own validation
 and routing errors) into a problem document, so every error a client sees has one shape and the
 OpenAPI declares it once (see ``openapi.py``).
+
+A dependency that went away (the database restarting, a connection cut) is the server's
+temporary condition, not a bug: any request that fails on it answers 503 with ``Retry-After``,
+classified by the same rule as the bus consumers (services.common.bus.errors), never a 500.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
+import asyncpg
+import sqlalchemy.exc as sa
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.bus.errors import classify, describe
+from services.common.redact import redact_text
+
+log = logging.getLogger(__name__)
+
 PROBLEM_JSON = "application/problem+json"
+RETRY_AFTER_S = 5
+# What a database (or another dependency) that is away raises; classify() decides whether it is.
+INFRASTRUCTURE_ERRORS: tuple[type[Exception], ...] = (
+    sa.SQLAlchemyError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
 class Problem(BaseModel):
@@ -103,9 +119,23 @@ def install_handlers(app: FastAPI) -> None:
         return problem_response(exc.status_code, title, str(exc.detail), slug="http",
                                 instance=request.url.path, headers=dict(exc.headers or {}))
 
+    async def on_infrastructure(request: Request, exc: Exception) -> JSONResponse:
+        if classify(exc) == "transient":
+            log.warning("%s %s: a dependency is unavailable: %s", request.method,
+                        request.url.path, redact_text(describe(exc))[:500])
+            return problem_response(
+                503, Unavailable.title, "a dependency (the database) is unavailable; retry later",
+                slug=Unavailable.slug, instance=request.url.path,
+                headers={"Retry-After": str(RETRY_AFTER_S)})
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return problem_response(500, ApiError.title, "internal error", slug=ApiError.slug,
+                                instance=request.url.path)
+
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    for kind in INFRASTRUCTURE_ERRORS:
+        app.add_exception_handler(kind, on_infrastructure)
 
 
 def storable_text(value: str) -> str | None:

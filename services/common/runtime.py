@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -12,10 +13,12 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from services.common.bus.auth import Credentials, tls_context
 from services.common.bus.client import connect, ensure_streams
 from services.common.db.migrate import upgrade_async
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
+from services.common.redact import redact
 from services.common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -23,11 +26,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Backends:
-    """URLs of the bus and the database, and the embedded servers this process started (if any)."""
+    """URLs of the bus and the database, the bus credentials of this process (None: connect
+    without), and the embedded servers this process started (if any)."""
 
     nats_url: str
     database_url: str
     started: list[EmbeddedNats | EmbeddedPostgres] = field(default_factory=list)
+    nats_credentials: Credentials | None = None
+    embedded_nats: EmbeddedNats | None = None  # started or reused: it hands out credentials
 
     def stop(self) -> None:
         for server in reversed(self.started):
@@ -35,20 +41,36 @@ class Backends:
         self.started.clear()
 
 
-def resolve_backends(settings: Settings, *, need_db: bool = True) -> Backends:
-    """Configured URLs win; an unset one starts (or reuses) the embedded server in data_dir."""
+def settings_credentials(settings: Settings) -> Credentials | None:
+    if settings.nats_user is None or settings.nats_password is None:
+        return None
+    return Credentials(settings.nats_user, settings.nats_password.get_secret_value())
+
+
+def resolve_backends(settings: Settings, *, need_db: bool = True,
+                     bus_user: str | None = None) -> Backends:
+    """Configured URLs win; an unset one starts (or reuses) the embedded server in data_dir.
+
+    Credentials set in the settings win too; without them, ``bus_user``'s come from the
+    embedded NATS (created there if it is a new agent's)."""
     started: list[EmbeddedNats | EmbeddedPostgres] = []
+    creds = settings_credentials(settings)
+    embedded = None
     nats_url = settings.nats_url
     if nats_url is None:
-        nats = EmbeddedNats(settings.data_dir)
-        nats_url = nats.start()
-        started.append(nats)
+        embedded = EmbeddedNats(settings.data_dir, auth=not settings.nats_no_auth,
+                                tracker_partitions=settings.tracker_partitions)
+        nats_url = embedded.start()
+        started.append(embedded)
+        if creds is None and bus_user is not None and embedded.auth:
+            creds = embedded.credentials(bus_user)
     db_url = settings.database_url or ""
     if need_db and not db_url:
         pg = EmbeddedPostgres(settings.data_dir)
         db_url = pg.start()
         started.append(pg)
-    return Backends(nats_url=nats_url, database_url=db_url, started=started)
+    return Backends(nats_url=nats_url, database_url=db_url, started=started,
+                    nats_credentials=creds, embedded_nats=embedded)
 
 
 @dataclass
@@ -76,18 +98,37 @@ class ServiceContext:
 
 
 async def start_service(name: str, settings: Settings, *, need_db: bool = True,
-                        backends: Backends | None = None) -> ServiceContext:
-    """Connect to (or start) NATS and Postgres, create streams and run migrations."""
-    backends = backends or resolve_backends(settings, need_db=need_db)
-    nc = await connect(backends.nats_url, name=f"greyhound-{name}")
+                        backends: Backends | None = None,
+                        bus_user: str | None = None) -> ServiceContext:
+    """Connect to (or start) NATS and Postgres, create streams and run migrations.
+
+    ``name`` is a service of the registry (or a test's own name); its bus user is
+    ``bus_user``, by default the registry's for ``name``. A service whose line does not
+    declare streams (the agent, which may only publish telemetry) leaves them to the others."""
+    from services.registry import BY_NAME
+
+    service = BY_NAME.get(name)
+    if bus_user is None and service is not None:
+        bus_user = service.bus_user()
+    backends = backends or resolve_backends(settings, need_db=need_db, bus_user=bus_user)
+    tls = tls_context(settings.nats_tls_ca, settings.nats_tls_cert, settings.nats_tls_key)
+    nc = await connect(backends.nats_url, name=f"greyhound-{name}",
+                       credentials=backends.nats_credentials, tls=tls)
     js = nc.jetstream()
-    await ensure_streams(js, settings)
-    engine = sessions = None
-    if need_db:
-        await upgrade_async(backends.database_url)
-        engine = make_engine(backends.database_url)
-        sessions = make_sessionmaker(engine)
-    log.info("%s connected (nats %s)", name, backends.nats_url)
+    try:
+        if service is None or service.bus.declare_streams:
+            await ensure_streams(js, settings)
+        engine = sessions = None
+        if need_db:
+            await upgrade_async(backends.database_url)
+            engine = make_engine(backends.database_url)
+            sessions = make_sessionmaker(engine)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise
+    user = backends.nats_credentials.user if backends.nats_credentials else "no user"
+    log.info("%s connected (nats %s as %s)", name, redact(backends.nats_url), user)
     return ServiceContext(settings, backends, nc, js, engine, sessions)
 
 

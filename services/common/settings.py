@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.redact import redact
+
 
 class Settings(BaseSettings):
     """Where the bus, the database and the rings live, and what every process needs alike.
@@ -23,9 +25,23 @@ class Settings(BaseSettings):
     configured runs the whole system; production sets the URLs and nothing is started.
     """
 
-    model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="forbid")
+    # hide_input_in_errors: a validation error must not repeat a URL with its password.
+    model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="forbid",
+                                      hide_input_in_errors=True)
 
     nats_url: str | None = None
+    # Who this process is on the bus (docs/security.md): its NATS user and password, and TLS.
+    # Unset with an embedded NATS: the process reads its own from the data directory.
+    nats_user: str | None = None
+    nats_password: SecretStr | None = None
+    nats_tls_ca: Path | None = Field(default=None, description="CA bundle the server's "
+                                     "certificate is checked against (else the system's)")
+    nats_tls_cert: Path | None = Field(default=None, description="client certificate, when the "
+                                       "server verifies clients")
+    nats_tls_key: Path | None = None
+    nats_no_auth: bool = Field(
+        default=False, description="embedded NATS only: start it without users (tests that "
+        "need an open bus); anyone on the machine could then pause a job")
     database_url: str | None = None
     data_dir: Path = Path(".greyhound")
     shm_dir: Path = Path("/dev/shm/greyhound")
@@ -68,6 +84,14 @@ class Settings(BaseSettings):
         default=3, ge=1, description="confirmed incidents of one GPU/node/link that advise a drain")
     fleet_drain_jobs: int = Field(
         default=2, ge=1, description="... spread over at least this many jobs")
+    # The transactional outbox (services.common.outbox): every service with a database publishes
+    # what its commits announce through it.
+    outbox_poll_s: float = Field(
+        default=2.0, gt=0, le=3600,
+        description="how often a service's relay looks for messages committed and not yet sent")
+    outbox_grace_s: float = Field(
+        default=5.0, ge=0, le=3600,
+        description="the relay leaves messages younger than this to the process that made them")
 
     @model_validator(mode="after")
     def _partition_in_range(self) -> Settings:
@@ -76,18 +100,28 @@ class Settings(BaseSettings):
                              f"({self.tracker_partitions}), got {self.tracker_partition}")
         return self
 
+    @model_validator(mode="after")
+    def _nats_credentials_complete(self) -> Settings:
+        if (self.nats_user is None) != (self.nats_password is None):
+            raise ValueError("GREYHOUND_NATS_USER and GREYHOUND_NATS_PASSWORD go together")
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ValueError("GREYHOUND_NATS_TLS_CERT and GREYHOUND_NATS_TLS_KEY go together")
+        return self
+
     @field_validator("nats_url")
     @classmethod
     def _nats_scheme(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ValueError(f"GREYHOUND_NATS_URL must start with nats:// or tls://, got {v!r}")
+            raise ValueError(f"GREYHOUND_NATS_URL must start with nats:// or tls://, got "
+                             f"{redact(v)!r}")
         return v
 
     @field_validator("database_url")
     @classmethod
     def _pg_scheme(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("postgresql://", "postgresql+asyncpg://")):
-            raise ValueError(f"GREYHOUND_DATABASE_URL must be a postgresql:// URL, got {v!r}")
+            raise ValueError(f"GREYHOUND_DATABASE_URL must be a postgresql:// URL, got "
+                             f"{redact(v)!r}")
         return v
 
 

@@ -5,6 +5,11 @@ of JSON for 256 ranks, over NATS's 1 MB message limit for large jobs, so it goes
 store (chunked by the server) rather than a KV bucket, compressed. Keys are job ids (subject
 tokens, hence valid object names). Any tracker partition can load any job, so a job that moves to
 another partition (the partition count changed) resumes there with its state.
+
+The bucket is bounded: an object not rewritten for ``ttl_s`` (a job idle that long; live jobs
+are saved every few seconds) expires, and the bucket holds at most ``max_bytes`` (past that a
+save fails and is retried, the job's state staying in memory). An existing bucket is brought to
+these limits when a tracker opens it.
 """
 
 from __future__ import annotations
@@ -16,15 +21,20 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 BUCKET = "gh-tracker-state"
+DEFAULT_TTL_S = 7 * 24 * 3600.0
+DEFAULT_MAX_BYTES = 1 << 30
 
 
 class TrackerStateStore:
-    def __init__(self, js: JetStreamContext, bucket: str = BUCKET) -> None:
+    def __init__(self, js: JetStreamContext, bucket: str = BUCKET, *,
+                 ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._js = js
         self.bucket = bucket
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
         self._store: ObjectStore | None = None
 
     async def open(self) -> TrackerStateStore:
@@ -33,9 +43,21 @@ class TrackerStateStore:
         except (BucketNotFoundError, NotFoundError):
             self._store = await self._js.create_object_store(
                 self.bucket, config=ObjectStoreConfig(
-                    bucket=self.bucket, storage=StorageType.FILE,
+                    bucket=self.bucket, storage=StorageType.FILE, ttl=self.ttl_s,
+                    max_bytes=self.max_bytes,
                     description="per-job tracker detector state, for restarts"))
+            return self
+        await self._limit()
         return self
+
+    async def _limit(self) -> None:
+        """A bucket made before it had limits (or with others) gets this store's."""
+        info = await self._js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=self.bucket))
+        cfg = info.config
+        if cfg.max_age == self.ttl_s and cfg.max_bytes == self.max_bytes:
+            return
+        cfg.max_age, cfg.max_bytes = self.ttl_s, self.max_bytes
+        await self._js.update_stream(cfg)
 
     def _obs(self) -> ObjectStore:
         if self._store is None:

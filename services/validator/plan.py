@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from greyhound.core.p2p_rounds import binary_tree_parents, ring_rounds, tree_rounds
 from greyhound.hookabi import unsigned64
@@ -50,20 +51,60 @@ class Transfer:
 
 
 def pause_plan(comms: Mapping[int, Sequence[CommView]]) -> PausePlan:
-    """Each rank parks on its largest communicator, all at the same sequence number.
+    """All ranks park on communicators of one kind, at one sequence number beyond every rank:
+    the kind whose collectives come least often, the iteration's boundary (the DP all-reduce).
 
-    Ties in size go to the busier communicator (more collectives entered), then the lower id, so
-    that ranks of a symmetric job all pick the same kind of group (e.g. every DP group).
+    That is a consistent cut: what each rank queued before its park point has its counterparts
+    queued by its peers before theirs (the iteration's tensor-parallel collectives, its pipeline
+    sends and receives), so every GPU drains and no rank waits in a collective for a parked
+    peer. A busier kind is not, in a pipeline: the stages reach TP all-reduce #S at different
+    points of the 1F1B schedule, a stage parks before a send that the next stage's queued
+    receive needs, and that rank's drain never ends (the hook's deadline fails its benchmarks;
+    on the simulator, the wait is its whole timeout in every benchmark round).
+
+    A kind is the communicators of one shape (size, stride between member ranks) that hold every
+    rank exactly once and carry collectives (a pipeline pair that only sends and receives has no
+    sequence number to park at); ties go to the larger, then the denser kind. When no kind covers
+    the job (a rank's status missing), each rank parks on its largest communicator, the busier
+    on a tie.
     """
-    chosen: dict[int, CommView] = {}
+    if not comms:
+        raise ValueError("no ranks to pause")
     for rank, views in comms.items():
         if not views:
             raise ValueError(f"rank {rank} has no active communicator to pause on")
-        chosen[rank] = max(views, key=lambda c: (c.nranks, c.last_seq_entered, -unsigned64(c.comm_id)))
-    if not chosen:
-        raise ValueError("no ranks to pause")
+    chosen = _boundary_kind(comms) or {
+        rank: max(views, key=lambda c: (c.nranks, c.last_seq_entered, -unsigned64(c.comm_id)))
+        for rank, views in comms.items()}
     seq = max(c.last_seq_entered for c in chosen.values()) + PAUSE_AHEAD
     return PausePlan({r: c.comm_id for r, c in chosen.items()}, seq)
+
+
+def _boundary_kind(comms: Mapping[int, Sequence[CommView]]) -> dict[int, CommView] | None:
+    """Each rank's communicator of the least busy kind that covers every rank once, or None."""
+    groups = members(comms)
+    kinds: dict[tuple[int, int], dict[int, CommView]] = {}
+    twice: set[tuple[int, int]] = set()
+    for rank, views in comms.items():
+        for c in views:
+            group = groups.get(unsigned64(c.comm_id))
+            if group is None or c.nranks < 2:
+                continue
+            ordered = sorted(group)
+            shape = (c.nranks, min(b - a for a, b in pairwise(ordered)))
+            mine = kinds.setdefault(shape, {})
+            if rank in mine:
+                twice.add(shape)
+            mine[rank] = c
+
+    def busy(shape: tuple[int, int]) -> int:
+        return max(c.last_seq_entered for c in kinds[shape].values())
+
+    whole = [shape for shape, of_rank in kinds.items()
+             if shape not in twice and len(of_rank) == len(comms) and busy(shape) > 0]
+    if not whole:
+        return None
+    return kinds[min(whole, key=lambda shape: (busy(shape), -shape[0], shape[1]))]
 
 
 def members(comms: Mapping[int, Sequence[CommView]]) -> dict[int, list[int]]:

@@ -11,18 +11,37 @@ benchmarks on the GPU. The wait is not part of any duration; each rank's total i
 evidence (``drain_s``). What it can still do is start the two ends of a transfer at different
 moments: the end that starts first waits for its peer inside its timed kernel. So a transfer's
 time is its best repeat (back-to-back repeats start together), as a GEMM's is.
+
+Exactly one validation per suspicion, however often it is delivered: a validator first *claims*
+the suspicion (a row in ``validation_claims`` with a lease it renews while it works). A delivery
+of a suspicion that is claimed and alive, or finished, does nothing, so a redelivery (the ack
+wait ran out during a long validation, the validator restarted) never pauses the job again. A
+claim whose lease lapsed means its validator died mid-validation: the pause it made produced no
+result (and the hook releases a paused job when its lease ends), so the suspicion is validated
+again, by whichever validator finds it first, up to ``max_attempts`` times in all; past that it
+is recorded as abandoned on the incident. The result, the claim's end and the announcement are
+one transaction (the announcement through the transactional outbox), retried while the database
+is away rather than lost with the measurements. Every ``resume_every_s`` a validator also looks
+for lapsed claims and for suspicions that no validator ever claimed (their bus copy was lost) and
+validates them from what the database kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import socket
 import time
-from collections import defaultdict
+import uuid
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from greyhound.core.verdict import (
     ValidationVerdict,
@@ -30,7 +49,7 @@ from greyhound.core.verdict import (
     judge_gemm,
     judge_links_by_class,
 )
-from services.common.bus.client import Consumer, publish
+from services.common.bus.client import Consumer
 from services.common.bus.contract import (
     BenchItem,
     BenchOutcome,
@@ -42,10 +61,13 @@ from services.common.bus.contract import (
     Suspicion,
 )
 from services.common.bus.control import ControlTimeout, request
+from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import VALIDATOR
 from services.common.db import repository as repo
-from services.common.db.models import Rank
+from services.common.db.models import Incident, Rank
+from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext, supervise
+from services.validator.guard import SuspicionRefused, refusal
 from services.validator.plan import (
     CommView,
     Transfer,
@@ -76,31 +98,157 @@ class Run:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
+RUNS_KEPT = 100  # the latest validations, for tests and inspection
+
+
 class Validator:
-    def __init__(self, ctx: ServiceContext, settings: ValidatorSettings | None = None) -> None:
+    def __init__(self, ctx: ServiceContext, settings: ValidatorSettings | None = None, *,
+                 outbox: Outbox | None = None) -> None:
         self.ctx = ctx
         self.config = settings or ValidatorSettings()
-        self.runs: list[Run] = []
+        self.runs: deque[Run] = deque(maxlen=RUNS_KEPT)
+        self.holder = f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:12]}"
+        self._outbox = outbox
+        self.refused = 0  # suspicions refused by the guard (no pause)
+        self._jobs: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # job -> (lock, [users])
+
+    @property
+    def outbox(self) -> Outbox:
+        """Made when first needed: a validator used for its checks alone needs no database."""
+        if self._outbox is None:
+            self._outbox = Outbox.of(self.ctx, "validator")
+        return self._outbox
 
     async def handle(self, subject: str, s: Suspicion) -> None:
         """A database or bus failure propagates: the consumer tells a transient one (retried
         later) from a permanent one (dead-lettered) with bus.errors.classify."""
-        if await self._handled_before(s.event_id):
+        async with self.ctx.db()() as session:
+            ranks = list(await repo.job_ranks(session, s.job_id))
+            incident = await repo.get_incident(session, s.incident_id)
+        self._check(s, incident, ranks)
+        await self.validate_once(s)
+
+    def _check(self, s: Suspicion, incident: Incident | None, ranks: Sequence[Rank]) -> None:
+        """Refuse (dead-letter, before any agent is asked anything) a suspicion no open,
+        localised incident of the job stands behind: see validator.guard."""
+        why = refusal(s, incident, {r.rank for r in ranks})
+        if why is not None:
+            self.refused += 1
+            log.warning("suspicion %s for job %s refused: %s", s.event_id, s.job_id, why)
+            raise SuspicionRefused(why)
+
+    # ---- one validation per suspicion (see the module docstring) ---------------------------
+
+    async def validate_once(self, s: Suspicion) -> None:
+        """Validate ``s`` unless it is claimed by a live validator or finished. One validation
+        of a job at a time in this process (the consumer and the resume loop may both bring
+        one); the job's lock is forgotten when nobody uses it."""
+        lock, users = self._jobs.setdefault(s.job_id, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                await self._validate_claimed(s)
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                self._jobs.pop(s.job_id, None)
+
+    async def _validate_claimed(self, s: Suspicion) -> None:
+        outcome, attempt = await self._claim(s)
+        if outcome == "exhausted":
+            await self._abandon(s, attempt)
+            return
+        if outcome != "mine":
+            log.info("suspicion %s of job %s: not validated again (%s)", s.event_id, s.job_id,
+                     outcome)
             return
         async with self.ctx.db()() as session:
             ranks = list(await repo.job_ranks(session, s.job_id))
-        run = await self.validate(s, ranks)
-        self.runs.append(run)
-        announce = await self._record(s, ranks, run)
-        if announce is not None:
-            await publish(self.ctx.js, Subjects.incident(s.job_id), announce)
+        lease = asyncio.create_task(self._keep_lease(s.event_id), name=f"lease-{s.event_id}")
+        try:
+            run = await self.validate(s, ranks)
+            run.evidence["attempt"] = attempt
+            self.runs.append(run)
+            ids = await self._record_patiently(s, ranks, run)
+        finally:
+            lease.cancel()
+            await asyncio.gather(lease, return_exceptions=True)
+        await self.outbox.flush(ids)
 
-    async def _handled_before(self, event_id: str) -> bool:
-        """A redelivered suspicion must not pause the job again; claim and roll back to ask."""
+    def _lease_until(self) -> tuple[datetime, datetime]:
+        now = datetime.now(UTC)
+        return now, now + timedelta(seconds=self.config.claim_lease_s)
+
+    async def _claim(self, s: Suspicion) -> repo.ClaimOutcome:
+        now, until = self._lease_until()
         async with self.ctx.db()() as session:
-            fresh = await repo.claim_event(session, VALIDATOR.durable, event_id)
-            await session.rollback()
-        return not fresh
+            got = await repo.claim_validation(
+                session, suspicion_id=s.event_id, incident_id=s.incident_id, job_id=s.job_id,
+                suspicion=s.model_dump_json(), holder=self.holder, now=now, lease_until=until,
+                max_attempts=self.config.max_attempts)
+            await session.commit()
+        return got
+
+    async def _keep_lease(self, suspicion_id: str) -> None:
+        """Renew the claim while the validation runs; a renewal the database misses is retried
+        at the next beat (the lease is three beats long)."""
+        while True:
+            await asyncio.sleep(self.config.claim_lease_s / 3)
+            try:
+                async with self.ctx.db()() as session:
+                    mine = await repo.renew_claim(session, suspicion_id, self.holder,
+                                                  self._lease_until()[1])
+                    await session.commit()
+            except Exception as exc:
+                log.warning("could not renew the claim on suspicion %s: %s", suspicion_id,
+                            describe(exc))
+                continue
+            if not mine:
+                log.warning("suspicion %s: the claim was taken over (this validator's lease "
+                            "lapsed); its result will not be recorded", suspicion_id)
+                return
+
+    async def _abandon(self, s: Suspicion, attempts: int) -> None:
+        """Out of tries: say so on the incident; the job is not paused again."""
+        async with self.ctx.db()() as session:
+            incident = await repo.get_incident_for_update(session, s.incident_id)
+            if incident is not None:
+                incident.evidence = {**incident.evidence, "validation": {
+                    "suspicion": s.event_id, "outcome": f"abandoned: {attempts} attempt(s) "
+                    "interrupted (the validator stopped mid-validation)", "attempt": attempts}}
+            await repo.finish_claim(session, s.event_id, "abandoned", datetime.now(UTC))
+            await session.commit()
+        log.warning("suspicion %s of job %s abandoned after %d interrupted attempt(s)",
+                    s.event_id, s.job_id, attempts)
+
+    async def resume_once(self) -> int:
+        """Validate what a dead validator left (lapsed claims) and suspicions no validator ever
+        claimed; how many were taken up."""
+        now = datetime.now(UTC)
+        async with self.ctx.db()() as session:
+            lapsed = [c.suspicion for c in await repo.lapsed_claims(session, now)]
+            lost = [m.payload for m in await repo.unclaimed_suspicions(
+                session, now - timedelta(seconds=self.config.unclaimed_after_s))]
+            await session.commit()
+        for raw in [*lapsed, *lost]:
+            s = Suspicion.model_validate_json(raw)
+            log.info("suspicion %s of job %s: validating it again (its validator stopped, or "
+                     "its message was lost)", s.event_id, s.job_id)
+            await self.validate_once(s)
+        return len(lapsed) + len(lost)
+
+    async def run_resume(self, stop: asyncio.Event) -> None:
+        """resume_once at start-up and every resume_every_s; the database being away is
+        waited out, anything else ends the service."""
+        while not stop.is_set():
+            try:
+                await self.resume_once()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("resuming validations failed: %s", describe(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.resume_every_s)
 
     # ---- the check on the job ---------------------------------------------------------------
 
@@ -133,8 +281,12 @@ class Validator:
                             "p2p_reference_comms": refs, "p2p_rounds": len(rounds)})
         t0 = time.monotonic()
         drain: dict[int, float] = {}
+        # The pause is a lease: should this process die before its resume, the hooks resume by
+        # themselves a few seconds after the longest this validation can take.
+        c = self.config
+        lease_s = min(600.0, c.pause_timeout_s + c.bench_timeout_s * (bool(gpus) + len(rounds)) + 10)
         try:
-            await self._pause(s.job_id, agents, plan.comm_of_rank, plan.seq)
+            await self._pause(s.job_id, agents, plan.comm_of_rank, plan.seq, lease_s)
             run.evidence["paused_after_s"] = await self._wait_paused(s.job_id, agents, t0)
             gemm = await self._gemm(s.job_id, agents, gpus, drain)
             p2p = await self._p2p(s.job_id, agents, rounds, drain)
@@ -177,10 +329,11 @@ class Validator:
         return {st.rank: st for reply in replies for st in reply.ranks}
 
     async def _pause(self, job: str, agents: dict[str, list[int]], comm_of_rank: dict[int, int],
-                     seq: int) -> None:
+                     seq: int, lease_s: float) -> None:
         await asyncio.gather(*(
             self._ask(a, ControlRequest(job_id=job, action="pause", ranks=rs, pause_seq=seq,
-                                        pause_comm_id={r: comm_of_rank[r] for r in rs}))
+                                        pause_comm_id={r: comm_of_rank[r] for r in rs},
+                                        lease_s=lease_s))
             for a, rs in agents.items()))
 
     async def _wait_paused(self, job: str, agents: dict[str, list[int]], t0: float) -> float:
@@ -262,42 +415,65 @@ class Validator:
 
     # ---- the incident -----------------------------------------------------------------------
 
-    async def _record(self, s: Suspicion, ranks: Sequence[Rank], run: Run) -> IncidentEvent | None:
-        async with self.ctx.db()() as session:
-            if not await repo.claim_event(session, VALIDATOR.durable, s.event_id):
-                return None
-            incident = await repo.get_incident_for_update(session, s.incident_id)
-            if incident is None:
-                log.warning("suspicion %s names unknown incident %s", s.event_id, s.incident_id)
-                await session.commit()
-                return None
-            detail = _jsonable({"suspicion": s.event_id, "suspected": s.kind,
-                                "pause_s": round(run.pause_s, 4), **run.evidence})
-            if run.verdict is None:
-                incident.evidence = {**incident.evidence,
-                                     "validation": {**detail, "outcome": run.failure}}
-                await session.commit()
-                log.warning("job %s: validation not done: %s", s.job_id, run.failure)
-                return None
-            v = run.verdict
-            detail.update(_jsonable({"verdict": v.kind, "gpus": v.gpus,
-                                     "links": [list(x) for x in v.links], **v.evidence}))
-            incident.evidence = {**incident.evidence, "validation": detail}
-            if await repo.add_timeline(session, incident, "validated", detail) == "resolved":
-                log.info("incident %s recovered while it was validated: it stays resolved",
-                         incident.id)
-            if v.kind == "transient":
-                # The checks found nothing slow: the fail-slow may have ended, or its cause is one
-                # GEMM and P2P checks cannot reproduce (host-side contention). Only the tracker's
-                # recovery resolves an incident, so the analyzer's localisation stands meanwhile.
-                log.info("job %s: checks did not reproduce the slowdown", s.job_id)
-            else:
-                incident.kind = v.kind
-                incident.culprit = {**incident.culprit, **culprit(v, ranks)}
-            await session.commit()
-            return IncidentEvent(job_id=s.job_id, incident_id=incident.id, stage="validated",
-                                 kind=incident.kind, severity=incident.severity,
-                                 summary=incident.summary)
+    async def _record_patiently(self, s: Suspicion, ranks: Sequence[Rank], run: Run) -> list[str]:
+        """Record the result, retrying while the database is away (the measurements exist only
+        here; the lease is renewed meanwhile); the event ids to send."""
+        deadline = time.monotonic() + self.config.record_patience_s
+        delay = 0.5
+        while True:
+            try:
+                async with self.ctx.db()() as session:
+                    announce = await self._record(session, s, ranks, run)
+                    if not await repo.finish_claim_held(session, s.event_id, self.holder,
+                                                        datetime.now(UTC)):
+                        await session.rollback()
+                        log.warning("suspicion %s: claim no longer held; result dropped",
+                                    s.event_id)
+                        return []
+                    ids = [await self.outbox.stage(session, Subjects.incident(s.job_id), e)
+                           for e in announce]
+                    await session.commit()
+                return ids
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("recording the validation of %s failed, retrying in %.1fs: %s",
+                            s.event_id, delay, describe(exc))
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 10.0)
+
+    async def _record(self, session: AsyncSession, s: Suspicion, ranks: Sequence[Rank],
+                      run: Run) -> list[IncidentEvent]:
+        """The result on the incident (in the caller's transaction); what to announce."""
+        incident = await repo.get_incident_for_update(session, s.incident_id)
+        if incident is None:
+            log.warning("suspicion %s names unknown incident %s", s.event_id, s.incident_id)
+            return []
+        detail = _jsonable({"suspicion": s.event_id, "suspected": s.kind,
+                            "pause_s": round(run.pause_s, 4), **run.evidence})
+        if run.verdict is None:
+            incident.evidence = {**incident.evidence,
+                                 "validation": {**detail, "outcome": run.failure}}
+            log.warning("job %s: validation not done: %s", s.job_id, run.failure)
+            return []
+        v = run.verdict
+        detail.update(_jsonable({"verdict": v.kind, "gpus": v.gpus,
+                                 "links": [list(x) for x in v.links], **v.evidence}))
+        incident.evidence = {**incident.evidence, "validation": detail}
+        if await repo.add_timeline(session, incident, "validated", detail) == "resolved":
+            log.info("incident %s recovered while it was validated: it stays resolved",
+                     incident.id)
+        if v.kind == "transient":
+            # The checks found nothing slow: the fail-slow may have ended, or its cause is one
+            # GEMM and P2P checks cannot reproduce (host-side contention). Only the tracker's
+            # recovery resolves an incident, so the analyzer's localisation stands meanwhile.
+            log.info("job %s: checks did not reproduce the slowdown", s.job_id)
+        else:
+            incident.kind = v.kind
+            incident.culprit = {**incident.culprit, **culprit(v, ranks)}
+        return [IncidentEvent(job_id=s.job_id, incident_id=incident.id, stage="validated",
+                              kind=incident.kind, severity=incident.severity,
+                              summary=incident.summary)]
 
 
 def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> dict[str, Any]:
@@ -347,7 +523,8 @@ async def run_validator(ctx: ServiceContext, stop: asyncio.Event,
                         settings: ValidatorSettings | None = None, *,
                         validator: Validator | None = None) -> None:
     """The service: its settings from the environment unless given; ends when ``stop`` is set,
-    or raises when its consumer cannot go on (the process exits for its supervisor)."""
+    or raises when its consumer, its outbox relay or its resume loop cannot go on (the process
+    exits for its supervisor)."""
     validator = validator or Validator(ctx, settings)
     consumer: Consumer[Suspicion] = Consumer(ctx.js, VALIDATOR, Suspicion, validator.handle)
 
@@ -355,4 +532,5 @@ async def run_validator(ctx: ServiceContext, stop: asyncio.Event,
         await stop.wait()
         consumer.stop()
 
-    await supervise(consumer.run(), stopper())
+    await supervise(consumer.run(), stopper(), validator.outbox.run(stop),
+                    validator.run_resume(stop))

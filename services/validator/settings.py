@@ -27,6 +27,21 @@ class ValidatorSettings(BaseSettings):
     pause_timeout_s: float = Field(default=10.0, gt=0)
     bench_timeout_s: float = Field(default=30.0, gt=0)
     poll_s: float = Field(default=0.02, gt=0, description="how often parking is checked")
+    claim_lease_s: float = Field(
+        default=30.0, gt=0, description=(
+            "a validation's claim lasts this long unless renewed (every third of it while the "
+            "validator works): a dead validator's claim lapses this long after it died"))
+    max_attempts: int = Field(
+        default=2, ge=1, le=10, description=(
+            "validations of one suspicion interrupted by a dead validator before it is given up"))
+    resume_every_s: float = Field(
+        default=10.0, gt=0, description="how often lapsed claims and lost suspicions are looked for")
+    unclaimed_after_s: float = Field(
+        default=300.0, gt=0, description=(
+            "a suspicion published this long ago that no validator claimed is validated from "
+            "the outbox (its bus copy was lost)"))
+    record_patience_s: float = Field(
+        default=300.0, gt=0, description="how long a result waits for the database to come back")
 
 
 # What suits the CPU fake NCCL (see the module docstring).

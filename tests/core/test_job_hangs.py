@@ -245,3 +245,62 @@ def test_rows_without_marks_fall_back_to_host_time_and_say_so() -> None:
         found += mon.check(t)
     assert {(f.comm_id, f.basis) for f in found} == {(7, "host"), (8, "gpu")}
     assert all(3.0 <= f.stalled_s <= 3.3 for f in found)
+
+
+def _hang(mon: JobHangMonitor, done: int, start: float, seconds: float) -> float:
+    """Ranks 0, 1, 3 wait inside the collective for ``seconds``; the time reached."""
+    t = start
+    for k in range(1, int(seconds * 10) + 1):
+        t = start + k / 10
+        mon.observe_counters(t, _sample([done] * 4, [k / 10, k / 10, 0.0, k / 10]))
+        mon.check(t)
+    return t
+
+
+def test_a_reported_hang_is_over_when_its_communicator_moves_again() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    t = _hang(mon, done, 10.0, 5.0)
+    assert mon.alarmed() == [7] and mon.take_recovered() == []
+    mon.observe_counters(t + 0.1, _sample([done + 1] * 4, [0.0] * 4))  # it completed
+    assert mon.take_recovered() == [7] and mon.take_recovered() == []  # handed out once
+    assert mon.alarmed() == []
+
+
+def test_alarms_survive_a_restart_and_end_at_the_first_moving_sample() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    t = _hang(mon, done, 10.0, 5.0)
+    still = JobHangMonitor.from_state(mon.state_dict())
+    still.observe_counters(t + 0.1, _sample([done] * 4, [5.1, 5.1, 0.0, 5.1]))  # still stuck
+    assert still.check(t + 0.1) == [] and still.alarmed() == [7]  # not reported twice
+    assert still.take_recovered() == []
+    moved = JobHangMonitor.from_state(mon.state_dict())
+    moved.observe_counters(t + 0.1, _sample([done + 3] * 4, [0.0] * 4))
+    assert moved.take_recovered() == [7] and moved.alarmed() == []
+
+
+def test_infinite_or_absurd_values_never_reach_the_threshold() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm(mon, 10)
+    threshold = mon.policy.threshold_s()
+    for bad in (float("inf"), float("nan"), -1.0, 0.0):
+        mon.observe_iteration(bad)
+    mon.observe_counters(11.0, _sample([done] * 4, [float("inf"), float("nan"), 0.0, 0.0]))
+    assert mon.check(11.0) == []  # a wait that is not a number is no wait
+    mon.observe_counters(11.1, _sample([done + 1] * 4, [0.0] * 4))
+    assert mon.policy.threshold_s() == threshold
+    state = mon.state_dict()
+    state["recent"] += [float("inf")]
+    state["long"] += [float("nan")]
+    assert JobHangMonitor.from_state(state).policy.threshold_s() == threshold
+
+
+def test_communicators_not_sampled_are_forgotten_and_their_number_bounded() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0, max_comms=10)
+    for c in range(30):
+        mon.observe_counters(float(c), _sample([1] * 2, [0.0] * 2, comm=c))
+    gone = mon.forget(30.0, forget_s=100.0)
+    assert len(mon.comms) == 10 and sorted(mon.comms) == list(range(20, 30))
+    assert sorted(gone) == list(range(20))
+    assert sorted(mon.forget(36.0, forget_s=10.0)) == list(range(20, 26))

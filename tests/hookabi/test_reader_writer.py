@@ -84,7 +84,7 @@ def test_profiled_records_wait_for_gpu_times(tmp_path: Path) -> None:
     w.append(r)
     assert reader.poll()["seq"].tolist() == [1]  # held at the first record without GPU times
     slot = reader.cursor & 63
-    reader._map.records["flags"][slot] |= int(H.Flag.GPU_DONE)
+    w._map.records["flags"][slot] |= int(H.Flag.GPU_DONE)
     assert reader.poll()["seq"].tolist() == [2, 3]
     w.append(r[1:2])
     impatient = H.RingReader(w.path, gpu_wait_ns=0)  # gives up at once: the record comes as is
@@ -96,7 +96,7 @@ def test_unfinished_slot_is_skipped_after_stuck_time(tmp_path: Path) -> None:
     w = _writer(tmp_path)
     w.append(_records(3))
     reader = H.RingReader(w.path, stuck_ns=0)
-    reader._map.records["stamp"][0] = 0  # a writer died between reserve and publish
+    w._map.records["stamp"][0] = 0  # a writer died between reserve and publish
     assert reader.poll().shape == (0,)
     assert reader.poll().shape == (0,) and reader.lost == 1
     assert reader.poll()["seq"].tolist() == [2, 3]

@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from greyhound import hookabi as H
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Pause every ring with a lease at one collective of the first communicator, a few beyond every
+# rank's newest (computed here, once this process runs: its start-up takes a while), wait until
+# parked, say so, die by SIGKILL: a validator or agent dying mid-validation, nobody left to resume.
+_DYING_PAUSER = r"""
+import os, signal, sys, time
+from pathlib import Path
+from greyhound import hookabi as H
+lease = float(sys.argv[1])
+readers = [H.RingReader(Path(p)) for p in sys.argv[2:]]
+comm = int(readers[0].comms()["comm_id"][0])
+seq = max(int(r.comms()["last_seq_entered"][0]) for r in readers) + 3
+ctls = [r.control() for r in readers]
+for c in ctls:
+    c.pause(comm_id=comm, seq=seq, lease_s=lease)
+deadline = time.monotonic() + 30
+while not all(c.paused() for c in ctls):
+    if time.monotonic() > deadline:
+        sys.exit(3)
+    time.sleep(0.002)
+print("paused", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
 
 
 def wait_rings(shm: Path, job: str, n: int, timeout: float = 20.0) -> list[Path]:
@@ -17,3 +44,10 @@ def wait_rings(shm: Path, job: str, n: int, timeout: float = 20.0) -> list[Path]
             return rings
         time.sleep(0.02)
     raise TimeoutError(f"{n} rings for {job} did not appear")
+
+
+def pause_then_die(rings: list[Path], lease_s: float) -> subprocess.CompletedProcess[bytes]:
+    """Another process parks the ranks of ``rings`` with a lease of lease_s (a targeted pause,
+    as the validator's), and is killed (SIGKILL) once they are parked."""
+    return subprocess.run([sys.executable, "-c", _DYING_PAUSER, str(lease_s), *map(str, rings)],
+                          capture_output=True, timeout=60, cwd=REPO)

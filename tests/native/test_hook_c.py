@@ -19,6 +19,7 @@ def test_native_c_suite(target: str) -> None:
                        timeout=300)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for name in ("test_hook_api: ok", "test_hook_stress: ok", "test_hook_rtld_local: ok",
-                 "test_ring_race: ok"):
+                 "test_hook_marks: ok", "test_hook_lease: ok", "test_ring_race: ok",
+                 "test_ring_files: ok"):
         assert name in p.stdout
     assert "WARNING: ThreadSanitizer" not in p.stderr and "ERROR: AddressSanitizer" not in p.stderr

@@ -3,7 +3,8 @@
 While a rank's training stream captures a graph, the hook must record no events on it (they
 would become graph nodes, not timings) and flag its records CAPTURED; its poller, which keeps
 querying events recorded before the capture, must have switched itself to thread-local capture
-mode, or those queries are illegal (the fake counts them and fails them, as CUDA does).
+mode, or those queries are illegal (the fake counts them and fails them, as CUDA does). The
+completion marks skip the captured calls too (counted in gpu_marks_lost) and resume after.
 """
 
 from __future__ import annotations
@@ -58,3 +59,11 @@ def test_capture_flags_records_and_the_poller_stays_legal(native_build: Path,
     other = readers[1].poll()
     assert not np.any(other["flags"] & H.Flag.CAPTURED)
     assert ((other["flags"] & H.Flag.GPU_DONE) != 0).sum() > 150
+
+    # Completion marks: none for the captured calls (no event went into the capture, see the
+    # fake's count above), and they kept completing once the capture ended.
+    for reader, lost in ((readers[0], len(captured)), (readers[1], 0)):
+        world = reader.comms()[0]
+        assert int(world["gpu_marks"]) == 1
+        assert lost <= int(world["gpu_marks_lost"]) <= lost + 3
+        assert int(world["gpu_calls_done"]) >= int(world["calls_entered"]) - 1

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
-import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
@@ -18,14 +19,16 @@ from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from services.common.bus.auth import BusAuthError, Credentials
 from services.common.bus.contract import Message, Subjects
 from services.common.bus.dead_letters import encode_dead_letter
 from services.common.bus.errors import PermanentError, TransientError, classify, describe
 from services.common.bus.streams import ConsumerSpec, stream_configs
+from services.common.redact import redact
 from services.common.settings import Settings
 
-__all__ = ["Consumer", "ConsumerLost", "ConsumerStats", "PermanentError", "TransientError",
-           "connect", "ensure_streams", "publish"]
+__all__ = ["BusAuthError", "Consumer", "ConsumerLost", "ConsumerStats", "PermanentError",
+           "TransientError", "connect", "ensure_streams", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +40,66 @@ PERMANENT_FETCH_LIMIT = 3
 MAX_PAUSE_S = 5.0
 
 
-async def connect(url: str, *, name: str) -> NATS:
-    """Connect with endless reconnects: a bus restart must not kill a service or an agent."""
-    return await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        allow_reconnect=True, connect_timeout=5,
-    )
+_AUTH_ERRORS = ("authorization violation", "authentication", "user authentication expired",
+                "account authentication expired")
+_PERMISSION_LOG_LIMIT = 20
+
+
+def _auth_failure(exc: BaseException) -> bool:
+    return isinstance(exc, nats.errors.AuthorizationError) or (
+        isinstance(exc, nats.errors.Error) and any(k in str(exc).lower() for k in _AUTH_ERRORS))
+
+
+async def connect(url: str, *, name: str, credentials: Credentials | None = None,
+                  tls: ssl.SSLContext | None = None) -> NATS:
+    """Connect with endless reconnects: a bus restart must not kill a service or an agent.
+
+    A server that refuses the credentials on the first connect (none given where it needs
+    some, a wrong password), or a TLS handshake that fails (an untrusted certificate, no client
+    certificate where the server wants one), raises BusAuthError at once: nats-py would retry
+    forever, and a service stuck there looks alive while doing nothing. Permission violations
+    later on (a subject this user may not use) are logged as errors, the first few of each.
+    """
+    nc = NATS()
+    connected = False
+    violations: dict[str, int] = {}
+    who = f"user {credentials.user!r}" if credentials else "a connection without credentials"
+
+    async def on_error(exc: Exception) -> None:
+        if not connected and _auth_failure(exc):
+            raise BusAuthError(f"NATS at {redact(url)} refused {who} ({name}): {exc}. Set "
+                               "GREYHOUND_NATS_USER and GREYHOUND_NATS_PASSWORD to this "
+                               "process's bus user (see docs/security.md)") from exc
+        if not connected and isinstance(exc, ssl.SSLError):
+            raise BusAuthError(f"TLS with NATS at {redact(url)} failed ({name}): {exc}. Check "
+                               "GREYHOUND_NATS_TLS_CA (and _CERT/_KEY when the server verifies "
+                               "clients); see docs/security.md") from exc
+        text = str(exc)
+        if "permissions violation" in text.lower():
+            if text not in violations and len(violations) >= 1000:
+                return  # counted per subject, for a bounded number of subjects
+            n = violations[text] = violations.get(text, 0) + 1
+            if n <= _PERMISSION_LOG_LIMIT:
+                log.error("%s (%s as %s): the server's permissions refused it", text, name, who)
+            return
+        log.warning("nats (%s): %s", name, describe(exc))
+
+    # endless reconnects, half a second apart
+    options: dict[str, Any] = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5}
+    if credentials is not None:
+        options.update(user=credentials.user, password=credentials.password,
+                       inbox_prefix=credentials.inbox_prefix)
+    if tls is not None:
+        options["tls"] = tls
+    try:
+        await nc.connect(url, name=name, allow_reconnect=True, connect_timeout=5,
+                         error_cb=on_error, **options)
+    except BaseException:
+        with contextlib.suppress(Exception):  # a half-done TLS handshake can hang close()
+            await asyncio.wait_for(nc.close(), 2.0)
+        raise
+    connected = True
+    return nc
 
 
 async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:

@@ -11,12 +11,37 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from greyhound.core import lifecycle
 from greyhound.ids import TOKEN_PATTERN, check_token
+from services.common.bus.bounds import (
+    MAX_LISTED,
+    MAX_ROWS,
+    Age,
+    Code,
+    CommRank,
+    CommSize,
+    Counter,
+    EventId,
+    Evidence,
+    Id64,
+    Iteration,
+    Name,
+    Nanos,
+    ObjectId,
+    Peer,
+    Rank,
+    Seconds,
+    Severity,
+    SignedNanos,
+    Size,
+    Text,
+    UnixSeconds,
+)
 
 SCHEMA_VERSION = 1
 PREFIX = "gh.v1"
@@ -54,7 +79,14 @@ class Subjects:
 
     @staticmethod
     def control(job: str, agent: str) -> str:
+        """Requests that only look or switch the mode (status, set_mode) to one agent."""
         return _job_subject(job, "control", agent)
+
+    @staticmethod
+    def validation(job: str, agent: str) -> str:
+        """Requests that hold the job (pause, bench, resume): a subject of their own, so that
+        the server lets only the validator publish them (docs/security.md)."""
+        return _job_subject(job, "validate", agent)
 
     @staticmethod
     def detection(job: str) -> str:
@@ -103,6 +135,7 @@ class Subjects:
     ALL_CONTROL = f"{PREFIX}.*.control.*"
     ALL_PLANS = f"{PREFIX}.*.plan"
     ALL_PLAN_REPORTS = f"{PREFIX}.*.planreport"
+    ALL_VALIDATION = f"{PREFIX}.*.validate.*"
     ALL_DEAD_LETTERS = f"{DLQ_PREFIX}.>"
 
     @staticmethod
@@ -137,44 +170,89 @@ def new_event_id() -> str:
     return uuid.uuid4().hex
 
 
-class Message(BaseModel):
-    """Envelope fields every message has; unknown fields are rejected so drift is caught early."""
+# Every model here: unknown fields rejected (drift is caught early), no NaN or infinity anywhere
+# (services.common.bus.bounds says why each value has a range).
+STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+Token = Annotated[str, Field(pattern=TOKEN_PATTERN)]
+Column = Annotated[list[Any], Field(max_length=MAX_ROWS)]
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class Message(BaseModel):
+    """Envelope fields every message has."""
+
+    model_config = STRICT
 
     schema_version: Literal[1] = 1
-    event_id: str = Field(default_factory=new_event_id, min_length=8, max_length=64)
-    ts: float = Field(default_factory=time.time, description="Unix seconds when the event was made")
-    job_id: Annotated[str, Field(pattern=TOKEN_PATTERN)]
+    event_id: EventId = Field(default_factory=new_event_id)
+    ts: UnixSeconds = Field(default_factory=time.time,
+                            description="Unix seconds when the event was made")
+    job_id: Token
 
 
 class RankInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
-    rank: int = Field(ge=0)
-    host: str
-    pid: int = Field(ge=0)
-    device: int = Field(ge=-1)
-    node: int | None = Field(default=None, ge=0)
+    rank: Rank
+    host: Name
+    pid: int = Field(ge=0, lt=1 << 32)
+    device: int = Field(ge=-1, lt=1 << 16)
+    node: int | None = Field(default=None, ge=0, lt=1 << 20)
 
 
 class AgentHello(Message):
     """An agent announces the ranks it watches; the tracker and API learn the job's shape from it."""
 
     kind: Literal["hello"] = "hello"
-    agent_id: str
-    host: str
-    ranks: list[RankInfo]
-    world_size: int | None = Field(default=None, ge=1)
+    agent_id: Token
+    host: Name
+    ranks: list[RankInfo] = Field(max_length=MAX_LISTED)
+    world_size: Size | None = None
 
 
-def _same_lengths(model: BaseModel, fields: tuple[str, ...]) -> None:
-    lengths = {f: len(getattr(model, f)) for f in fields}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"columns must have equal lengths, got {lengths}")
+class Columnar(Message):
+    """A batch of rows sent as one list per field (``COLUMNS``), all of one length."""
+
+    COLUMNS: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> Self:
+        lengths = {f: len(getattr(self, f)) for f in self.COLUMNS}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"columns must have equal lengths, got {lengths}")
+        return self
+
+    @classmethod
+    def keep_valid(cls, columns: Mapping[str, Sequence[Any]], **envelope: Any
+                   ) -> tuple[Self | None, int]:
+        """The message a producer means to send, less the rows outside the contract's bounds
+        (a corrupt ring, a clock that jumped), and how many rows were left out; None when none
+        is left. A producer uses this so that one bad row costs that row, not the batch nor the
+        producer. Errors outside the rows (the envelope) are the producer's bug: raised."""
+        cols = {name: list(columns[name]) for name in cls.COLUMNS}
+        dropped = 0
+        for _ in range(3):
+            try:
+                return cls.model_validate({**envelope, **cols}), dropped
+            except ValidationError as exc:
+                bad: set[int] = set()
+                for err in exc.errors():
+                    loc = err["loc"]
+                    if len(loc) >= 2 and loc[0] in cols and isinstance(loc[1], int):
+                        bad.add(loc[1])
+                    elif not (len(loc) == 1 and loc[0] in cols and err["type"] == "too_long"):
+                        raise
+                n = len(next(iter(cols.values()), []))
+                if not bad and n > MAX_ROWS:
+                    bad = set(range(MAX_ROWS, n))
+                keep = [i for i in range(n) if i not in bad]
+                dropped += n - len(keep)
+                cols = {name: [col[i] for i in keep] for name, col in cols.items()}
+                if not keep:
+                    return None, dropped
+        return cls.model_validate({**envelope, **cols}), dropped
 
 
-class IterationBatch(Message):
+class IterationBatch(Columnar):
     """Per-rank iteration times found since the agent's last flush (columnar).
 
     ``iteration`` is the agent's per-rank iteration counter; ``end_ns`` is the wall-clock end of the
@@ -182,24 +260,19 @@ class IterationBatch(Message):
     """
 
     kind: Literal["iterations"] = "iterations"
-    agent_id: str
-    rank: list[int]
-    iteration: list[int]
-    end_ns: list[int]
-    duration_s: list[float]
+    agent_id: Token
+    rank: list[Rank] = Field(max_length=MAX_ROWS)
+    iteration: list[Annotated[int, Field(ge=0, lt=1 << 63)]] = Field(max_length=MAX_ROWS)
+    end_ns: list[Nanos] = Field(max_length=MAX_ROWS)
+    duration_s: list[Seconds] = Field(max_length=MAX_ROWS)
 
     COLUMNS: ClassVar[tuple[str, ...]] = ("rank", "iteration", "end_ns", "duration_s")
-
-    @model_validator(mode="after")
-    def _columns(self) -> IterationBatch:
-        _same_lengths(self, self.COLUMNS)
-        return self
 
     def __len__(self) -> int:
         return len(self.rank)
 
 
-class CounterBatch(Message):
+class CounterBatch(Columnar):
     """CCL-D style per-communicator counters of each rank, sampled by the agent (columnar).
 
     NCCL calls are asynchronous, so the columns come in two sets. Host side: ``entered`` /
@@ -218,39 +291,34 @@ class CounterBatch(Message):
     """
 
     kind: Literal["counters"] = "counters"
-    agent_id: str
-    sampled_ns: int = Field(description="wall-clock ns of the sample")
-    rank: list[int]
-    comm_id: list[int]
-    comm_rank: list[int]
-    nranks: list[int]
-    entered: list[int]
-    completed: list[int]
-    last_seq_entered: list[int]
-    last_seq_completed: list[int]
-    inflight_s: list[float]
-    last_op: list[int]
-    last_count: list[int]
-    last_dtype: list[int]
-    gpu_marks: list[int]
-    gpu_completed: list[int]
-    gpu_seq_completed: list[int]
-    gpu_pending_s: list[float]
-    gpu_pending_seq: list[int]
-    gpu_pending_op: list[int]
-    gpu_pending_count: list[int]
-    gpu_pending_dtype: list[int]
+    agent_id: Token
+    sampled_ns: Nanos = Field(description="wall-clock ns of the sample")
+    rank: list[Rank] = Field(max_length=MAX_ROWS)
+    comm_id: list[Id64] = Field(max_length=MAX_ROWS)
+    comm_rank: list[CommRank] = Field(max_length=MAX_ROWS)
+    nranks: list[CommSize] = Field(max_length=MAX_ROWS)
+    entered: list[Counter] = Field(max_length=MAX_ROWS)
+    completed: list[Counter] = Field(max_length=MAX_ROWS)
+    last_seq_entered: list[Counter] = Field(max_length=MAX_ROWS)
+    last_seq_completed: list[Counter] = Field(max_length=MAX_ROWS)
+    inflight_s: list[Age] = Field(max_length=MAX_ROWS)
+    last_op: list[Code] = Field(max_length=MAX_ROWS)
+    last_count: list[Counter] = Field(max_length=MAX_ROWS)
+    last_dtype: list[Code] = Field(max_length=MAX_ROWS)
+    gpu_marks: list[Code] = Field(max_length=MAX_ROWS)
+    gpu_completed: list[Counter] = Field(max_length=MAX_ROWS)
+    gpu_seq_completed: list[Counter] = Field(max_length=MAX_ROWS)
+    gpu_pending_s: list[Age] = Field(max_length=MAX_ROWS)
+    gpu_pending_seq: list[Counter] = Field(max_length=MAX_ROWS)
+    gpu_pending_op: list[Code] = Field(max_length=MAX_ROWS)
+    gpu_pending_count: list[Counter] = Field(max_length=MAX_ROWS)
+    gpu_pending_dtype: list[Code] = Field(max_length=MAX_ROWS)
 
     COLUMNS: ClassVar[tuple[str, ...]] = (
         "rank", "comm_id", "comm_rank", "nranks", "entered", "completed", "last_seq_entered",
         "last_seq_completed", "inflight_s", "last_op", "last_count", "last_dtype", "gpu_marks",
         "gpu_completed", "gpu_seq_completed", "gpu_pending_s", "gpu_pending_seq",
         "gpu_pending_op", "gpu_pending_count", "gpu_pending_dtype")
-
-    @model_validator(mode="after")
-    def _columns(self) -> CounterBatch:
-        _same_lengths(self, self.COLUMNS)
-        return self
 
 
 DetectionKind = Literal["slowdown", "recovery", "hang"]
@@ -260,23 +328,33 @@ class DetectionEvent(Message):
     """The tracker's verdict that a job changed: it got slower, recovered, or a communicator hangs."""
 
     kind: DetectionKind
-    ranks: list[int] = Field(description="ranks whose detectors fired (all ranks of a sync job usually)")
-    first_iteration: int = Field(description="estimated first slow (or recovered) iteration")
-    detected_iteration: int
-    before_s: float = Field(ge=0)
-    after_s: float = Field(ge=0)
-    detected_ns: int = Field(description="wall-clock ns of detection")
-    comm_id: int | None = None
-    stalled_s: float | None = Field(default=None, ge=0)
-    threshold_s: float | None = Field(default=None, ge=0)
-    method: str = "bocd-v"
-    evidence: dict[str, Any] = Field(
+    ranks: list[Rank] = Field(max_length=MAX_LISTED, description=(
+        "ranks whose detectors fired (all ranks of a sync job usually)"))
+    first_iteration: Iteration = Field(description="estimated first slow (or recovered) iteration")
+    detected_iteration: Iteration
+    before_s: Seconds = Field(description=(
+        "the level before the change; for a hang, the typical iteration; for the end of a "
+        "hang, the longest wait"))
+    after_s: Seconds = Field(description="the level after; for a hang, how long it stalled")
+    detected_ns: Nanos = Field(description="wall-clock ns of detection")
+    comm_id: Id64 | None = None
+    stalled_s: Age | None = None
+    threshold_s: Age | None = None
+    method: Name = "bocd-v"
+    evidence: Evidence = Field(
         default_factory=dict,
         description="what the tracker saw: for hangs, the communicator's latest counter rows")
 
+    HANG_WATCH: ClassVar[str] = "hang-watch"
+
     @property
     def slowdown(self) -> float:
-        return self.after_s / self.before_s if self.before_s > 0 else float("inf")
+        return self.after_s / self.before_s
+
+    @property
+    def hang_over(self) -> bool:
+        """A recovery from the hang watch: the stalled communicators move again."""
+        return self.kind == "recovery" and self.method == self.HANG_WATCH
 
 
 IncidentStage = lifecycle.Status
@@ -285,11 +363,11 @@ IncidentStage = lifecycle.Status
 class IncidentEvent(Message):
     """An incident was opened or moved on (published after its database commit)."""
 
-    incident_id: str
+    incident_id: ObjectId
     stage: IncidentStage
-    kind: str
-    severity: float
-    summary: str
+    kind: Name
+    severity: Severity
+    summary: Text
 
 
 class DeadLetter(BaseModel):
@@ -310,7 +388,7 @@ class DeadLetter(BaseModel):
         "under the server's max_payload")
 
 
-class CollectiveBatch(Message):
+class CollectiveBatch(Columnar):
     """Every collective a rank completed, with wall-clock enter/exit (and GPU times when profiled).
 
     Agents publish these only while a job is in profile mode (the analyzer asks for it when a
@@ -318,29 +396,25 @@ class CollectiveBatch(Message):
     """
 
     kind: Literal["collectives"] = "collectives"
-    agent_id: str
-    rank: list[int]
-    comm_id: list[int]
-    comm_rank: list[int]
-    nranks: list[int]
-    seq: list[int]
-    op: list[int]
-    count: list[int]
-    dtype: list[int]
-    peer: list[int]
-    enter_ns: list[int]
-    exit_ns: list[int]
-    gpu_start_ns: list[int] = Field(description="0 when the call was not profiled")
-    gpu_end_ns: list[int]
+    agent_id: Token
+    rank: list[Rank] = Field(max_length=MAX_ROWS)
+    comm_id: list[Id64] = Field(max_length=MAX_ROWS)
+    comm_rank: list[CommRank] = Field(max_length=MAX_ROWS)
+    nranks: list[CommSize] = Field(max_length=MAX_ROWS)
+    seq: list[Counter] = Field(max_length=MAX_ROWS)
+    op: list[Code] = Field(max_length=MAX_ROWS)
+    count: list[Counter] = Field(max_length=MAX_ROWS)
+    dtype: list[Code] = Field(max_length=MAX_ROWS)
+    peer: list[Peer] = Field(max_length=MAX_ROWS)
+    enter_ns: list[SignedNanos] = Field(max_length=MAX_ROWS)
+    exit_ns: list[SignedNanos] = Field(max_length=MAX_ROWS)
+    gpu_start_ns: list[SignedNanos] = Field(max_length=MAX_ROWS,
+                                            description="0 when the call was not profiled")
+    gpu_end_ns: list[SignedNanos] = Field(max_length=MAX_ROWS)
 
     COLUMNS: ClassVar[tuple[str, ...]] = (
         "rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count", "dtype", "peer",
         "enter_ns", "exit_ns", "gpu_start_ns", "gpu_end_ns")
-
-    @model_validator(mode="after")
-    def _columns(self) -> CollectiveBatch:
-        _same_lengths(self, self.COLUMNS)
-        return self
 
 
 def split_columns(msg: Message) -> tuple[Message, Message] | None:
@@ -365,29 +439,47 @@ SuspicionKind = Literal["compute_slow", "comm_slow", "mixed_slow"]
 class Suspicion(Message):
     """The analyzer's classified slow suspicion, for the validator to confirm on the hardware."""
 
-    incident_id: str
+    incident_id: ObjectId
     kind: SuspicionKind
-    ranks: list[int] = Field(description="ranks named as compute culprits")
-    comm_ids: list[int] = Field(description="communicators whose collectives are slow")
-    slow_groups: list[int] = Field(default_factory=list, description="comm ids > 10% above peers")
-    evidence: dict[str, Any] = Field(default_factory=dict)
+    ranks: list[Rank] = Field(max_length=MAX_LISTED, description="ranks named as compute culprits")
+    comm_ids: list[Id64] = Field(max_length=MAX_LISTED,
+                                 description="communicators whose collectives are slow")
+    slow_groups: list[Id64] = Field(default_factory=list, max_length=MAX_LISTED,
+                                    description="comm ids > 10% above peers")
+    evidence: Evidence = Field(default_factory=dict)
+
+
+MAX_GEMM_N = 16_384  # a 16384^2 float32 matrix is 1 GiB; three of them fit any training GPU's spare
+MAX_P2P_BYTES = 1 << 30
+MAX_BENCH_ITEMS = 4096
+MAX_COMMS_PER_RANK = 4096
 
 
 class BenchItem(BaseModel):
-    """One benchmark for one rank: a GEMM on its GPU, or one side of a P2P transfer."""
+    """One benchmark for one rank: a GEMM on its GPU, or one side of a P2P transfer. Sizes are
+    bounded: the hook allocates what they say on a training GPU."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
-    rank: int = Field(ge=0)
+    rank: Rank
     kind: Literal["gemm", "send", "recv"]
-    size: int = Field(gt=0, description="GEMM: matrix dimension N; P2P: bytes")
+    size: int = Field(gt=0, le=MAX_P2P_BYTES, description=(
+        f"GEMM: matrix dimension N (<= {MAX_GEMM_N}); P2P: bytes (<= {MAX_P2P_BYTES})"))
     repeat: int = Field(default=3, ge=1, le=64)
-    comm_id: int = 0
-    peer: int = Field(default=-1, description="P2P peer's rank within comm_id")
+    comm_id: Id64 = 0
+    peer: Peer = Field(default=-1, description="P2P peer's rank within comm_id")
+
+    @model_validator(mode="after")
+    def _gemm_size(self) -> Self:
+        if self.kind == "gemm" and self.size > MAX_GEMM_N:
+            raise ValueError(f"GEMM dimension {self.size} is over {MAX_GEMM_N}")
+        return self
 
 
 class ControlRequest(BaseModel):
-    """Validator/analyzer -> agent, by request/reply on ``Subjects.control(job, agent)``.
+    """Validator/analyzer -> agent, by request/reply: ``status`` and ``set_mode`` on
+    ``Subjects.control(job, agent)``, ``pause``, ``bench`` and ``resume`` (which hold the job,
+    the validator's alone) on ``Subjects.validation(job, agent)``; bus.control picks the subject.
 
     ``status`` reports each rank's mode, pause state and communicators; ``set_mode`` switches the
     hook between monitor and profile; ``pause`` parks each rank at the entry of its call on
@@ -396,59 +488,65 @@ class ControlRequest(BaseModel):
     releases them.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
     schema_version: Literal[1] = 1
-    job_id: str
+    job_id: Token
     action: Literal["status", "set_mode", "pause", "resume", "bench"]
-    ranks: list[int] | None = Field(default=None, description="None: every rank of the job here")
+    ranks: list[Rank] | None = Field(default=None, max_length=MAX_LISTED,
+                                     description="None: every rank of the job here")
     mode: Literal["monitor", "profile"] | None = None
-    pause_comm_id: dict[int, int] = Field(default_factory=dict, description="rank -> comm id")
-    pause_seq: int = 0
-    bench: list[BenchItem] = Field(default_factory=list)
+    pause_comm_id: dict[Rank, Id64] = Field(default_factory=dict, max_length=MAX_LISTED,
+                                            description="rank -> comm id")
+    pause_seq: Counter = 0
+    bench: list[BenchItem] = Field(default_factory=list, max_length=MAX_BENCH_ITEMS)
     timeout_s: float = Field(default=10.0, gt=0, le=300)
+    lease_s: float | None = Field(default=None, gt=0, le=600, description=(
+        "pause: the hook resumes by itself this long after the request, whatever becomes of "
+        "the requester (None: the hook's default lease)"))
 
 
 class CommStatus(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
-    comm_id: int
-    comm_rank: int
-    nranks: int
-    last_seq_entered: int
-    last_seq_completed: int
+    comm_id: Id64
+    comm_rank: CommRank
+    nranks: CommSize
+    last_seq_entered: Counter
+    last_seq_completed: Counter
 
 
 class RankStatus(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
-    rank: int
-    host: str
-    device: int
+    rank: Rank
+    host: Name
+    device: int = Field(ge=-1, lt=1 << 16)
     mode: Literal["monitor", "profile"]
     paused: bool
-    comms: list[CommStatus]
+    comms: list[CommStatus] = Field(max_length=MAX_COMMS_PER_RANK)
 
 
 class BenchOutcome(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
     item: BenchItem
     state: Literal["done", "unsupported", "failed", "timeout"]
-    durations_ns: list[int] = Field(default_factory=list, description="GPU time of each repeat")
-    drain_ns: int = Field(default=0, ge=0, description=(
+    durations_ns: list[Nanos] = Field(default_factory=list, max_length=64,
+                                      description="GPU time of each repeat")
+    drain_ns: Nanos = Field(default=0, description=(
         "how long the paused rank waited for its queued GPU work before measuring"))
 
 
 class ControlReply(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
     schema_version: Literal[1] = 1
     ok: bool
-    error: str | None = None
-    agent_id: str
-    ranks: list[RankStatus] = Field(default_factory=list)
-    results: list[BenchOutcome] = Field(default_factory=list)
+    error: Text | None = None
+    agent_id: Token
+    ranks: list[RankStatus] = Field(default_factory=list, max_length=MAX_LISTED)
+    results: list[BenchOutcome] = Field(default_factory=list, max_length=MAX_BENCH_ITEMS)
 
 
 class JobLayout(BaseModel):

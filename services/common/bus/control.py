@@ -2,6 +2,10 @@
 
 A request that no agent answers in time raises ``ControlTimeout``; callers decide whether the
 validation can go on without that agent's ranks.
+
+Requests that hold the job (pause, bench, resume) go on the validation subject, the others on the
+control subject: the server's permissions let only the validator publish on the first, and an
+agent refuses a holding request that comes on the second.
 """
 
 from __future__ import annotations
@@ -14,13 +18,22 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.common.bus.contract import ControlReply, ControlRequest, Subjects
 
+HOLDING_ACTIONS = frozenset({"pause", "bench", "resume"})
+
 
 class ControlTimeout(RuntimeError):
     """An agent did not answer a control request."""
 
 
+def subject_for(job: str, agent: str, action: str) -> str:
+    """The subject a request of ``action`` travels on."""
+    if action in HOLDING_ACTIONS:
+        return Subjects.validation(job, agent)
+    return Subjects.control(job, agent)
+
+
 async def request(nc: NATS, agent: str, req: ControlRequest) -> ControlReply:
-    subject = Subjects.control(req.job_id, agent)
+    subject = subject_for(req.job_id, agent, req.action)
     try:
         msg = await nc.request(subject, req.model_dump_json().encode(), timeout=req.timeout_s + 2.0)
     except (NatsTimeoutError, TimeoutError, NoRespondersError) as exc:

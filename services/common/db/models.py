@@ -1,6 +1,7 @@
 """The relational model: jobs and their ranks, incidents with timeline and evidence, plans with
 their approvals, deliveries and escalation state, webhooks with their deliveries and attempts,
-API tokens, the audit log, and the processed-event ledger for idempotent consumers.
+API tokens, the audit log, the processed-event ledger for idempotent consumers, the outbox of
+messages that commits announce, and the validator's claims.
 
 Schema changes go through Alembic migrations only (services/common/migrations).
 """
@@ -14,6 +15,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    CheckConstraint,
     DateTime,
     Float,
     ForeignKey,
@@ -81,6 +83,9 @@ class Incident(Base):
         Index("ix_incidents_job_status", "job_id", "status"),
         Index("uq_incidents_open_dedup", "job_id", "dedup_key", unique=True,
               postgresql_where="status <> 'resolved'"),
+        Index("ix_incidents_resolved_at", "resolved_at"),
+        # No NaN, no infinity: JSON has neither, so the API could not serve the row.
+        CheckConstraint("severity >= 0 AND severity < 'Infinity'::float8", name="severity_finite"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=_uuid)
@@ -242,7 +247,8 @@ class WebhookAttempt(Base):
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     delivery_id: Mapped[int] = mapped_column(
         ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), index=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(),
+                                         index=True)
     outcome: Mapped[str] = mapped_column(String(16))
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
@@ -291,4 +297,56 @@ class ProcessedEvent(Base):
 
     event_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     consumer: Mapped[str] = mapped_column(String(64), primary_key=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(),
+                                         index=True)
+
+
+class OutboxMessage(Base):
+    """A bus message that a commit announces, written in the same transaction as the change.
+
+    The process that committed publishes it at once; a relay publishes whatever is left (the
+    process died, the bus was away) at start-up and periodically, in ``seq`` order, with the
+    event id as Nats-Msg-Id so a second publish is stored once. ``sent_at`` set: published;
+    ``failed_at`` set: the server refused it for good (too large, a bad subject), kept to read.
+    """
+
+    __tablename__ = "outbox"
+    __table_args__ = (
+        Index("ix_outbox_unsent", "seq", postgresql_where="sent_at IS NULL AND failed_at IS NULL"),
+        Index("ix_outbox_sent_at", "sent_at"),
+    )
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(String(64), unique=True)
+    subject: Mapped[str] = mapped_column(String(255))
+    kind: Mapped[str] = mapped_column(String(64))  # the contract's message class
+    incident_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    payload: Mapped[str] = mapped_column(Text)  # the message's JSON, published as is
+    producer: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+
+class ValidationClaim(Base):
+    """One validator holds one suspicion: pausing a job is done once per suspicion, not once per
+    delivery. ``running`` with a lease that its holder renews while it works; a lease that ran
+    out means its holder died, and the validation may be tried again up to a bound; ``done``
+    (recorded on the incident) and ``abandoned`` (out of tries) are final. The suspicion's JSON
+    is kept so that a claim can be resumed without the bus."""
+
+    __tablename__ = "validation_claims"
+
+    suspicion_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    incident_id: Mapped[str] = mapped_column(ForeignKey("incidents.id", ondelete="CASCADE"),
+                                             index=True)
+    job_id: Mapped[str] = mapped_column(String(128))
+    suspicion: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="running")
+    attempts: Mapped[int] = mapped_column(Integer, default=1)
+    holder: Mapped[str] = mapped_column(String(64))
+    lease_until: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

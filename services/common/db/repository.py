@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Select, delete, func, or_, select, text, update
+from sqlalchemy import Select, and_, delete, exists, func, or_, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
@@ -21,10 +21,12 @@ from services.common.db.models import (
     Incident,
     IncidentEvent,
     Job,
+    OutboxMessage,
     Plan,
     PlanDelivery,
     ProcessedEvent,
     Rank,
+    ValidationClaim,
     Webhook,
     WebhookAttempt,
     WebhookDelivery,
@@ -575,3 +577,225 @@ async def ranks_of_jobs(session: AsyncSession, job_ids: Sequence[str]) -> Sequen
     if not job_ids:
         return []
     return (await session.scalars(select(Rank).where(Rank.job_id.in_(job_ids)))).all()
+
+
+# ---- the outbox -------------------------------------------------------------------------------
+
+async def stage_message(session: AsyncSession, *, event_id: str, subject: str, kind: str,
+                        payload: str, producer: str, incident_id: str | None) -> bool:
+    """Queue a message in the caller's transaction; False when this event id is queued already
+    (a handler run again after a crash makes the same message with the same id)."""
+    stmt = (insert(OutboxMessage)
+            .values(event_id=event_id, subject=subject, kind=kind, payload=payload,
+                    producer=producer, incident_id=incident_id, attempts=0)
+            .on_conflict_do_nothing(index_elements=[OutboxMessage.event_id])
+            .returning(OutboxMessage.seq))
+    return (await session.execute(stmt)).first() is not None
+
+
+async def claim_unsent(session: AsyncSession, *, limit: int, event_ids: Sequence[str] | None = None,
+                       created_before: datetime | None = None) -> Sequence[OutboxMessage]:
+    """Unsent messages in the order they were committed, locked for this caller (SKIP LOCKED:
+    another relay takes the others): the given ids, or everything older than
+    ``created_before``."""
+    q = select(OutboxMessage).where(OutboxMessage.sent_at.is_(None),
+                                    OutboxMessage.failed_at.is_(None))
+    if event_ids is not None:
+        q = q.where(OutboxMessage.event_id.in_(list(event_ids)))
+    if created_before is not None:
+        q = q.where(OutboxMessage.created_at < created_before)
+    return (await session.scalars(q.order_by(OutboxMessage.seq).limit(limit)
+                                  .with_for_update(skip_locked=True))).all()
+
+
+async def mark_sent(session: AsyncSession, seqs: Sequence[int], at: datetime) -> None:
+    if seqs:
+        await session.execute(update(OutboxMessage).where(OutboxMessage.seq.in_(list(seqs)))
+                              .values(sent_at=at, attempts=OutboxMessage.attempts + 1))
+
+
+async def mark_unsent(session: AsyncSession, seq: int, error: str, *, final: bool,
+                      at: datetime) -> None:
+    """A failed publish: counted, with why; ``final`` when no retry can succeed."""
+    await session.execute(update(OutboxMessage).where(OutboxMessage.seq == seq).values(
+        attempts=OutboxMessage.attempts + 1, last_error=error[:2000],
+        failed_at=at if final else None))
+
+
+async def outbox_backlog(session: AsyncSession) -> int:
+    """Messages committed and not yet sent (nor refused for good)."""
+    return int((await session.execute(
+        select(func.count()).select_from(OutboxMessage)
+        .where(OutboxMessage.sent_at.is_(None), OutboxMessage.failed_at.is_(None)))).scalar_one())
+
+
+# ---- validation claims ------------------------------------------------------------------------
+
+ClaimOutcome = tuple[str, int]  # ("mine" | "busy" | "done" | "abandoned" | "exhausted", attempts)
+
+
+async def claim_validation(session: AsyncSession, *, suspicion_id: str, incident_id: str,
+                           job_id: str, suspicion: str, holder: str, now: datetime,
+                           lease_until: datetime, max_attempts: int) -> ClaimOutcome:
+    """Take the validation of one suspicion, or say why not.
+
+    ``mine``: new, or its last holder's lease ran out and tries are left (``attempts`` is this
+    try's number); ``busy``: a live holder has it; ``done``/``abandoned``: finished; ``exhausted``:
+    the lease ran out on the last allowed try (the caller records it abandoned)."""
+    new = (insert(ValidationClaim)
+           .values(suspicion_id=suspicion_id, incident_id=incident_id, job_id=job_id,
+                   suspicion=suspicion, state="running", attempts=1, holder=holder,
+                   lease_until=lease_until)
+           .on_conflict_do_nothing(index_elements=[ValidationClaim.suspicion_id])
+           .returning(ValidationClaim.suspicion_id))
+    if (await session.execute(new)).first() is not None:
+        return "mine", 1
+    claim = await session.scalar(select(ValidationClaim)
+                                 .where(ValidationClaim.suspicion_id == suspicion_id)
+                                 .with_for_update())
+    if claim is None:  # deleted between the two statements (retention): take it next time
+        return "busy", 0
+    if claim.state != "running":
+        return claim.state, claim.attempts
+    if claim.lease_until > now:
+        return "busy", claim.attempts
+    if claim.attempts >= max_attempts:
+        return "exhausted", claim.attempts
+    claim.attempts += 1
+    claim.holder = holder
+    claim.lease_until = lease_until
+    return "mine", claim.attempts
+
+
+async def renew_claim(session: AsyncSession, suspicion_id: str, holder: str,
+                      lease_until: datetime) -> bool:
+    """Extend a running claim's lease; False when this holder no longer has it."""
+    res = await session.execute(
+        update(ValidationClaim)
+        .where(ValidationClaim.suspicion_id == suspicion_id, ValidationClaim.holder == holder,
+               ValidationClaim.state == "running")
+        .values(lease_until=lease_until).returning(ValidationClaim.suspicion_id))
+    return res.first() is not None
+
+
+async def finish_claim(session: AsyncSession, suspicion_id: str, state: str, at: datetime) -> None:
+    await session.execute(update(ValidationClaim)
+                          .where(ValidationClaim.suspicion_id == suspicion_id)
+                          .values(state=state, finished_at=at))
+
+
+async def finish_claim_held(session: AsyncSession, suspicion_id: str, holder: str,
+                            at: datetime) -> bool:
+    """Mark a running claim done if ``holder`` still holds it; False when another validator
+    took it over (then this holder's result must not be recorded: the other one's will be)."""
+    res = await session.execute(
+        update(ValidationClaim)
+        .where(ValidationClaim.suspicion_id == suspicion_id, ValidationClaim.holder == holder,
+               ValidationClaim.state == "running")
+        .values(state="done", finished_at=at).returning(ValidationClaim.suspicion_id))
+    return res.first() is not None
+
+
+async def lapsed_claims(session: AsyncSession, now: datetime,
+                        limit: int = 100) -> Sequence[ValidationClaim]:
+    """Running claims whose holder stopped renewing them (it died mid-validation)."""
+    return (await session.scalars(
+        select(ValidationClaim).where(ValidationClaim.state == "running",
+                                      ValidationClaim.lease_until < now)
+        .order_by(ValidationClaim.created_at).limit(limit))).all()
+
+
+async def unclaimed_suspicions(session: AsyncSession, sent_before: datetime,
+                               limit: int = 100) -> Sequence[OutboxMessage]:
+    """The newest suspicion of each open localised incident that no validator ever claimed,
+    published before ``sent_before``: the bus copy was lost (dead-lettered during a long outage,
+    the stream cut) or never came."""
+    newest = (select(OutboxMessage.incident_id, func.max(OutboxMessage.seq).label("seq"))
+              .where(OutboxMessage.kind == "Suspicion")
+              .group_by(OutboxMessage.incident_id).subquery())
+    q = (select(OutboxMessage)
+         .join(newest, OutboxMessage.seq == newest.c.seq)
+         .join(Incident, Incident.id == OutboxMessage.incident_id)
+         .where(Incident.status == "localized", OutboxMessage.sent_at < sent_before,
+                ~exists().where(ValidationClaim.suspicion_id == OutboxMessage.event_id))
+         .order_by(OutboxMessage.seq).limit(limit))
+    return (await session.scalars(q)).all()
+
+
+# ---- unfinished localisations -----------------------------------------------------------------
+
+async def unlocalized_incidents(session: AsyncSession, dedup_prefix: str,
+                                limit: int = 1000) -> Sequence[Incident]:
+    """Open incidents still at ``detected`` whose localisation never recorded a result (its
+    process died while profiling, or could not commit): oldest first."""
+    tried = exists().where(IncidentEvent.incident_id == Incident.id,
+                           IncidentEvent.stage == "detected",
+                           IncidentEvent.detail["by"].astext == "analyzer")
+    return (await session.scalars(
+        select(Incident).where(Incident.status == "detected",
+                               Incident.dedup_key.startswith(dedup_prefix, autoescape=True),
+                               ~tried)
+        .order_by(Incident.opened_at, Incident.id).limit(limit))).all()
+
+
+# ---- retention --------------------------------------------------------------------------------
+
+async def _delete_batch(session: AsyncSession, table: Any, key: Any, where: Any,
+                        batch: int) -> int:
+    """Delete up to ``batch`` rows matching ``where`` (short statements, short locks)."""
+    ids = select(key).where(where).limit(batch).scalar_subquery()
+    res = await session.execute(delete(table).where(key.in_(ids)).returning(key))
+    return len(res.all())
+
+
+async def delete_resolved_incidents(session: AsyncSession, before: datetime, batch: int) -> int:
+    """Incidents resolved before ``before``, with their timeline, plans and claims (cascade)."""
+    return await _delete_batch(session, Incident, Incident.id,
+                               and_(Incident.status == "resolved", Incident.resolved_at < before),
+                               batch)
+
+
+async def delete_processed_events(session: AsyncSession, before: datetime, batch: int) -> int:
+    ids = (select(ProcessedEvent.event_id, ProcessedEvent.consumer)
+           .where(ProcessedEvent.at < before).limit(batch))
+    res = await session.execute(
+        delete(ProcessedEvent)
+        .where(tuple_(ProcessedEvent.event_id, ProcessedEvent.consumer).in_(ids))
+        .returning(ProcessedEvent.event_id))
+    return len(res.all())
+
+
+async def delete_webhook_attempts(session: AsyncSession, before: datetime, batch: int) -> int:
+    return await _delete_batch(session, WebhookAttempt, WebhookAttempt.id,
+                               WebhookAttempt.at < before, batch)
+
+
+async def delete_finished_deliveries(session: AsyncSession, before: datetime, batch: int) -> int:
+    return await _delete_batch(
+        session, WebhookDelivery, WebhookDelivery.id,
+        and_(WebhookDelivery.status.in_(("delivered", "failed")),
+             WebhookDelivery.created_at < before), batch)
+
+
+async def delete_audit(session: AsyncSession, before: datetime, batch: int) -> int:
+    return await _delete_batch(session, AuditEntry, AuditEntry.id, AuditEntry.at < before, batch)
+
+
+async def delete_outbox(session: AsyncSession, before: datetime, batch: int) -> int:
+    """Messages sent (or refused for good) before ``before``; unsent ones are never deleted."""
+    return await _delete_batch(
+        session, OutboxMessage, OutboxMessage.seq,
+        or_(OutboxMessage.sent_at < before, OutboxMessage.failed_at < before), batch)
+
+
+async def delete_finished_claims(session: AsyncSession, before: datetime, batch: int) -> int:
+    return await _delete_batch(
+        session, ValidationClaim, ValidationClaim.suspicion_id,
+        and_(ValidationClaim.state != "running", ValidationClaim.finished_at < before), batch)
+
+
+async def delete_idle_jobs(session: AsyncSession, before: datetime, batch: int) -> int:
+    """Jobs not seen since ``before`` that have no incident left (their ranks go with them)."""
+    return await _delete_batch(
+        session, Job, Job.id,
+        and_(Job.last_seen_at < before, ~exists().where(Incident.job_id == Job.id)), batch)

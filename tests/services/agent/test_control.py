@@ -19,7 +19,7 @@ from greyhound.core.p2p_rounds import ring_rounds
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
 from services.agent.service import run_agent
 from services.agent.settings import AgentSettings
-from services.common.bus.client import connect
+from services.common.bus.client import connect, ensure_streams
 from services.common.bus.contract import (
     BenchItem,
     CollectiveBatch,
@@ -68,11 +68,12 @@ async def running(nats_url: str, tmp_path_factory: pytest.TempPathFactory
                   shm_dir=Path(settings.shm_dir))
     stop = asyncio.Event()
     with job:
+        nc = await connect(nats_url, name="ctl-test")
+        await ensure_streams(nc.jetstream(), settings)  # the central services' part, not the agent's
         ctx = await start_service("agent", settings, need_db=False,
                                   backends=Backends(nats_url=nats_url, database_url=""))
         agent = asyncio.create_task(run_agent(ctx, stop, agent_id=AGENT, job=[JOB],
                                               settings=AgentSettings(poll_s=0.02)))
-        nc = await connect(nats_url, name="ctl-test")
 
         async def all_ranks() -> bool:
             with contextlib.suppress(Exception):

@@ -17,6 +17,8 @@ ROWS = 30_000  # ~3.5 MB of JSON
 def big_batch(job: str) -> CollectiveBatch:
     cols = {c: [10**18 + i for i in range(ROWS)] for c in CollectiveBatch.COLUMNS}
     cols["rank"] = list(range(ROWS))
+    for small in ("comm_rank", "nranks", "peer", "op", "dtype"):  # within the contract's bounds
+        cols[small] = [i % 8 for i in range(ROWS)]
     return CollectiveBatch(job_id=job, agent_id="lim", **cols)
 
 

@@ -61,7 +61,7 @@ def test_rows_from_before_gpu_marks_are_read_on_host_time() -> None:
 
 def test_hang_event_becomes_a_named_incident() -> None:
     det = DetectionEvent(job_id="j", kind="hang", ranks=[0, 1, 2, 3], first_iteration=-1,
-                         detected_iteration=-1, before_s=0.0, after_s=40.0, detected_ns=NOW,
+                         detected_iteration=-1, before_s=0.5, after_s=40.0, detected_ns=NOW,
                          comm_id=COMM, stalled_s=40.0, threshold_s=20.0, method="hang-watch",
                          evidence={"counters": _past_the_hung_call(), "wait_basis": "gpu"})
     kind, severity, culprit, summary = Analyzer._classify(det)

@@ -36,7 +36,7 @@ DOCS = Path(__file__).resolve().parents[3] / "docs"
 @pytest.fixture(scope="module")
 def own_nats() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="gh-dash-nats-") as d:
-        server = EmbeddedNats(Path(d))
+        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
         yield server.start()
         server.stop()
 

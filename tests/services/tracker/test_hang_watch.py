@@ -75,3 +75,20 @@ async def test_without_gpu_marks_only_host_time_counts(ctx: ServiceContext) -> N
     tracker = Tracker(ctx, settings=HANG_FLOOR)
     await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 5.0, marks=0))
     assert await _events(ctx, job) == []  # the GPU columns are not read; no host is inside
+
+
+async def test_the_hang_is_over_when_the_communicator_moves_again(ctx: ServiceContext) -> None:
+    """The job's hang incident needs an end: once every stalled communicator completes calls
+    again, the tracker says so (a recovery from the hang watch), once."""
+    job = f"hangover-{uuid.uuid4().hex[:6]}"
+    tracker = Tracker(ctx, settings=HANG_FLOOR)
+    await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 0.5))
+    await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 5.0))
+    moved = _counters(job, 0.0).model_copy(update={"gpu_completed": [12] * 4,
+                                                  "gpu_seq_completed": [12] * 4})
+    await tracker.handle(Subjects.counters(job, "a0"), moved)
+    await tracker.handle(Subjects.counters(job, "a0"), moved)  # nothing more to say
+    hang, over = await _events(ctx, job)
+    assert hang.kind == "hang" and hang.before_s > 0  # a level the contract accepts
+    assert over.kind == "recovery" and over.hang_over and over.comm_id == hang.comm_id
+    assert over.evidence["moved_comms"] == [hang.comm_id]

@@ -18,7 +18,7 @@ from services.common.bus.streams import EVENTS, tracker_spec
 from services.common.embedded import EmbeddedNats
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
-from services.tracker.service import Telemetry, Tracker
+from services.tracker.service import Tracker
 from services.tracker.state_store import TrackerStateStore
 
 RANKS = 8
@@ -28,7 +28,7 @@ RANKS = 8
 def own_nats() -> Iterator[str]:
     """A private server: these tests bind the tracker's durables, which the e2e stack also uses."""
     with tempfile.TemporaryDirectory(prefix="gh-trk-") as d:
-        server = EmbeddedNats(Path(d))
+        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
         yield server.start()
         server.stop()
 
@@ -63,7 +63,7 @@ async def _tracker(url: str, settings: Settings) -> AsyncIterator[tuple[Tracker,
                               backends=Backends(nats_url=url, database_url=""))
     store = await TrackerStateStore(ctx.js).open()
     tracker = Tracker(ctx, store=store)
-    consumer: Consumer[Any] = Consumer(ctx.js, tracker_spec(settings), Telemetry, tracker.handle)
+    consumer = tracker.consumer(tracker_spec(settings))
     task = asyncio.create_task(consumer.run(idle=tracker.tick))
     try:
         yield tracker, consumer
@@ -93,6 +93,7 @@ async def _detections(url: str, settings: Settings, job: str) -> list[DetectionE
             out += [DetectionEvent.model_validate_json(m.data) for m in msgs]
     except TimeoutError:
         pass
+    await sub.unsubscribe()  # a pull subscription left open holds the drain for its timeout
     await ctx.close()
     return out
 

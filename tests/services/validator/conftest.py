@@ -32,7 +32,7 @@ AGENT = "val-agent"
 def own_nats() -> Iterator[str]:
     """Not the session's server: the durable 'tracker' and 'validator' consumers start empty."""
     with tempfile.TemporaryDirectory(prefix="gh-val-nats-") as d:
-        server = EmbeddedNats(Path(d))
+        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
         yield server.start()
         server.stop()
 
@@ -68,7 +68,15 @@ class MiniStack:
         raise AssertionError(f"the tracker never stored {n} ranks of {job}")
 
     async def suspect(self, s: Suspicion, timeout_s: float = 60.0) -> Incident:
-        """Publish the suspicion and wait for the validator to announce its incident."""
+        """Publish the suspicion and wait for the validator to announce its incident. What it
+        names is recorded as the incident's localised culprit first, as the analyzer commits
+        it before it publishes (the validator refuses suspicions nothing localised)."""
+        async with self.ctx.db()() as session:
+            inc = await repo.get_incident_for_update(session, s.incident_id)
+            if inc is not None:
+                inc.culprit = {**inc.culprit, "compute_ranks": list(s.ranks),
+                               "comm_ids": list(s.comm_ids)}
+                await session.commit()
         await publish(self.ctx.js, Subjects.suspicion(s.job_id), s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s

@@ -85,14 +85,17 @@ async def ctx(nats_url: str) -> AsyncIterator[ServiceContext]:
 async def test_drain_is_recorded_per_rank_and_a_late_peer_is_not_a_slow_link(
         ctx: ServiceContext) -> None:
     agent = StandInAgent()
-    sub = await ctx.nc.subscribe(Subjects.control(JOB, AGENT), cb=agent.answer)
+    # status on the control subject; pause, bench and resume on the validation subject
+    subs = [await ctx.nc.subscribe(subject, cb=agent.answer)
+            for subject in (Subjects.control(JOB, AGENT), Subjects.validation(JOB, AGENT))]
     ranks = [Rank(job_id=JOB, rank=r, host="node0", node=0, device=r, pid=10 + r,
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])
     try:
         run = await Validator(ctx, ValidatorSettings(poll_s=0.01)).validate(s, ranks)
     finally:
-        await sub.unsubscribe()
+        for sub in subs:
+            await sub.unsubscribe()
     assert run.verdict is not None, run.failure
     assert not agent.paused  # resumed
     assert {it.kind for it in agent.benched} == {"gemm", "send", "recv"}

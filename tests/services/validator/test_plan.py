@@ -30,18 +30,44 @@ def _dp_tp(world: int, tp: int) -> dict[int, list[CommView]]:
     return out
 
 
-def test_pause_on_the_largest_comm_beyond_every_rank() -> None:
+def test_pause_at_the_iteration_boundary_beyond_every_rank() -> None:
     plan = pause_plan(_dp_tp(8, 2))
-    assert plan.comm_of_rank == {r: 200 + r % 2 for r in range(8)}  # DP (4 ranks) over TP (2)
+    assert plan.comm_of_rank == {r: 200 + r % 2 for r in range(8)}  # DP: fewer collectives
     assert plan.seq == 12 + 2
 
 
-def test_equal_sizes_pick_the_busier_comm_on_every_rank() -> None:
-    plan = pause_plan(_dp_tp(4, 2))  # TP and DP both have 2 ranks; TP sees more collectives
-    assert plan.comm_of_rank == {r: 100 + r // 2 for r in range(4)}
-    assert plan.seq == 51 + 2
+def test_equal_sizes_pick_the_less_busy_kind_on_every_rank() -> None:
+    plan = pause_plan(_dp_tp(4, 2))  # TP and DP both have 2 ranks; DP sees fewer collectives
+    assert plan.comm_of_rank == {r: 200 + r % 2 for r in range(4)}
+    assert plan.seq == 12 + 2
     with pytest.raises(ValueError, match="rank 3"):
         pause_plan({3: []})
+
+
+def _tp_dp_pp(tp: int, dp: int, pp: int) -> dict[int, list[CommView]]:
+    """Megatron's layout: TP groups of consecutive ranks (the largest and busiest, many
+    collectives an iteration), DP across them (one all-reduce an iteration), PP pairs across
+    stages (send/receive only: no collective sequence)."""
+    out: dict[int, list[CommView]] = {}
+    for r in range(tp * dp * pp):
+        t, d, s = r % tp, (r // tp) % dp, r // (tp * dp)
+        out[r] = [CommView(100 + s * dp + d, t, tp, 400 + r % 3),
+                  CommView(200 + s * tp + t, d, dp, 30 + r % 2),
+                  CommView(300 + d * tp + t, s, pp, 0)]
+    return out
+
+
+def test_a_pipeline_parks_every_stage_at_its_dp_all_reduce() -> None:
+    """Parking on TP all-reduce #S would stop the stages at different points of the 1F1B
+    schedule (a queued receive waiting for a parked sender: a drain that never ends)."""
+    comms = _tp_dp_pp(8, 4, 2)
+    plan = pause_plan(comms)
+    assert plan.comm_of_rank == {r: next(c.comm_id for c in comms[r] if c.nranks == 4)
+                                 for r in comms}
+    assert plan.seq == 31 + 2
+    # A rank's status missing: no kind covers the job, each rank takes its largest comm.
+    del comms[63]
+    assert set(pause_plan(comms).comm_of_rank.values()) == {100 + g for g in range(8)}
 
 
 def test_members_in_comm_rank_order_and_incomplete_comms_dropped() -> None:

@@ -1,0 +1,243 @@
+/*
+ * The device side of collectives, P2P and groups. A batch (one call, or the calls of one group)
+ * runs on the fake device when its stream reaches it; a group spanning several streams runs once
+ * every one of them has reached it (NCCL joins the streams of a group launch). It posts every call
+ * (the rank's GPU arrival, on the device's timeline) before waiting on any, which is what lets a
+ * ring of sends and receives in one group complete, like NCCL's fused group launch; all ranks of an
+ * operation finish at one modelled time: the last arrival plus the transfer time (or, held by a
+ * fault, the moment it let go plus the transfer). Faults act here: `never_complete R seq` holds
+ * rank R's collective on its device, a mismatch hangs the collective on every device; an abort
+ * (or a destroy with work queued) releases them.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fk_faults.h"
+#include "fk_time.h"
+#include "nccl_fake.h"
+
+struct fk_part {
+  struct fakeGpuWork w; /* first: the device hands it back */
+  struct fk_batch *b;
+};
+
+struct fk_batch {
+  _Atomic int arrived, refs;
+  int nparts, n, failed, done;
+  int64_t end; /* device time the batch ended */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  struct fk_part *parts;
+  struct fk_call calls[];
+};
+
+static int coll_entered(const struct ncclComm *c, const void *arg) {
+  uint32_t need = *(const uint32_t *)arg + 1;
+  for (int r = 0; r < c->nranks; r++)
+    if (atomic_load(&c->shm->entered[r]) < need) return 0;
+  return 1;
+}
+
+static int never_ready(const struct ncclComm *c, const void *arg) {
+  (void)c;
+  (void)arg;
+  return 0;
+}
+
+static int fault_gone(const struct ncclComm *c, const void *arg) {
+  return !fk_fault_find(FK_NEVER_COMPLETE, c->global_rank, (long)*(const uint32_t *)arg, NULL);
+}
+
+struct p2p_arg {
+  const _Atomic uint32_t *counter;
+  uint32_t need;
+};
+
+static int p2p_matched(const struct ncclComm *c, const void *arg) {
+  (void)c;
+  const struct p2p_arg *a = arg;
+  return atomic_load(a->counter) >= a->need;
+}
+
+static void raise_to(_Atomic uint32_t *p, uint32_t v) {
+  uint32_t old = atomic_load(p);
+  while (old < v && !atomic_compare_exchange_weak(p, &old, v)) {
+  }
+}
+
+/* The rank's device reached the call at `now` (device time): announce it to the peers. */
+static void post(const struct fk_call *k, int64_t now) {
+  struct ncclComm *c = k->comm;
+  struct fk_shm *s = c->shm;
+  if (k->op == FK_OP_SEND) {
+    s->send_ns[k->seq % FK_TS_RING][c->rank][k->root] = now;
+    raise_to(&s->sent[c->rank][k->root], k->seq);
+  } else if (k->op == FK_OP_RECV) {
+    s->recv_ns[k->seq % FK_TS_RING][k->root][c->rank] = now;
+    raise_to(&s->recvd[k->root][c->rank], k->seq);
+  } else {
+    s->rec[k->seq % FK_RING][c->rank] = (struct fk_entry){.op = k->op, .dtype = k->dtype, .count = k->count,
+                                                          .root = k->root, .redop = k->redop, .enter_ns = now};
+    raise_to(&s->entered[c->rank], k->seq + 1);
+  }
+  fk_bump(s);
+}
+
+static int same_call(const struct fk_entry *a, const struct fk_entry *b) {
+  int rooted = a->op == FK_OP_BROADCAST || a->op == FK_OP_REDUCE;
+  return a->op == b->op && a->dtype == b->dtype && a->count == b->count &&
+         a->redop == b->redop && (!rooted || a->root == b->root);
+}
+
+/* Real NCCL hangs (or corrupts data) when ranks disagree on a collective: the fake hangs. */
+static ncclResult_t hang_on_mismatch(struct ncclComm *c, uint32_t seq) {
+  const struct fk_entry *row = c->shm->rec[seq % FK_RING];
+  for (int r = 1; r < c->nranks; r++) {
+    if (same_call(&row[0], &row[r])) continue;
+    fk_log("mismatch seq=%u rank=%d global=%d: rank0 op=%u count=%llu dtype=%u root=%d; rank%d op=%u "
+           "count=%llu dtype=%u root=%d",
+           seq, c->rank, c->global_rank, row[0].op, (unsigned long long)row[0].count, row[0].dtype,
+           row[0].root, r, row[r].op, (unsigned long long)row[r].count, row[r].dtype, row[r].root);
+    return fk_wait(c, never_ready, NULL);
+  }
+  return ncclSuccess;
+}
+
+static ncclResult_t wait_coll(struct fk_call *k) {
+  struct ncclComm *c = k->comm;
+  int64_t held_until = 0;
+  if (fk_fault_find(FK_NEVER_COMPLETE, c->global_rank, (long)k->seq, NULL)) {
+    fk_log("never_complete seq=%u rank=%d global=%d", k->seq, c->rank, c->global_rank);
+    ncclResult_t r = fk_wait(c, fault_gone, &k->seq);
+    if (r != ncclSuccess) return r;
+    held_until = fk_now_ns();
+  }
+  ncclResult_t r = fk_wait(c, coll_entered, &k->seq);
+  if (r != ncclSuccess) return r;
+  r = hang_on_mismatch(c, k->seq);
+  if (r != ncclSuccess) return r;
+  int64_t ready = held_until;
+  for (int i = 0; i < c->nranks; i++) {
+    int64_t t = c->shm->rec[k->seq % FK_RING][i].enter_ns;
+    if (t > ready) ready = t;
+  }
+  uint64_t bytes = k->count * fk_dtype_size((ncclDataType_t)k->dtype);
+  k->deadline_ns = ready + fk_model_ns(c, k->op, bytes, -1);
+  return ncclSuccess;
+}
+
+static ncclResult_t wait_p2p(struct fk_call *k) {
+  struct ncclComm *c = k->comm;
+  struct fk_shm *s = c->shm;
+  int peer = k->root, me = c->rank, src = k->op == FK_OP_SEND ? me : peer;
+  int dst = k->op == FK_OP_SEND ? peer : me;
+  struct p2p_arg a = {.counter = k->op == FK_OP_SEND ? &s->recvd[src][dst] : &s->sent[src][dst],
+                      .need = k->seq};
+  ncclResult_t r = fk_wait(c, p2p_matched, &a);
+  if (r != ncclSuccess) return r;
+  int64_t ts = s->send_ns[k->seq % FK_TS_RING][src][dst], tr = s->recv_ns[k->seq % FK_TS_RING][src][dst];
+  uint64_t bytes = k->count * fk_dtype_size((ncclDataType_t)k->dtype);
+  k->deadline_ns = (ts > tr ? ts : tr) + fk_model_ns(c, k->op, bytes, peer);
+  return ncclSuccess;
+}
+
+static void report(struct ncclComm *c, ncclResult_t r) {
+  int ok = ncclSuccess;
+  atomic_compare_exchange_strong(&c->dev_err, &ok, (int)r);
+}
+
+/* Calls of one batch overlap in time (one fused launch): the batch ends at the latest deadline. */
+static void execute(struct fk_batch *b, int64_t arrival) {
+  ncclResult_t res = b->failed ? ncclUnhandledCudaError : ncclSuccess;
+  for (int i = 0; i < b->n && res == ncclSuccess; i++) post(&b->calls[i], arrival);
+  int64_t end = arrival;
+  for (int i = 0; i < b->n && res == ncclSuccess; i++) {
+    struct fk_call *k = &b->calls[i];
+    res = k->op == FK_OP_SEND || k->op == FK_OP_RECV ? wait_p2p(k) : wait_coll(k);
+    if (k->deadline_ns > end) end = k->deadline_ns;
+  }
+  if (res == ncclSuccess) {
+    fk_sleep_until(end);
+  } else {
+    for (int i = 0; i < b->n; i++) report(b->calls[i].comm, res);
+    end = fk_now_ns(); /* ended now, in error */
+  }
+  b->end = end;
+}
+
+static void finish(struct fk_batch *b) {
+  pthread_mutex_lock(&b->mu);
+  b->done = 1;
+  pthread_cond_broadcast(&b->cv);
+  pthread_mutex_unlock(&b->mu);
+}
+
+/* Each of the batch's streams reaches its part; the last one to arrive runs the batch, from the
+ * latest of their device times (each part's start is written before its arrival is counted). */
+static void part_run(struct fakeGpuWork *w) {
+  struct fk_batch *b = ((struct fk_part *)w)->b;
+  if (atomic_fetch_add(&b->arrived, 1) + 1 == b->nparts) {
+    int64_t arrival = 0;
+    for (int p = 0; p < b->nparts; p++)
+      if (b->parts[p].w.start_ns > arrival) arrival = b->parts[p].w.start_ns;
+    execute(b, arrival);
+    finish(b);
+  } else {
+    pthread_mutex_lock(&b->mu);
+    while (!b->done) pthread_cond_wait(&b->cv, &b->mu);
+    pthread_mutex_unlock(&b->mu);
+  }
+  w->end_ns = b->end;
+}
+
+static void part_release(struct fakeGpuWork *w) {
+  struct fk_batch *b = ((struct fk_part *)w)->b;
+  if (atomic_fetch_sub(&b->refs, 1) != 1) return;
+  for (int i = 0; i < b->n; i++) fk_comm_unref(b->calls[i].comm);
+  pthread_mutex_destroy(&b->mu);
+  pthread_cond_destroy(&b->cv);
+  free(b);
+}
+
+ncclResult_t fk_enqueue(const struct fk_call *calls, int n) {
+  size_t bytes = sizeof(struct fk_batch) + (size_t)n * (sizeof(struct fk_call) + sizeof(struct fk_part));
+  struct fk_batch *b = calloc(1, bytes);
+  if (b == NULL) return ncclSystemError;
+  memcpy(b->calls, calls, (size_t)n * sizeof *calls);
+  b->n = n;
+  b->parts = (struct fk_part *)(b->calls + n);
+  for (int i = 0; i < n; i++) {
+    int seen = 0;
+    for (int p = 0; p < b->nparts && !seen; p++) seen = b->parts[p].w.stream == (void *)calls[i].stream;
+    if (seen) continue;
+    b->parts[b->nparts] = (struct fk_part){.w = {.run = part_run, .release = part_release,
+                                                 .stream = (void *)calls[i].stream},
+                                           .b = b};
+    b->nparts++;
+  }
+  pthread_mutex_init(&b->mu, NULL);
+  pthread_cond_init(&b->cv, NULL);
+  atomic_init(&b->refs, b->nparts);
+  for (int i = 0; i < n; i++) atomic_fetch_add(&calls[i].comm->refs, 1);
+  /* Once its last part is queued the device may run the batch and free it: nothing of the batch
+   * is read after a launch but what the launcher still owns (the parts not yet queued). */
+  int nparts = b->nparts, launched = 0;
+  cudaError_t err = cudaSuccess;
+  for (; launched < nparts; launched++)
+    if ((err = fakeGpuLaunch((cudaStream_t)b->parts[launched].w.stream, &b->parts[launched].w)) != cudaSuccess)
+      break;
+  if (launched == nparts) return ncclSuccess;
+  fk_log("launch failed: cuda error %d, part %d of %d", (int)err, launched, nparts);
+  /* The parts not queued arrive here, failed: the batch ends without running, in error. The
+   * batch lives on: those parts still hold their references. */
+  b->failed = 1;
+  for (int p = launched; p < nparts; p++) {
+    if (atomic_fetch_add(&b->arrived, 1) + 1 == nparts) {
+      execute(b, fk_now_ns());
+      finish(b);
+    }
+  }
+  for (int p = launched; p < nparts; p++) part_release(&b->parts[p].w);
+  return ncclUnhandledCudaError;
+}

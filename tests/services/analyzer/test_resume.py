@@ -1,0 +1,103 @@
+"""What the analyzer finishes that others left: a localisation its process did not live to
+record is run again (and only that one), and a hang incident ends when the hang watch says the
+communicators move again."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.analyzer.profiling import CollectiveFeed, WindowRule
+from services.analyzer.service import Analyzer
+from services.analyzer.slow import SlowLocalizer
+from services.common.bus.contract import DetectionEvent, Subjects
+from services.common.bus.streams import TELEMETRY, ConsumerSpec
+from services.common.db import repository as repo
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+from tests.services.common.pipeline import AGENTS, SLOW_RANK, StandInJob
+
+
+@pytest.fixture()
+async def ctx(nats_url: str, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
+    c = await start_service("resume-test", Settings(nats_url=nats_url, database_url=fresh_db_url),
+                            backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
+    yield c
+    await c.close()
+
+
+def slowdown(job: str) -> DetectionEvent:
+    return DetectionEvent(job_id=job, kind="slowdown", ranks=[0, 1, 2, 3], first_iteration=100,
+                          detected_iteration=104, before_s=0.1, after_s=0.15, detected_ns=1,
+                          evidence={"change": "onset", "healthy_s": 0.1})
+
+
+async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext) -> None:
+    job = f"resume-{uuid.uuid4().hex[:6]}"
+    async with ctx.db()() as session:
+        await repo.touch_job(session, job)
+        for agent, ranks in AGENTS.items():
+            await repo.upsert_ranks(session, job, agent, [
+                {"rank": r, "host": agent, "node": None, "device": r % 2, "pid": 100 + r}
+                for r in ranks])
+        await session.commit()
+    # the analyzer that opened the incident died before localising it (no localizer here)
+    await Analyzer(ctx).handle(Subjects.detection(job), slowdown(job))
+    # another job's incident whose localisation ran and found nothing: not run again
+    other = f"done-{uuid.uuid4().hex[:6]}"
+    await Analyzer(ctx).handle(Subjects.detection(other), slowdown(other))
+    async with ctx.db()() as session:
+        (inc,) = await repo.list_incidents(session, job_id=other)
+        inc = await repo.get_incident_for_update(session, inc.id)
+        assert inc is not None
+        await repo.add_timeline(session, inc, "detected", {"by": "analyzer",
+                                                           "result": "unexplained"})
+        await session.commit()
+
+    agents = StandInJob(ctx, job)
+    await agents.start()
+    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
+    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
+        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
+    feeding = asyncio.create_task(feed.run())
+    analyzer = Analyzer(ctx, localizer)
+    try:
+        assert await analyzer.resume() == 1  # this job only
+        assert await analyzer.resume() == 0  # already running: not started twice
+        for _ in range(300):
+            if not localizer.tasks:
+                break
+            await asyncio.sleep(0.05)
+        async with ctx.db()() as session:
+            (inc,) = await repo.list_incidents(session, job_id=job)
+        assert inc.status == "localized" and inc.culprit["ranks"] == [SLOW_RANK], inc.culprit
+        assert agents.actions["set_mode:profile"] == len(AGENTS)
+        assert await analyzer.resume() == 0
+    finally:
+        feed.stop()
+        await feeding
+        await agents.close()
+
+
+async def test_a_hang_incident_is_resolved_when_the_hang_is_over(ctx: ServiceContext) -> None:
+    job = f"hang-{uuid.uuid4().hex[:6]}"
+    analyzer = Analyzer(ctx)
+    hang = DetectionEvent(job_id=job, kind="hang", ranks=[0, 1], first_iteration=-1,
+                          detected_iteration=-1, before_s=0.1, after_s=70.0, detected_ns=1,
+                          comm_id=7, stalled_s=70.0, threshold_s=60.0,
+                          method=DetectionEvent.HANG_WATCH)
+    over = DetectionEvent(job_id=job, kind="recovery", ranks=[], first_iteration=-1,
+                          detected_iteration=-1, before_s=60.0, after_s=0.1, detected_ns=2,
+                          comm_id=7, method=DetectionEvent.HANG_WATCH,
+                          evidence={"moved_comms": [7]})
+    await analyzer.handle(Subjects.detection(job), hang)
+    await analyzer.handle(Subjects.detection(job), over)
+    await analyzer.handle(Subjects.detection(job), over)  # redelivered: claimed, nothing more
+    async with ctx.db()() as session:
+        (inc,) = await repo.list_incidents(session, job_id=job)
+    assert inc.kind == "hang" and inc.status == "resolved"
+    assert [e.stage for e in inc.timeline] == ["detected", "resolved"]
+    assert inc.timeline[-1].detail["moved_comms"] == [7]

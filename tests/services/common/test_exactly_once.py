@@ -1,0 +1,134 @@
+"""Exactly-once effects over at-least-once delivery, through tracker, analyzer and validator on a
+real nats-server and Postgres, with stand-in agents: a slowdown of rank 2 is detected, opened,
+localised, validated (the job paused once) and resolved on recovery. Then the same with a
+failure injected at every commit-then-publish point: every message's first publish raises (the
+outbox relay sends it later), and every "sent" mark is lost once (the relay sends it again and
+JetStream keeps one copy). Each downstream step must still happen exactly once."""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import pytest
+from sqlalchemy import func, select
+
+from services.common import outbox as outbox_module
+from services.common.db import repository as repo
+from services.common.db.models import OutboxMessage, ProcessedEvent, ValidationClaim
+from services.common.embedded import EmbeddedNats
+from tests.services.common.pipeline import SLOW_RANK, Pipeline, StandInJob, pipeline
+
+
+@pytest.fixture(scope="module")
+def own_nats() -> Iterator[str]:
+    """Not the session's server: these tests bind the services' durable consumers."""
+    with tempfile.TemporaryDirectory(prefix="gh-once-") as d:
+        server = EmbeddedNats(Path(d))
+        yield server.start()
+        server.stop()
+
+
+async def run_lifecycle(p: Pipeline, job: str) -> StandInJob:
+    agents = StandInJob(p.ctx, job)
+    await agents.start()
+    await agents.iterations(0, 200, slow=(100, 10**9))
+    await p.stage(job, "validated", timeout_s=120)
+    await agents.iterations(200, 340, slow=(100, 200))
+    await p.stage(job, "resolved", timeout_s=60)
+    await agents.close()
+    return agents
+
+
+async def assert_each_step_once(p: Pipeline, job: str, agents: StandInJob) -> None:
+    (inc,) = await p.incidents(job)
+    assert inc.kind == "compute_slow" and inc.status == "resolved", (inc.kind, inc.status)
+    assert inc.culprit["ranks"] == [SLOW_RANK], inc.culprit
+    assert [e.stage for e in inc.timeline] == ["detected", "localized", "validated", "resolved"]
+    ev = await p.events(job)
+    assert sorted(e.kind for e in ev["detect"]) == ["recovery", "slowdown"]
+    assert len(ev["suspect"]) == 1 and ev["suspect"][0].ranks == [SLOW_RANK]
+    assert sorted(e.stage for e in ev["incident"]) == sorted(
+        ["detected", "localized", "validated", "resolved"])
+    for kind, msgs in ev.items():
+        assert len({m.event_id for m in msgs}) == len(msgs), f"{kind} stored twice"
+    # one localisation (each agent switched to profile once), one validation (one pause each)
+    assert agents.actions["set_mode:profile"] == 2 and agents.actions["pause"] == 2, agents.actions
+    async with p.ctx.db()() as session:
+        handled = await session.scalar(select(func.count()).select_from(ProcessedEvent).where(
+            ProcessedEvent.event_id.in_([e.event_id for e in ev["detect"]])))
+        claims = (await session.scalars(select(ValidationClaim).where(
+            ValidationClaim.job_id == job))).all()
+        unsent = await repo.outbox_backlog(session)
+    assert handled == 2
+    assert [(c.state, c.attempts) for c in claims] == [("done", 1)]
+    assert unsent == 0
+
+
+async def test_undisturbed_each_step_once(own_nats: str, fresh_db_url: str, tmp_path: Path) -> None:
+    async with pipeline(own_nats, fresh_db_url, tmp_path) as p:
+        job = f"once-{uuid.uuid4().hex[:6]}"
+        agents = await run_lifecycle(p, job)
+        await assert_each_step_once(p, job, agents)
+
+
+async def test_every_first_publish_fails_and_every_step_happens_once(
+        own_nats: str, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_send = outbox_module.send
+    failed: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
+
+    async def flaky_send(js: Any, subject: str, payload: bytes, event_id: str) -> bool:
+        if not failed[event_id]:
+            failed[event_id] += 1
+            raise nats.errors.TimeoutError  # the bus did not answer: transient
+        kinds[subject.rsplit(".", 1)[1]] += 1
+        return await real_send(js, subject, payload, event_id)
+
+    monkeypatch.setattr(outbox_module, "send", flaky_send)
+    async with pipeline(own_nats, fresh_db_url, tmp_path) as p:
+        job = f"flaky-{uuid.uuid4().hex[:6]}"
+        agents = await run_lifecycle(p, job)
+        await assert_each_step_once(p, job, agents)
+    # every point failed once: two detections, four incident events, one suspicion
+    assert kinds == {"detect": 2, "incident": 4, "suspect": 1}, kinds
+    assert len(failed) == 7 and set(failed.values()) == {1}
+
+
+async def test_a_lost_sent_mark_publishes_again_and_is_stored_once(
+        own_nats: str, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process published and died before recording it: the relay publishes again, the
+    server recognises the event id, the consumers see one message."""
+    real_mark = repo.mark_sent
+    lost: set[int] = set()
+    duplicates: list[str] = []
+    real_send = outbox_module.send
+
+    async def forgetful_mark(session: Any, seqs: Any, at: Any) -> None:
+        fresh = [s for s in seqs if s not in lost]
+        if fresh:
+            lost.update(fresh)
+            raise ConnectionResetError("connection lost before the sent mark was stored")
+        await real_mark(session, seqs, at)
+
+    async def counting_send(js: Any, subject: str, payload: bytes, event_id: str) -> bool:
+        dup = await real_send(js, subject, payload, event_id)
+        if dup:
+            duplicates.append(event_id)
+        return dup
+
+    monkeypatch.setattr(repo, "mark_sent", forgetful_mark)
+    monkeypatch.setattr(outbox_module, "send", counting_send)
+    async with pipeline(own_nats, fresh_db_url, tmp_path) as p:
+        job = f"marks-{uuid.uuid4().hex[:6]}"
+        agents = await run_lifecycle(p, job)
+        await assert_each_step_once(p, job, agents)
+        async with p.ctx.db()() as session:
+            sent = await session.scalar(select(func.count()).select_from(OutboxMessage)
+                                        .where(OutboxMessage.sent_at.is_not(None)))
+    assert sent == 7 and len(set(duplicates)) == 7, (sent, duplicates)

@@ -1,0 +1,170 @@
+"""The tracker never loses a detection and never observes a batch twice: a crash (no shutdown,
+state saved long ago or never) is made good by reading the job's gap back from the stream; a
+detection whose publish fails is kept and sent later while its batch is acked once; an idle job
+leaves memory and comes back with its state; the state bucket has limits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import pytest
+from nats.js.api import ObjectStoreConfig
+from nats.js.object_store import OBJ_STREAM_TEMPLATE
+
+from services.common.bus import client
+from services.common.bus.client import Consumer
+from services.common.bus.streams import tracker_spec
+from services.common.runtime import Backends, start_service
+from services.common.settings import Settings
+from services.tracker.service import Tracker
+from services.tracker.settings import TrackerSettings
+from services.tracker.state_store import TrackerStateStore
+from tests.services.tracker.test_tracker_service import (
+    RANKS,
+    _detections,
+    _send,
+    _series,
+    _tracker,
+    _until,
+    own_nats,
+)
+
+__all__ = ["own_nats"]  # the fixture, shared with the other tracker tests
+
+
+@asynccontextmanager
+async def _crashing(url: str, settings: Settings, **kw: Any
+                    ) -> AsyncIterator[tuple[Tracker, Consumer[Any]]]:
+    """A tracker that dies at the end: no final save, no drain (kill -9)."""
+    ctx = await start_service("tracker-crash", settings, need_db=False,
+                              backends=Backends(nats_url=url, database_url=""))
+    store = await TrackerStateStore(ctx.js).open()
+    tracker = Tracker(ctx, store=store, **kw)
+    consumer = tracker.consumer(tracker_spec(settings))
+    task = asyncio.create_task(consumer.run(idle=tracker.tick))
+    try:
+        yield tracker, consumer
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await ctx.nc.close()
+
+
+@pytest.mark.parametrize("crash_at", [102, 125])
+def test_a_crash_mid_slowdown_loses_nothing_and_reports_once(own_nats: str, tmp_path: Path,
+                                                             crash_at: int) -> None:
+    """102: the slowdown began, nothing saved yet (a fresh detector would take the slow level
+    for normal and never report it); 125: reported and saved with it, later batches not."""
+    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+    job = f"crash-{crash_at}"
+    x = _series(200, slow_from=100, seed=crash_at)
+
+    async def scenario() -> tuple[list[Any], Tracker]:
+        async with _crashing(own_nats, settings, persist_every_s=1000.0) as (tracker, consumer):
+            sent = await _send(tracker.ctx, job, x, 0, crash_at)
+            await _until(lambda: consumer.stats.handled >= sent)
+        async with _tracker(own_nats, settings) as (tracker, consumer):
+            sent = await _send(tracker.ctx, job, x, crash_at, 200)
+            await _until(lambda: consumer.stats.handled >= sent)
+            assert tracker.jobs[job].slow
+            replayed = tracker
+        return await _detections(own_nats, settings, job), replayed
+
+    events, second = asyncio.run(scenario())
+    assert [e.kind for e in events] == ["slowdown"], events
+    assert 100 <= events[0].first_iteration <= 103
+    assert second.stats.replayed > 0
+    # every iteration observed once, none twice: the rounds run (restored and new) and the
+    # values still queued add up to the 200 sent
+    t = second.jobs[job]
+    assert t.rounds + int(t._queue.counts[0]) == 200
+
+
+def test_a_failed_detection_publish_is_retried_and_its_batch_observed_once(
+        own_nats: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+    job = "pubfail"
+    x = _series(160, slow_from=100, seed=5)
+    real = client.publish
+    failures: list[str] = []
+
+    async def once_down(js: Any, subject: str, msg: Any) -> None:
+        if not failures:
+            failures.append(msg.event_id)
+            raise nats.errors.TimeoutError
+        await real(js, subject, msg)
+
+    monkeypatch.setattr("services.tracker.service.publish", once_down)
+
+    async def scenario() -> tuple[list[Any], Tracker, Consumer[Any]]:
+        async with _tracker(own_nats, settings) as (tracker, consumer):
+            sent = await _send(tracker.ctx, job, x, 0, 160)
+            await _until(lambda: consumer.stats.handled >= sent)
+            await _until(lambda: not tracker.state[job].pending)
+            return await _detections(own_nats, settings, job), tracker, consumer
+
+    events, tracker, consumer = asyncio.run(scenario())
+    assert [e.kind for e in events] == ["slowdown"] and events[0].event_id == failures[0]
+    assert tracker.stats.handover_failures == 1
+    assert consumer.stats.dead_lettered == 0 and consumer.stats.retried == 0
+    assert tracker.jobs[job].updates == RANKS * 160  # each value once
+
+
+def test_an_idle_job_leaves_memory_and_comes_back_with_its_state(own_nats: str,
+                                                                 tmp_path: Path) -> None:
+    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+    job = "idle"
+    x = _series(200, slow_from=100, seed=8)
+
+    async def scenario() -> None:
+        ctx = await start_service("tracker-idle", settings, need_db=False,
+                                  backends=Backends(nats_url=own_nats, database_url=""))
+        store = await TrackerStateStore(ctx.js).open()
+        tracker = Tracker(ctx, store=store,
+                          settings=TrackerSettings(tracker_idle_evict_s=0.5))
+        consumer = tracker.consumer(tracker_spec(settings))
+        task = asyncio.create_task(consumer.run(idle=tracker.tick))
+        try:
+            sent = await _send(ctx, job, x, 0, 130)
+            await _until(lambda: consumer.stats.handled >= sent)
+            assert tracker.jobs[job].slow
+            await _until(lambda: job not in tracker.state, timeout_s=30)
+            assert tracker.stats.evicted == 1
+            saved = await store.load(job)
+            assert saved is not None and saved["tracker"]["slow"] is True
+            sent += await _send(ctx, job, x, 130, 140)
+            await _until(lambda: consumer.stats.handled >= sent)
+            assert tracker.jobs[job].slow  # back, with what it knew
+        finally:
+            consumer.stop()
+            await task
+            await ctx.close()
+        events = await _detections(own_nats, settings, job)
+        assert [e.kind for e in events] == ["slowdown"]
+
+    asyncio.run(scenario())
+
+
+def test_the_state_bucket_gets_its_limits_even_when_it_existed(own_nats: str) -> None:
+    async def scenario() -> None:
+        settings = Settings(nats_url=own_nats)
+        ctx = await start_service("tracker-bucket", settings, need_db=False,
+                                  backends=Backends(nats_url=own_nats, database_url=""))
+        try:
+            await ctx.js.create_object_store("gh-limits", config=ObjectStoreConfig(
+                bucket="gh-limits"))  # as older trackers made it: no limits
+            store = await TrackerStateStore(ctx.js, "gh-limits", ttl_s=3600.0,
+                                            max_bytes=64 << 20).open()
+            info = await ctx.js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket="gh-limits"))
+            assert info.config.max_age == 3600.0 and info.config.max_bytes == 64 << 20
+            await store.save("j", {"x": 1})
+            assert await store.load("j") == {"x": 1}
+        finally:
+            await ctx.close()
+
+    asyncio.run(scenario())

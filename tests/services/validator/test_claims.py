@@ -1,0 +1,114 @@
+"""One validation per suspicion: a live claim or a finished one is never validated again (no
+second pause), a claim whose validator died is taken over with the next attempt number, and
+one out of attempts is recorded as abandoned without touching the job."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from nats.aio.msg import Msg
+
+from services.common.bus.contract import Subjects, Suspicion
+from services.common.db import repository as repo
+from services.common.db.models import ValidationClaim
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+from services.validator.service import Validator
+from services.validator.settings import ValidatorSettings
+
+
+@pytest.fixture()
+async def ctx(nats_url: str, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
+    c = await start_service("claims-test", Settings(nats_url=nats_url, database_url=fresh_db_url),
+                            backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
+    yield c
+    await c.close()
+
+
+async def localized(ctx: ServiceContext, job: str) -> Suspicion:
+    async with ctx.db()() as session:
+        await repo.touch_job(session, job)
+        inc = await repo.open_incident(session, job_id=job, kind="slowdown", dedup_key="slowdown",
+                                       severity=1.5, summary="s", culprit={}, evidence={},
+                                       stage_detail={})
+        await repo.add_timeline(session, inc, "localized", {"by": "test"})
+        await session.commit()
+    return Suspicion(job_id=job, incident_id=inc.id, kind="compute_slow", ranks=[1], comm_ids=[])
+
+
+async def claim_row(ctx: ServiceContext, s: Suspicion, *, state: str, attempts: int,
+                    lease_s: float) -> None:
+    async with ctx.db()() as session:
+        session.add(ValidationClaim(
+            suspicion_id=s.event_id, incident_id=s.incident_id, job_id=s.job_id,
+            suspicion=s.model_dump_json(), state=state, attempts=attempts, holder="dead-one",
+            lease_until=datetime.now(UTC) + timedelta(seconds=lease_s)))
+        await session.commit()
+
+
+async def claim_of(ctx: ServiceContext, s: Suspicion) -> ValidationClaim:
+    async with ctx.db()() as session:
+        got = await session.get(ValidationClaim, s.event_id)
+        assert got is not None
+        return got
+
+
+async def control_requests(ctx: ServiceContext, job: str) -> list[Any]:
+    """Every control request sent for the job (nobody answers: the validator sees no agents)."""
+    seen: list[Any] = []
+
+    async def note(msg: Msg) -> None:
+        seen.append(msg.subject)
+
+    await ctx.nc.subscribe(f"{Subjects.control(job, 'x').rsplit('.', 1)[0]}.*", cb=note)
+    return seen
+
+
+@pytest.mark.parametrize("state", ["done", "abandoned", "running"])
+async def test_a_live_or_finished_claim_is_not_validated_again(ctx: ServiceContext,
+                                                               state: str) -> None:
+    job = f"claimed-{uuid.uuid4().hex[:6]}"
+    s = await localized(ctx, job)
+    await claim_row(ctx, s, state=state, attempts=1, lease_s=60.0)
+    seen = await control_requests(ctx, job)
+    v = Validator(ctx, ValidatorSettings())
+    await v.handle(Subjects.suspicion(job), s)  # a redelivery
+    assert await v.resume_once() == 0  # nothing lapsed, nothing lost
+    assert not v.runs and not seen
+    claim = await claim_of(ctx, s)
+    assert (claim.state, claim.attempts, claim.holder) == (state, 1, "dead-one")
+
+
+async def test_a_dead_validators_claim_is_taken_over_once(ctx: ServiceContext) -> None:
+    job = f"lapsed-{uuid.uuid4().hex[:6]}"
+    s = await localized(ctx, job)
+    await claim_row(ctx, s, state="running", attempts=1, lease_s=-1.0)  # its lease ran out
+    v = Validator(ctx, ValidatorSettings(max_attempts=2))
+    assert await v.resume_once() == 1
+    claim = await claim_of(ctx, s)
+    assert (claim.state, claim.attempts, claim.holder) == ("done", 2, v.holder)
+    assert v.runs[-1].evidence["attempt"] == 2  # the job has no agents: recorded as not done
+    async with ctx.db()() as session:
+        inc = await repo.get_incident(session, s.incident_id)
+    assert inc is not None and inc.evidence["validation"]["outcome"] == "no ranks known for the job"
+    assert await v.resume_once() == 0
+
+
+async def test_out_of_attempts_is_recorded_as_abandoned_without_a_pause(
+        ctx: ServiceContext) -> None:
+    job = f"spent-{uuid.uuid4().hex[:6]}"
+    s = await localized(ctx, job)
+    await claim_row(ctx, s, state="running", attempts=2, lease_s=-1.0)
+    seen = await control_requests(ctx, job)
+    v = Validator(ctx, ValidatorSettings(max_attempts=2))
+    await v.resume_once()
+    claim = await claim_of(ctx, s)
+    assert claim.state == "abandoned" and not v.runs and not seen
+    async with ctx.db()() as session:
+        inc = await repo.get_incident(session, s.incident_id)
+    assert inc is not None and inc.status == "localized"
+    assert inc.evidence["validation"]["outcome"].startswith("abandoned: 2 attempt(s)")
