@@ -4,7 +4,9 @@ The live branch of greyhound.sim.cli, which the library leaves to the compositio
 
 The services (agent, tracker, analyzer, API; embedded NATS and Postgres when no URLs are set)
 run as in production and know nothing of the fault list; the simulator only writes rings. At
-the end the incidents come from the REST API, their times mapped back to virtual seconds.
+the end the incidents come from the REST API, their times mapped back to virtual seconds. A
+scenario with a ``mitigation`` section also follows the planner's plans (stack.sim_plans) with
+a job token made for the run.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from typing import Any, TextIO
 import httpx
 
 from greyhound.ids import slug
+from greyhound.integrations.rest import PlanClient
 from greyhound.sim.live import LiveProgress, LiveSimulation
 from greyhound.sim.scenario import Scenario
 from services.common.settings import Settings, get_settings
+from stack.sim_plans import SimPlanFollower, mint_token
 from stack.up import Stack, wait_api
 
 
@@ -91,8 +95,11 @@ def run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float 
         sim = LiveSimulation(scenario, Path(settings.shm_dir), job, speed=speed)
         report = _Reporter(err)
         dead: list[str] = []
+        follower = _follower(scenario, sim, stack, base, job)
 
         def should_stop() -> bool:
+            if follower is not None:
+                follower.poll()
             if time.monotonic() >= report.next:
                 dead.extend(stack.dead())
             return bool(dead)
@@ -114,6 +121,11 @@ def run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float 
         finally:
             sim.close(remove=True)
     lines.sort(key=lambda x: x["detected_s"])
+    if follower is not None:
+        for step in follower.steps:
+            print(f"plan version {step.version}: {step.action} {step.strategy} from "
+                  f"{step.virtual_s:.1f} s virtual (cost {step.cost_s:.2f} s)"
+                  f"{'; failed: ' + step.error if step.error else ''}", file=err)
     if as_json:
         for line in lines:
             out.write(json.dumps(line) + "\n")
@@ -123,6 +135,21 @@ def run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float 
             out.write(f"  {x['kind']:10} detected at {x['detected_s']:9.1f} s  ranks "
                       f"{x['ranks'][:8]}{' ...' if len(x['ranks']) > 8 else ''}\n")
     return 0
+
+
+def _follower(scenario: Scenario, sim: LiveSimulation, stack: Stack, base: str,
+              job: str) -> SimPlanFollower | None:
+    """The simulated job's plan follower, when the scenario asks for one (with a job token)."""
+    if not scenario.follows_plans or scenario.mitigation is None:
+        return None
+    assert stack.backends is not None
+    key = stack.settings.token_key
+    token = mint_token(stack.backends.database_url, role="job", name=f"sim-{job}",
+                       token_key=None if key is None else key.get_secret_value().encode())
+    follower = SimPlanFollower(sim, PlanClient(base, job, token, timeout_s=5.0),
+                               poll_s=scenario.mitigation.poll_s)
+    follower.start()
+    return follower
 
 
 def _drain(sim: LiveSimulation, stack: Stack, settle_s: float, timeout_s: float = 60.0) -> None:

@@ -31,7 +31,7 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Literal
+from typing import Any, Literal
 
 FailSlowKind = Literal["compute", "communication", "mixed"]
 
@@ -156,6 +156,37 @@ class Escalation:
         if strategy is not self._pending:
             raise ValueError(f"{strategy.name} was not awaiting application")
         self._pending = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the state machine holds, as JSON-able values (a restarted planner goes on
+        with the loss it had counted)."""
+        return {"kind": self.kind, "healthy_s": self.healthy_s, "tolerance": self.tolerance,
+                "alpha": self.alpha, "ladder": [s.name for s in self.ladder],
+                "overheads": {s.name: v for s, v in self._overheads.items()},
+                "step": self._step, "pending": self._pending.name if self._pending else None,
+                "loss_s": self.loss_s, "slow_iterations": self.slow_iterations,
+                "closed": self.closed}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Escalation:
+        """The inverse of :meth:`state_dict`; a ValueError for a state it cannot have written."""
+        try:
+            ladder = [Strategy[name] for name in state["ladder"]]
+            overheads = {Strategy[k]: float(v) for k, v in state["overheads"].items()}
+            esc = cls(state["kind"], float(state["healthy_s"]), overheads,
+                      tolerance=float(state["tolerance"]), alpha=float(state["alpha"]),
+                      available=ladder)
+            step, pending = int(state["step"]), state["pending"]
+            if tuple(ladder) != esc.ladder or not 0 <= step < len(ladder):
+                raise ValueError(f"ladder {state['ladder']} / step {step} do not fit {state['kind']!r}")
+            esc._step = step
+            esc._pending = None if pending is None else Strategy[pending]
+            esc.loss_s = float(state["loss_s"])
+            esc.slow_iterations = int(state["slow_iterations"])
+            esc.closed = bool(state["closed"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not an escalation state: {exc!r}") from exc
+        return esc
 
     def recovered(self) -> Revert | None:
         """The fail-slow ended: revert the plan in force (if it can be) and close the incident."""

@@ -11,6 +11,13 @@ raises :class:`IllegalTransition`. The rules:
   mitigation step follows the first);
 * a ``detected`` entry is a note (a further detection of the open problem): the status stays;
   so is ``acknowledged`` (an operator took the incident), which only an open incident takes;
+* a plan's steps (``plan_proposed``, ``plan_approved``, ``plan_rejected``, ``plan_expired``,
+  ``plan_failed``, ``plan_withdrawn``, ``plan_applied``, ``plan_reverted``) are notes at any
+  status, a closed incident included: its plan is reverted after the fault ended, and a report
+  may arrive after the recovery. Applying a plan to an open validated incident is the
+  ``mitigated`` entry itself; ``plan_applied`` records one that cannot move the status;
+* a validation of a mitigated incident (the planner asking whether the fault is still there)
+  leaves it mitigated;
 * a new localisation supersedes what followed the old one: validated and mitigated go back to
   localized (the job slowed again; the escalation starts over from the new evidence);
 * results that arrive after the incident was resolved (a localisation or validation still
@@ -27,7 +34,10 @@ from typing import Literal, get_args
 
 Status = Literal["detected", "localized", "validated", "mitigated", "resolved"]
 STATUSES: tuple[Status, ...] = get_args(Status)
-Note = Literal["acknowledged"]  # timeline stages that are never a status
+Note = Literal["acknowledged", "plan_proposed", "plan_approved", "plan_rejected", "plan_expired",
+               "plan_failed", "plan_withdrawn", "plan_applied", "plan_reverted"]
+# timeline stages that are never a status
+PLAN_NOTES: frozenset[str] = frozenset(n for n in get_args(Note) if n.startswith("plan_"))
 Stage = Status | Note
 STAGES: tuple[Stage, ...] = (*STATUSES, *get_args(Note))
 OPENED: Status = "detected"
@@ -63,6 +73,8 @@ def advance(status: str, stage: str) -> Status:
         if current == "resolved":
             raise IllegalTransition(status, stage, "the incident is closed")
         return current
+    if stage in PLAN_NOTES:
+        return current
     entry = _known(stage)
     if current == "resolved":
         if entry in _LATE_ON_RESOLVED:
@@ -70,7 +82,7 @@ def advance(status: str, stage: str) -> Status:
         raise IllegalTransition(status, stage, "the incident is closed")
     if entry == "resolved" or entry == current or _FORWARD.get(current) == entry:
         return entry
-    if entry == "detected":
+    if entry == "detected" or (current, entry) == ("mitigated", "validated"):
         return current
     if entry == "localized":  # validated or mitigated: localised again
         return "localized"

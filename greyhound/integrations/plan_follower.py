@@ -1,12 +1,13 @@
 """The framework-free half of applying an S2 plan inside a training loop.
 
-Between iterations each DP rank asks for the current plan (a callable the user supplies: a REST
-client later, a plan object or a test double now), checks it against the job (one count per DP
-group, each >= 1, summing to the global batch's M micro-batches) and adopts it from the next
-iteration. A plan that fails the checks, or a fetch that raises, never reaches the training job:
-the rank keeps the plan it had and reports the problem to ``on_error`` (a warning in the log by
-default). Adoption is reported to ``on_applied`` with the time it took, which is the observed cost
-the escalation policy learns from.
+Between iterations each DP rank asks for the current plan (a callable the user supplies: the REST
+client's ``fetch`` (greyhound.integrations.rest), a plan object or a test double), checks it
+against the job (one count per DP group, each >= 1, summing to the global batch's M
+micro-batches) and adopts it from the next iteration. A plan that fails the checks, or a fetch
+that raises, never reaches the training job: the rank keeps the plan it had and reports the
+problem to ``on_error`` (a warning in the log by default). Adoption is reported to
+``on_applied`` with the time it took, which is the observed cost the escalation policy learns
+from.
 
 Gradients stay those of the uniform split: rank i runs the micro-batches
 ``offset_i .. offset_i + m_i - 1`` of the global batch (offset_i = m_0 + ... + m_{i-1}, so the M
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class MicrobatchPlan:
     """An S2 plan as a training job receives it: micro-batches per DP group, and its version
-    (plans are only adopted when the version changes)."""
+    (plans are only adopted when the version changes). Empty counts mean the job's own even
+    split (the planner reverted its plan)."""
 
     version: int
     counts: tuple[int, ...]
@@ -37,10 +39,13 @@ class MicrobatchPlan:
     @classmethod
     def parse(cls, data: MicrobatchPlan | Mapping[str, Any]) -> MicrobatchPlan:
         """A plan object, or a mapping with ``version`` and ``counts`` (or ``allocation``, as
-        ``greyhound plan microbatch`` prints it)."""
+        ``greyhound plan microbatch`` prints it, or ``microbatches``, as the REST API returns
+        it, null there meaning the even split)."""
         if isinstance(data, MicrobatchPlan):
             return data
-        counts = data.get("counts", data.get("allocation"))
+        if "microbatches" in data and data["microbatches"] is None:
+            data = {**data, "microbatches": []}
+        counts = data.get("counts", data.get("allocation", data.get("microbatches")))
         if not isinstance(counts, Sequence) or isinstance(counts, str | bytes):
             raise ValueError(f"plan: counts must be a list of integers, got {counts!r}")
         version = data.get("version", 0)
@@ -125,6 +130,8 @@ class PlanFollower:
             return None
 
     def check(self, plan: MicrobatchPlan) -> MicrobatchPlan:
+        if not plan.counts:
+            return MicrobatchPlan(plan.version, even_counts(self.total, self.dp_size))
         c = plan.counts
         if len(c) != self.dp_size:
             raise ValueError(f"plan v{plan.version}: {len(c)} counts for {self.dp_size} DP groups")

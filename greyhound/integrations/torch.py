@@ -13,7 +13,9 @@ Use, in a training loop over a DP group of ``dp_size`` ranks with M micro-batche
         optimizer.step(); optimizer.zero_grad()
 
 ``fetch_plan`` is any callable returning a :class:`MicrobatchPlan` or a mapping (``{"version": 3,
-"counts": [...]}``) or None; the planner's REST route will be one. Rank 0 of ``group`` fetches and
+"counts": [...]}``) or None; ``PlanClient.fetch`` (greyhound.integrations.rest) reads the
+planner's ``GET /v1/jobs/{id}/plan`` with a job token, and ``PlanClient.on_applied`` reports each
+adopted version with its cost (docs/mitigation.md). Rank 0 of ``group`` fetches and
 broadcasts the plan (``version`` and counts as one int64 tensor on ``device``), so all ranks switch
 at the same iteration even when a fetch races a plan update; plans that do not fit the job are
 ignored and reported to ``on_error``, never raised into the loop. With torch's

@@ -20,6 +20,11 @@ both are rescaled each tick to read the virtual time elapsed since (see ``CommTa
 
 Pacing: ``speed`` caps virtual seconds per wall second; without it the run goes as fast as the
 agent consumes (never more than ``lead`` x capacity records ahead of any rank's consumed cursor).
+
+Plans: :meth:`LiveSimulation.submit` hands the job a mitigation (greyhound.sim.mitigation); it
+takes effect at the next iteration the simulation has not computed yet, which starts later by
+the plan's modelled cost (a re-balance costs little, a topology change is a pause, as in the
+scenario's ``costs``), and :meth:`LiveSimulation.applied` says when and at what cost.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from greyhound.hookabi import BenchRequest, BenchState, CommRow, RingWriter
 from greyhound.ids import check_token
 from greyhound.sim import livectl
 from greyhound.sim.commtable import CommTables, Progress
+from greyhound.sim.mitigation import Plan, PlanError
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.records import NEVER_NS, RecordCodec, comm_ids
 from greyhound.sim.scenario import Scenario
@@ -48,6 +54,18 @@ _PROFILED = np.uint32(hookabi.Flag.PROFILED)
 _GPU_DONE = np.uint32(hookabi.Flag.GPU_DONE)
 GPU_WAIT_S = 2.0  # how long the agent's reader waits for a profiled call's GPU times
 DRAIN_TIMEOUT_S = 10.0  # a parked rank measures anyway if its queued GPU work cannot finish
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedPlan:
+    """A submitted plan in force: from the iteration starting at ``virtual_s`` (after its pause
+    of ``cost_s``); ``tag`` is the submitter's (e.g. the delivery version)."""
+
+    tag: int
+    virtual_s: float
+    cost_s: float
+    iteration: int
+    error: str | None = None  # the job could not apply it (greyhound.sim.mitigation.PlanError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +131,9 @@ class LiveSimulation:
         self._lock = threading.Lock()  # run()'s clock keeper restamps between steps
         self._shown_at = time.monotonic()
         self.samples: list[tuple[int, float]] = [(self.wall0_ns, 0.0)]  # (wall ns, virtual s)
+        self._submitted: collections.deque[tuple[int, list[Plan]]] = collections.deque()
+        self._applied: list[AppliedPlan] = []
+        self._starts: list[float] = []  # virtual start of each simulated iteration
 
     def _ring(self, rank: int, capacity: int) -> RingWriter:
         job, comms = self.scenario.job, self.model.comms
@@ -145,6 +166,20 @@ class LiveSimulation:
         its = int(np.searchsorted(np.asarray(self._ends), self._v, side="right"))
         return LiveProgress(self._v, its, self._clock() - self._start, self._written,
                             sum(r.dropped for r in self.rings), self.model.hung)
+
+    def submit(self, tag: int, plans: list[Plan]) -> None:
+        """Apply ``plans`` (in order, as one change) at the next iteration boundary the
+        simulation reaches; safe to call from the driver's callbacks."""
+        self._submitted.append((tag, list(plans)))
+
+    def applied(self) -> list[AppliedPlan]:
+        """Plans that took effect since the last call."""
+        out, self._applied = self._applied, []
+        return out
+
+    def iteration_times(self) -> list[tuple[float, float]]:
+        """(virtual start, duration) of every simulated iteration so far, pauses included."""
+        return [(s, e - s) for s, e in zip(self._starts, self._ends, strict=False)]
 
     def virtual_at(self, wall_ns: int) -> float:
         """The virtual time the run had reached at a wall-clock instant (for reporting)."""
@@ -251,6 +286,8 @@ class LiveSimulation:
         n = 0
         while (self._model_t <= target or n < at_least) and not self.model.hung \
                 and not self._parked and self._model_t < self.scenario.duration_s:
+            self._apply_submitted()
+            self._starts.append(self._model_t)
             it = self.model.iteration(self._model_t)
             ranks, recs = self.codec.encode(it.blocks)
             self._ends.append(it.end_s)
@@ -263,6 +300,20 @@ class LiveSimulation:
                 self._rank, self._rec = rank[order], rec[order]
                 self._iter = np.concatenate((self._iter, np.full(len(recs), it.index)))[order]
                 self._state = np.concatenate((self._state, np.zeros(len(recs), np.uint8)))[order]
+
+    def _apply_submitted(self) -> None:
+        """Plans submitted since: in force from the iteration about to be simulated, which
+        starts after their modelled cost (greyhound.sim.mitigation.apply)."""
+        while self._submitted:
+            tag, plans = self._submitted.popleft()
+            cost, error = 0.0, None
+            try:
+                for p in plans:
+                    cost += self.model.apply_plan(p)
+            except PlanError as exc:
+                error = str(exc)
+            self._model_t += cost
+            self._applied.append(AppliedPlan(tag, self._model_t, cost, len(self._ends), error))
 
     def _segments(self) -> tuple[np.ndarray, np.ndarray]:
         world = np.arange(len(self.rings))
@@ -446,6 +497,7 @@ class LiveSimulation:
         rec["gpu_end_ns"] = np.maximum(rec["gpu_end_ns"], rec["gpu_start_ns"])
         delay = int(d_ns) / 1e9
         self._ends = [e + delay if e > since else e for e in self._ends]
+        self._starts = [t + delay if t > since else t for t in self._starts]
         self._model_t += delay
         self._parked.clear()
         self._released.clear()

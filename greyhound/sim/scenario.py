@@ -107,6 +107,17 @@ class CostSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class MitigationSpec:
+    """How the simulated job treats the planner's plans in a live run: ``follow_plans`` makes it
+    fetch the current plan, apply it at an iteration boundary (paying ``costs``) and report it.
+    A scenario without a ``mitigation`` section never follows plans, so the incidents of the
+    scenarios written before plans existed stay what they were."""
+
+    follow_plans: bool = True
+    poll_s: float = 0.25  # wall seconds between two looks at the job's current plan
+
+
+@dataclass(frozen=True, slots=True)
 class FaultSpec:
     kind: FaultKind
     start_s: float
@@ -133,6 +144,11 @@ class Scenario:
     faults: tuple[FaultSpec, ...] = ()
     noise: NoiseSpec = field(default_factory=NoiseSpec)
     costs: CostSpec = field(default_factory=CostSpec)
+    mitigation: MitigationSpec | None = None
+
+    @property
+    def follows_plans(self) -> bool:
+        return self.mitigation is not None and self.mitigation.follow_plans
 
 
 class _Loader(yaml.SafeLoader):
@@ -159,7 +175,8 @@ def load_scenario(path: Path) -> Scenario:
 
 
 def parse_scenario(data: Mapping[str, Any]) -> Scenario:
-    _only(data, "", {"name", "job", "duration_s", "seed", "faults", "noise", "costs"})
+    _only(data, "", {"name", "job", "duration_s", "seed", "faults", "noise", "costs",
+                     "mitigation"})
     job = _job(_mapping(data, "job", required=True))
     faults_raw = data.get("faults") or []
     if not isinstance(faults_raw, list):
@@ -177,6 +194,7 @@ def parse_scenario(data: Mapping[str, Any]) -> Scenario:
         faults=faults,
         noise=_noise(_mapping(data, "noise")),
         costs=_costs(_mapping(data, "costs")),
+        mitigation=_mitigation(data),
     )
 
 
@@ -275,6 +293,17 @@ def _costs(d: Mapping[str, Any]) -> CostSpec:
     _only(d, "costs", set(CostSpec.__slots__))
     c = CostSpec()
     return CostSpec(**{k: _num(d, k, "costs.", default=getattr(c, k)) for k in CostSpec.__slots__})
+
+
+def _mitigation(data: Mapping[str, Any]) -> MitigationSpec | None:
+    if "mitigation" not in data:
+        return None
+    d = _mapping(data, "mitigation")
+    _only(d, "mitigation", set(MitigationSpec.__slots__))
+    follow = d.get("follow_plans", True)
+    if not isinstance(follow, bool):
+        raise ScenarioError("mitigation.follow_plans", f"must be true or false, got {follow!r}")
+    return MitigationSpec(follow, _num(d, "poll_s", "mitigation.", default=0.25, positive=True))
 
 
 def _only(d: Mapping[str, Any], p: str, allowed: set[str]) -> None:

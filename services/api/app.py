@@ -19,7 +19,7 @@ from services.api.deps import Bus
 from services.api.errors import install_handlers, reject_unstorable
 from services.api.metrics import REQUEST_SECONDS, REQUESTS
 from services.api.openapi import install_openapi
-from services.api.routes import fleet, incidents, jobs, ops, plans, tokens, webhooks
+from services.api.routes import fleet, incidents, job_plans, jobs, ops, plans, tokens, webhooks
 from services.common.settings import Settings
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -34,7 +34,8 @@ def create_app(sessions: async_sessionmaker[AsyncSession], *, settings: Settings
     app.state.settings = settings or Settings()
     app.state.bus = Bus(nc=nc, js=js)
     install_handlers(app)
-    routers = [m.router for m in (ops, jobs, incidents, plans, fleet, webhooks, tokens)]
+    routers = [m.router for m in (ops, jobs, job_plans, incidents, plans, fleet, webhooks,
+                                   tokens)]
     for router in routers:
         app.include_router(router)
     app.mount("/dashboard", StaticFiles(directory=STATIC, html=True), name="dashboard")

@@ -63,5 +63,6 @@ def require(role: Role) -> Callable[..., Awaitable[Principal]]:
 
 
 Viewer = Annotated[Principal, Depends(require("viewer"))]
+JobRole = Annotated[Principal, Depends(require("job"))]
 Operator = Annotated[Principal, Depends(require("operator"))]
 Admin = Annotated[Principal, Depends(require("admin"))]

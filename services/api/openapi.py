@@ -22,9 +22,10 @@ DESCRIPTION = """\
 Greyhound finds fail-slows (stragglers) and hangs in distributed training jobs and names the
 GPU, link or rank behind them. This API is the on-call surface.
 
-**Access.** Send `Authorization: Bearer <token>`. Tokens have a role, viewer < operator < admin:
-reading needs viewer; acknowledging or closing incidents and approving or rejecting plans need
-operator; webhooks, tokens and the audit log need admin. No token: 401; a weaker role: 403. The
+**Access.** Send `Authorization: Bearer <token>`. Tokens have a role, viewer < job < operator <
+admin: reading needs viewer; a training job's own token (job) also declares its layout and reports
+what it did with its plans; acknowledging or closing incidents and approving or rejecting plans
+need operator; webhooks, tokens and the audit log need admin. No token: 401; a weaker role: 403. The
 first admin token is made on the server with `greyhound token create --role admin`. `/healthz`,
 `/readyz` and `/metrics` need no token. Every state-changing call is in the audit log.
 

@@ -74,11 +74,19 @@ class PlanOut(BaseModel):
     incident_id: str
     job_id: str
     strategy: str = Field(examples=["S2"])
-    params: dict[str, Any] = Field(examples=[{"micro_batches": [6, 6, 4, 8]}])
-    status: str = Field(examples=["proposed"])
+    params: dict[str, Any] = Field(examples=[{"kind": "microbatch", "microbatches": [6, 6, 4, 8]}])
+    params_version: int = 1
+    status: str = Field(examples=["proposed"], description=(
+        "proposed, approved, rejected, expired, applied, failed, reverted or withdrawn"))
+    policy: str = Field(default="approval", examples=["automatic"])
     expected_gain: float | None = Field(examples=[1.31])
     created_at: datetime
+    expires_at: datetime | None = None
+    version: int | None = Field(default=None, description="the job's delivery that carried it")
     applied_at: datetime | None
+    cost_s: float | None = Field(default=None, description="what applying it cost, as reported")
+    reverted_at: datetime | None = None
+    reason: str = ""
     approvals: list[ApprovalOut]
 
 
@@ -161,6 +169,44 @@ class JobOut(BaseModel):
 
 class JobDetailOut(JobOut):
     ranks: list[RankOut]
+
+
+class JobPlanOut(BaseModel):
+    """What the job must run now: its newest delivery (version 0 and nulls: its own layout)."""
+
+    job_id: str
+    version: int = Field(examples=[3], description="a job applies a version above the one it runs")
+    plan_id: str | None = None
+    incident_id: str | None = None
+    strategy: str | None = Field(default=None, examples=["S2"])
+    action: Literal["apply", "revert"] | None = None
+    microbatches: list[int] | None = Field(default=None, examples=[[5, 3, 4, 4]], description=(
+        "micro-batches per DP group; null: the job's own even split"))
+    gpu_of_rank: list[int] | None = Field(default=None, description=(
+        "the GPU each rank runs on; null: every rank on its own GPU"))
+    swaps: list[tuple[int, int]] = Field(default_factory=list, description=(
+        "GPU pairs that exchange ranks, in order, from the previous version"))
+    cost_s: float | None = None
+    summary: str = ""
+    issued_at: datetime | None = None
+    reported: str | None = Field(default=None, description="the job's report on it, if any")
+
+
+class PlanReportIn(Input):
+    """The job applied (or could not apply) a delivered version."""
+
+    version: int = Field(ge=1, le=2**31 - 1, examples=[3])
+    outcome: Literal["applied", "failed"] = "applied"
+    cost_s: float | None = Field(default=None, ge=0, le=1e7, examples=[0.4], description=(
+        "seconds of training time applying it cost (the planner learns overheads from it)"))
+    error: str | None = Field(default=None, max_length=2000)
+
+
+class PlanReportAccepted(BaseModel):
+    job_id: str
+    version: int
+    outcome: str
+    event_id: str
 
 
 class TimelineMarker(BaseModel):

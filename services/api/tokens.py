@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
-Role = Literal["viewer", "operator", "admin"]
-ROLES: tuple[Role, ...] = ("viewer", "operator", "admin")
+# ``job``: a training job's own token: it reads what a viewer reads, declares its layout and
+# reports what it did with its plans, and decides nothing.
+Role = Literal["viewer", "job", "operator", "admin"]
+ROLES: tuple[Role, ...] = ("viewer", "job", "operator", "admin")
 _RANK = {r: i for i, r in enumerate(ROLES)}
 TOKEN_PREFIX = "gh_"
 _DEFAULT_KEY = b"greyhound-api-token-v1"
@@ -29,7 +31,7 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def at_least(have: str, need: Role) -> bool:
-    """viewer < operator < admin; an unknown role grants nothing."""
+    """viewer < job < operator < admin; an unknown role grants nothing."""
     return have in _RANK and _RANK[have] >= _RANK[need]
 
 

@@ -19,8 +19,9 @@ from services.common.bus.errors import PermanentError
 from services.common.db.models import Incident
 
 # Statuses a validation may follow: localised, or validated before (a re-localisation brings a
-# validated incident back to localized; a late suspicion of the same cause may still be checked).
-VALIDATABLE = frozenset({"localized", "validated"})
+# validated incident back to localized; a late suspicion of the same cause may still be checked),
+# or mitigated (the planner asks whether the GPU under a plan is still slow: a re-check).
+VALIDATABLE = frozenset({"localized", "validated", "mitigated"})
 # The analyzer keeps at most this many entries per culprit list; a full list may have lost some.
 CULPRIT_CAP = 256
 
@@ -66,6 +67,12 @@ def refusal(s: Suspicion, incident: Incident | None, job_ranks: Collection[int])
         return "a communicator id is outside 64 bits"
     culprit = incident.culprit if isinstance(incident.culprit, dict) else {}
     localised = _listed(culprit, "compute_ranks")
+    if incident.status == "mitigated":
+        # A plan may have moved ranks onto other GPUs (a role swap): the re-check names the
+        # ranks on the culprit GPU now, which need not be those localised; GEMMs only.
+        if s.comm_ids or s.slow_groups:
+            return f"a re-check of mitigated incident {incident.id} names communicators"
+        return None
     if localised is not None and not set(s.ranks) <= localised:
         return (f"ranks {sorted(set(s.ranks) - localised)[:8]} were not localised in incident "
                 f"{incident.id}")

@@ -104,3 +104,19 @@ def test_applied_checks_what_was_pending() -> None:
         esc.applied(Strategy.MICROBATCH, 1.0)
     with pytest.raises(ValueError, match="finite"):
         esc.observe(float("nan"))
+
+
+def test_state_round_trip_goes_on_where_it_stopped() -> None:
+    esc = Escalation("compute", HEALTHY, OVERHEADS)
+    feed(esc, 1.5, 10)  # S2 pending
+    again = Escalation.from_state(esc.state_dict())
+    assert again.state_dict() == esc.state_dict()
+    assert again.pending is Strategy.MICROBATCH and again.loss_s == pytest.approx(5.0)
+    again.applied(Strategy.MICROBATCH, cost_s=1.0)
+    esc.applied(Strategy.MICROBATCH, cost_s=1.0)
+    assert feed(again, 1.5, 200) == feed(esc, 1.5, 200)
+    with pytest.raises(ValueError, match="not an escalation state"):
+        Escalation.from_state({"kind": "compute"})
+    bad = {**esc.state_dict(), "step": 7}
+    with pytest.raises(ValueError, match="step"):
+        Escalation.from_state(bad)

@@ -7,7 +7,15 @@ import itertools
 
 import pytest
 
-from greyhound.core.lifecycle import OPEN, STAGES, STATUSES, IllegalTransition, advance, is_open
+from greyhound.core.lifecycle import (
+    OPEN,
+    PLAN_NOTES,
+    STAGES,
+    STATUSES,
+    IllegalTransition,
+    advance,
+    is_open,
+)
 
 # (status before, timeline stage) -> status after; a pair missing here is illegal.
 LEGAL = {
@@ -24,6 +32,7 @@ LEGAL = {
     ("validated", "mitigated"): "mitigated",
     ("validated", "resolved"): "resolved",
     ("mitigated", "detected"): "mitigated",
+    ("mitigated", "validated"): "mitigated",  # the planner re-checks the culprit under a plan
     ("mitigated", "localized"): "localized",  # still slow after the mitigation: start over
     ("mitigated", "mitigated"): "mitigated",  # the next step of an escalation
     ("mitigated", "resolved"): "resolved",
@@ -36,6 +45,8 @@ LEGAL = {
     ("validated", "acknowledged"): "validated",
     ("mitigated", "acknowledged"): "mitigated",
 }
+# a plan's steps are notes at every status, a closed incident included (reverts come after it)
+LEGAL.update({(status, note): status for status in STATUSES for note in PLAN_NOTES})
 
 
 @pytest.mark.parametrize(("status", "stage"), list(itertools.product(STATUSES, STAGES)))
@@ -51,10 +62,13 @@ def test_every_pair_of_states(status: str, stage: str) -> None:
 
 def test_the_table_covers_the_chain_and_some_pairs_are_illegal() -> None:
     assert STATUSES == ("detected", "localized", "validated", "mitigated", "resolved")
-    assert (*STATUSES, "acknowledged") == STAGES
+    assert (*STATUSES, "acknowledged", *sorted(PLAN_NOTES, key=STAGES.index)) == STAGES
+    notes = {"plan_proposed", "plan_approved", "plan_rejected", "plan_expired", "plan_failed",
+             "plan_withdrawn", "plan_applied", "plan_reverted"}
+    assert notes == PLAN_NOTES
     illegal = set(itertools.product(STATUSES, STAGES)) - set(LEGAL)
     assert {("detected", "validated"), ("localized", "mitigated"), ("resolved", "resolved"),
-            ("resolved", "mitigated"), ("mitigated", "validated"),
+            ("resolved", "mitigated"), ("detected", "mitigated"),
             ("resolved", "acknowledged")} <= illegal
 
 

@@ -69,7 +69,7 @@ def test_the_cli_has_one_subcommand_per_service_with_its_options() -> None:
 
 def test_up_starts_the_services_marked_for_it() -> None:
     assert tuple(s.name for s in SERVICES if s.in_up) == UP
-    assert {"tracker", "analyzer", "validator", "api", "agent"} <= set(UP)
+    assert {"tracker", "analyzer", "validator", "planner", "api", "agent"} <= set(UP)
 
 
 seen: list[tuple[object, object, dict[str, Any]]] = []

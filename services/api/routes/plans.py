@@ -1,8 +1,10 @@
 """Mitigation plans: read them, and approve or reject a proposed one (operator).
 
 The planner service writes plans (status ``proposed``); a decision is recorded as an approval
-row, moves the plan to ``approved`` or ``rejected``, lands in the audit log and is announced to
-webhooks (plan.approved / plan.rejected) in the same commit. Deciding on a plan that is not
+row, moves the plan to ``approved`` or ``rejected`` (greyhound.core.plan_lifecycle), lands in
+the audit log and on the incident's timeline and is announced to webhooks (plan.approved /
+plan.rejected) in the same commit; the planner then delivers an approved plan to the job. A
+proposal past its expiry is not decided any more. Deciding on a plan that is not
 awaiting a decision is a 409, so two operators clicking at once get one decision and one clear
 refusal.
 """
@@ -55,8 +57,16 @@ async def _decide(session: Session, settings: SettingsDep, plan_id: str, decisio
         raise NotFound(f"plan {plan_id!r} not found")
     if plan.status != "proposed":
         raise Conflict(f"plan {plan_id} is {plan.status}, not awaiting a decision")
+    if plan.expires_at is not None and plan.expires_at <= datetime.now(UTC):
+        raise Conflict(f"plan {plan_id} expired at {plan.expires_at.isoformat()}: the planner "
+                       "proposes again if the loss still pays for it")
     await repo.decide_plan(session, plan, decision=decision, approver=who.name, comment=note)
     action = "approved" if decision == "approve" else "rejected"
+    incident = await repo.get_incident_for_update(session, plan.incident_id)
+    if incident is not None:
+        await repo.add_timeline(session, incident, f"plan_{action}",
+                                {"plan_id": plan.id, "strategy": plan.strategy,
+                                 "status": plan.status, "by": who.name, "note": note})
     await repo.audit(session, actor=who.name, token_id=who.token_id, action=f"plan.{decision}",
                      target_type="plan", target_id=plan.id, note=note,
                      detail={"incident_id": plan.incident_id, "strategy": plan.strategy})

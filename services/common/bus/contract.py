@@ -101,6 +101,17 @@ class Subjects:
         return _job_subject(job, "suspect")
 
     @staticmethod
+    def plan(job: str) -> str:
+        """The job's current plan: the planner's newest delivery (the plans stream keeps only
+        that one per job, so a job that subscribes late still gets it)."""
+        return _job_subject(job, "plan")
+
+    @staticmethod
+    def plan_report(job: str) -> str:
+        """The job's reports that it applied (or could not apply) a delivered plan."""
+        return _job_subject(job, "planreport")
+
+    @staticmethod
     def dead_letter(stream: str) -> str:
         return f"{DLQ_PREFIX}.{stream}"
 
@@ -122,6 +133,8 @@ class Subjects:
     ALL_INCIDENTS = f"{PREFIX}.*.incident"
     ALL_SUSPICIONS = f"{PREFIX}.*.suspect"
     ALL_CONTROL = f"{PREFIX}.*.control.*"
+    ALL_PLANS = f"{PREFIX}.*.plan"
+    ALL_PLAN_REPORTS = f"{PREFIX}.*.planreport"
     ALL_VALIDATION = f"{PREFIX}.*.validate.*"
     ALL_DEAD_LETTERS = f"{DLQ_PREFIX}.>"
 
@@ -534,3 +547,85 @@ class ControlReply(BaseModel):
     agent_id: Token
     ranks: list[RankStatus] = Field(default_factory=list, max_length=MAX_LISTED)
     results: list[BenchOutcome] = Field(default_factory=list, max_length=MAX_BENCH_ITEMS)
+
+
+class JobLayout(BaseModel):
+    """A training job's parallel layout as it declares it (``PUT /v1/jobs/{id}/layout``): what
+    the planner needs to build plans and nothing the telemetry already says.
+
+    Ranks follow Megatron's order ``rank = tp + TP * (dp + DP * pp)``; GPU ``g`` is the
+    ``g % gpus_per_node``-th GPU of the job's ``g // gpus_per_node``-th node, rank ``r`` starting on
+    GPU ``r``. ``microbatches`` is M, the global batch's micro-batches per iteration, and every
+    DP group's share must be a multiple of ``multiple_of`` (the pipeline depth for schedules that
+    need it, else 1). The byte counts weigh the DP and PP traffic of a role swap (S3) and price a
+    checkpoint-restart (S4); left out, the planner's settings stand in.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tp: int = Field(ge=1, le=1 << 16)
+    dp: int = Field(ge=1, le=1 << 16)
+    pp: int = Field(ge=1, le=1 << 16)
+    gpus_per_node: int = Field(ge=1, le=1024)
+    microbatches: int = Field(ge=1, le=1 << 24)
+    multiple_of: int = Field(default=1, ge=1, le=1 << 16)
+    dp_allreduce_bytes: float | None = Field(default=None, ge=0, le=1e15)
+    pp_activation_bytes: float | None = Field(default=None, ge=0, le=1e15)
+    checkpoint_bytes: float | None = Field(default=None, ge=0, le=1e18)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @model_validator(mode="after")
+    def _fits(self) -> JobLayout:
+        if self.world > 1 << 20:
+            raise ValueError(f"tp x dp x pp = {self.world} ranks is more than 2^20")
+        if self.world % self.gpus_per_node:
+            raise ValueError(f"gpus_per_node {self.gpus_per_node} must divide the world size "
+                             f"{self.world}")
+        if self.microbatches < self.dp * self.multiple_of or self.microbatches % self.multiple_of:
+            raise ValueError(f"microbatches {self.microbatches} must be a multiple of "
+                             f"multiple_of {self.multiple_of} and at least dp x multiple_of "
+                             f"({self.dp * self.multiple_of})")
+        return self
+
+
+PlanStrategy = Literal["S2", "S3", "S4"]
+
+
+class PlanMessage(Message):
+    """What the job runs from now on: a plan, or the revert of one (``Subjects.plan(job)``).
+
+    ``version`` numbers the job's deliveries (1, 2, ...): a job applies a message whose version
+    is above the one it runs and ignores the rest, so a stale or repeated message does nothing.
+    The state is absolute: ``microbatches`` per DP group (None: the job's own even split) and
+    ``gpu_of_rank`` (None: every rank on its own GPU); ``swaps`` are the GPU pairs that exchange
+    ranks, in order, to go from the previous version's layout to this one. ``cost_s`` is what the
+    planner expects applying it to cost (the job reports what it really cost).
+    """
+
+    kind: Literal["plan"] = "plan"
+    version: int = Field(ge=1, le=2**31 - 1)
+    plan_id: str = Field(min_length=1, max_length=32)
+    incident_id: str = Field(min_length=1, max_length=32)
+    strategy: PlanStrategy
+    action: Literal["apply", "revert"]
+    microbatches: list[int] | None = None
+    gpu_of_rank: list[int] | None = None
+    swaps: list[tuple[int, int]] = Field(default_factory=list)
+    cost_s: float | None = Field(default=None, ge=0)
+    summary: str = ""
+
+
+class PlanReport(Message):
+    """A job's answer to a delivery (``Subjects.plan_report(job)``): it runs ``version`` from now
+    (``applied``, with what applying it cost in seconds of training time) or it could not apply
+    it (``failed``, with why). The planner learns each strategy's overhead from ``cost_s``."""
+
+    kind: Literal["plan_report"] = "plan_report"
+    version: int = Field(ge=1, le=2**31 - 1)
+    outcome: Literal["applied", "failed"]
+    cost_s: float | None = Field(default=None, ge=0, le=1e7)
+    error: str | None = Field(default=None, max_length=2000)
+    reporter: str = Field(default="", max_length=255, description="who reported (token name)")

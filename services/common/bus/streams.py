@@ -20,6 +20,7 @@ from services.common.settings import Settings
 
 TELEMETRY = "GH_TELEMETRY"
 EVENTS = "GH_EVENTS"
+PLANS = "GH_PLANS"
 DEAD_LETTERS = "GH_DLQ"
 
 
@@ -49,13 +50,28 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
         ),
         StreamConfig(
             name=EVENTS,
-            subjects=[Subjects.ALL_DETECTIONS, Subjects.ALL_INCIDENTS, Subjects.ALL_SUSPICIONS],
+            subjects=[Subjects.ALL_DETECTIONS, Subjects.ALL_INCIDENTS, Subjects.ALL_SUSPICIONS,
+                      Subjects.ALL_PLAN_REPORTS],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,
             max_age=settings.events_max_age_s,
             max_bytes=1024**3,
             max_msg_size=1024 * 1024,
+            duplicate_window=600.0,
+        ),
+        # The current plan of each job and nothing older: a job that (re)subscribes reads what
+        # it must run now, however long ago it was decided.
+        StreamConfig(
+            name=PLANS,
+            subjects=[Subjects.ALL_PLANS],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_msgs_per_subject=1,
+            max_age=settings.events_max_age_s,
+            max_bytes=256 * 1024**2,
+            max_msg_size=8 * 1024 * 1024,
             duplicate_window=600.0,
         ),
         StreamConfig(
@@ -167,4 +183,11 @@ ANALYZER_COLLECTIVES = ConsumerSpec(
     durable="analyzer-collectives",
     filter_subjects=(Subjects.ALL_COLLECTIVES,),
     batch=256,
+)
+PLANNER = ConsumerSpec(
+    stream=EVENTS,
+    durable="planner",
+    # Validated and resolved incidents, the tracker's slowdowns and recoveries, the jobs' reports.
+    filter_subjects=(Subjects.ALL_INCIDENTS, Subjects.ALL_DETECTIONS, Subjects.ALL_PLAN_REPORTS),
+    batch=64,
 )

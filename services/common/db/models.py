@@ -1,7 +1,7 @@
-"""The relational model: jobs and their ranks, incidents with timeline and evidence, plans and
-approvals, webhooks with their deliveries and attempts, API tokens, the audit log, the
-processed-event ledger for idempotent consumers, the outbox of messages that commits announce,
-and the validator's claims.
+"""The relational model: jobs and their ranks, incidents with timeline and evidence, plans with
+their approvals, deliveries and escalation state, webhooks with their deliveries and attempts,
+API tokens, the audit log, the processed-event ledger for idempotent consumers, the outbox of
+messages that commits announce, and the validator's claims.
 
 Schema changes go through Alembic migrations only (services/common/migrations).
 """
@@ -124,9 +124,13 @@ class IncidentEvent(Base):
 
 
 class Plan(Base):
-    """A mitigation the planner proposes (S1 ignore .. S4 restart); applied only once approved."""
+    """A mitigation the planner proposes (S2 micro-batches, S3 topology, S4 restart); its status
+    moves as greyhound.core.plan_lifecycle says. ``policy`` is how it was decided (``automatic``:
+    approved by the policy itself, ``approval``: an operator's call); ``version`` is the job's
+    delivery that put it in force; ``params`` follow ``params_version`` (docs/mitigation.md)."""
 
     __tablename__ = "plans"
+    __table_args__ = (Index("ix_plans_job_status", "job_id", "status"),)
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=_uuid)
     incident_id: Mapped[str] = mapped_column(ForeignKey("incidents.id", ondelete="CASCADE"),
@@ -134,12 +138,53 @@ class Plan(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     strategy: Mapped[str] = mapped_column(String(32))
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    params_version: Mapped[int] = mapped_column(Integer, default=1)
     status: Mapped[str] = mapped_column(String(32), default="proposed")
+    policy: Mapped[str] = mapped_column(String(16), default="approval")
     expected_gain: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    version: Mapped[int | None] = mapped_column(Integer)
     applied_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cost_s: Mapped[float | None] = mapped_column(Float)
+    reverted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    reason: Mapped[str] = mapped_column(Text, default="")
 
     approvals: Mapped[list[Approval]] = relationship(back_populates="plan", lazy="raise")
+
+
+class PlanDelivery(Base):
+    """Every message the planner sent a job (a plan or its revert), numbered per job, with the
+    job's report on it. The newest row of a job is what the job must run now."""
+
+    __tablename__ = "plan_deliveries"
+    __table_args__ = (UniqueConstraint("job_id", "version"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    plan_id: Mapped[str] = mapped_column(ForeignKey("plans.id", ondelete="CASCADE"), index=True)
+    action: Mapped[str] = mapped_column(String(16))
+    message: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    cost_s: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
+    reporter: Mapped[str | None] = mapped_column(String(255))
+    reported_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Escalation(Base):
+    """The planner's ski-rental state of one incident (greyhound.core.escalation), kept so that
+    a restarted planner goes on with the loss it had counted."""
+
+    __tablename__ = "escalations"
+
+    incident_id: Mapped[str] = mapped_column(ForeignKey("incidents.id", ondelete="CASCADE"),
+                                             primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    state: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 
 class Approval(Base):

@@ -12,16 +12,18 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
-from greyhound.core import lifecycle
+from greyhound.core import lifecycle, plan_lifecycle
 from services.common.db.models import (
     ApiToken,
     Approval,
     AuditEntry,
+    Escalation,
     Incident,
     IncidentEvent,
     Job,
     OutboxMessage,
     Plan,
+    PlanDelivery,
     ProcessedEvent,
     Rank,
     ValidationClaim,
@@ -235,12 +237,151 @@ async def get_plan(session: AsyncSession, plan_id: str, *, for_update: bool = Fa
 
 async def decide_plan(session: AsyncSession, plan: Plan, *, decision: str, approver: str,
                       comment: str) -> Approval:
-    """Record an approval or a rejection; the caller checked that the plan awaits one."""
+    """Record an approval or a rejection (an operator's, or ``policy`` for an automatic plan);
+    raises IllegalPlanTransition when the plan does not await one."""
+    move_plan(plan, "approve" if decision == "approve" else "reject")
     approval = Approval(plan_id=plan.id, decision=decision, approver=approver, comment=comment)
     session.add(approval)
-    plan.status = "approved" if decision == "approve" else "rejected"
     await session.flush()
     return approval
+
+
+def move_plan(plan: Plan, action: str, *, reason: str | None = None,
+              now: datetime | None = None) -> plan_lifecycle.PlanStatus:
+    """Move the plan as greyhound.core.plan_lifecycle says (raises IllegalPlanTransition), with
+    the timestamp that goes with the new status."""
+    status = plan_lifecycle.advance(plan.status, action)
+    at = now or datetime.now(UTC)
+    if status == "applied":
+        plan.applied_at = at
+    elif status == "reverted":
+        plan.reverted_at = at
+    plan.status = status
+    if reason is not None:
+        plan.reason = reason[:2000]
+    return status
+
+
+async def create_plan(session: AsyncSession, *, incident_id: str, job_id: str, strategy: str,
+                      params: dict[str, Any], policy: str, expected_gain: float | None,
+                      expires_at: datetime | None, reason: str = "") -> Plan:
+    plan = Plan(incident_id=incident_id, job_id=job_id, strategy=strategy, params=params,
+                params_version=1, status=plan_lifecycle.PROPOSED, policy=policy,
+                expected_gain=expected_gain, expires_at=expires_at, reason=reason)
+    session.add(plan)
+    await session.flush()
+    return plan
+
+
+async def plans_by_id(session: AsyncSession, plan_ids: Sequence[str], *,
+                      for_update: bool = False) -> dict[str, Plan]:
+    if not plan_ids:
+        return {}
+    q = select(Plan).where(Plan.id.in_(plan_ids)).options(selectinload(Plan.approvals))
+    if for_update:
+        q = q.with_for_update(of=Plan)
+    return {p.id: p for p in await session.scalars(q)}
+
+
+async def plans_of_incidents(session: AsyncSession, incident_ids: Sequence[str]) -> Sequence[Plan]:
+    """Every plan of these incidents, oldest first."""
+    if not incident_ids:
+        return []
+    return (await session.scalars(select(Plan).where(Plan.incident_id.in_(incident_ids))
+                                  .order_by(Plan.created_at, Plan.id))).all()
+
+
+async def approved_undelivered(session: AsyncSession, strategies: Sequence[str],
+                               limit: int = 100) -> Sequence[Plan]:
+    """Approved plans no delivery carries yet (an operator approved them since), locked for
+    this caller (SKIP LOCKED: several planners share the work)."""
+    return (await session.scalars(
+        select(Plan).where(Plan.status == "approved", Plan.version.is_(None),
+                           Plan.strategy.in_(strategies))
+        .order_by(Plan.created_at).limit(limit).with_for_update(skip_locked=True))).all()
+
+
+async def due_proposals(session: AsyncSession, now: datetime, limit: int = 100) -> Sequence[Plan]:
+    """Proposed plans whose decision time has run out, locked for this caller."""
+    return (await session.scalars(
+        select(Plan).where(Plan.status == "proposed", Plan.expires_at <= now)
+        .order_by(Plan.expires_at).limit(limit).with_for_update(skip_locked=True))).all()
+
+
+async def learned_costs(session: AsyncSession, job_id: str) -> Sequence[tuple[str, float]]:
+    """(strategy, cost_s) of every plan the job applied and reported a cost for, in the order it
+    applied them: the observations the escalation's overhead estimates learn from."""
+    rows = await session.execute(
+        select(Plan.strategy, Plan.cost_s).where(Plan.job_id == job_id, Plan.cost_s.is_not(None),
+                                                 Plan.applied_at.is_not(None))
+        .order_by(Plan.applied_at, Plan.id))
+    return [(str(st), float(c)) for st, c in rows.all() if c is not None]
+
+
+# ---- deliveries: what each job must run -------------------------------------------------------
+
+async def lock_job(session: AsyncSession, job_id: str) -> Job | None:
+    """The job's row, locked: deliveries of one job are numbered one after the other."""
+    return await session.scalar(select(Job).where(Job.id == job_id).with_for_update())
+
+
+async def current_delivery(session: AsyncSession, job_id: str) -> PlanDelivery | None:
+    """The newest delivery of the job: what it must run now (None: its own layout)."""
+    return await session.scalar(select(PlanDelivery).where(PlanDelivery.job_id == job_id)
+                                .order_by(PlanDelivery.version.desc()).limit(1))
+
+
+async def get_delivery(session: AsyncSession, job_id: str, version: int, *,
+                       for_update: bool = False) -> PlanDelivery | None:
+    q = select(PlanDelivery).where(PlanDelivery.job_id == job_id, PlanDelivery.version == version)
+    if for_update:
+        q = q.with_for_update()
+    return await session.scalar(q)
+
+
+async def add_delivery(session: AsyncSession, *, job_id: str, version: int, plan_id: str,
+                       action: str, message: dict[str, Any]) -> PlanDelivery:
+    row = PlanDelivery(job_id=job_id, version=version, plan_id=plan_id, action=action,
+                       message=message)
+    session.add(row)
+    await session.flush()
+    return row
+
+
+async def set_job_layout(session: AsyncSession, job_id: str, layout: dict[str, Any]) -> Job:
+    """Record the parallel layout a job declared (kept in its topology under ``layout``)."""
+    await touch_job(session, job_id)
+    job = await lock_job(session, job_id)
+    assert job is not None
+    job.topology = {**(job.topology or {}), "layout": layout}
+    await session.flush()
+    return job
+
+
+async def job_layout(session: AsyncSession, job_id: str) -> dict[str, Any] | None:
+    topology = await session.scalar(select(Job.topology).where(Job.id == job_id))
+    layout = (topology or {}).get("layout")
+    return layout if isinstance(layout, dict) else None
+
+
+# ---- the planner's escalation state -----------------------------------------------------------
+
+async def save_escalation(session: AsyncSession, incident_id: str, job_id: str,
+                          state: dict[str, Any]) -> None:
+    stmt = insert(Escalation).values(incident_id=incident_id, job_id=job_id, state=state,
+                                     updated_at=func.now())
+    await session.execute(stmt.on_conflict_do_update(
+        index_elements=[Escalation.incident_id],
+        set_={"state": stmt.excluded.state, "updated_at": func.now()}))
+
+
+async def open_escalations(session: AsyncSession) -> Sequence[tuple[Escalation, Incident]]:
+    """Escalation states whose incident is open or still has a plan in force."""
+    in_force = select(Plan.incident_id).where(Plan.status.in_(("proposed", "approved", "applied")))
+    rows = await session.execute(
+        select(Escalation, Incident).join(Incident, Incident.id == Escalation.incident_id)
+        .where(or_(Incident.status != "resolved", Incident.id.in_(in_force))))
+    return [(e, i) for e, i in rows.all()]
 
 
 # ---- API tokens -------------------------------------------------------------------------------

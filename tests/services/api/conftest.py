@@ -15,13 +15,13 @@ from fastapi import FastAPI
 from services.api.app import create_app
 from services.api.tokens import display_prefix, hash_token, new_token
 from services.common.db import repository as repo
-from services.common.db.models import Plan
+from services.common.db.models import Plan, PlanDelivery
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
 
 WEBHOOK_KEY = "test-webhook-key-0123456789abcdef"
 TOKEN_KEY = "test-token-pepper"
-ROLES = ("viewer", "operator", "admin")
+ROLES = ("viewer", "job", "operator", "admin")
 
 
 @dataclass
@@ -79,6 +79,22 @@ class Api:
             session.add(plan)
             await session.commit()
             return plan.id
+
+
+    async def deliver(self, plan_id: str, job_id: str, version: int = 1,
+                      microbatches: list[int] | None = None) -> None:
+        """A delivery of the plan, as the planner writes it."""
+        async with self.ctx.db()() as session:
+            plan = await session.get(Plan, plan_id)
+            assert plan is not None
+            plan.status, plan.version = "approved", version
+            session.add(PlanDelivery(job_id=job_id, version=version, plan_id=plan_id,
+                                     action="apply", message={
+                                         "incident_id": plan.incident_id, "strategy": "S2",
+                                         "action": "apply", "microbatches": microbatches,
+                                         "gpu_of_rank": None, "swaps": [], "cost_s": 0.5,
+                                         "summary": "test"}))
+            await session.commit()
 
 
 def api_settings(nats_url: str, db_url: str, tmp_path: Path, **over: Any) -> Settings:

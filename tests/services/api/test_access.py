@@ -18,8 +18,9 @@ async def _targets(api: Api) -> dict[str, str]:
     ids = {"job_id": "job-a"}
     for name in ("read", "ack", "close", "plan_read"):
         ids[f"incident_{name}"] = await api.incident("job-a")
-    for name in ("read", "approve", "reject"):
+    for name in ("read", "approve", "reject", "delivered"):
         ids[f"plan_{name}"] = await api.plan(ids["incident_plan_read"], "job-a")
+    await api.deliver(ids["plan_delivered"], "job-a", version=1, microbatches=[2, 1, 1])
     for name in ("read", "test", "delete"):
         r = await api.client.post("/v1/webhooks", headers=api.auth("admin"),
                                   json={"name": name, "url": CLOSED_PORT_URL})
@@ -48,6 +49,9 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/incidents/{incident_id}/close"): {"note": "fixed by hand"},
     ("post", "/v1/webhooks"): {"url": CLOSED_PORT_URL},
     ("post", "/v1/tokens"): {"name": "made-by-matrix", "role": "viewer"},
+    ("put", "/v1/jobs/{job_id}/layout"): {"tp": 1, "dp": 2, "pp": 2, "gpus_per_node": 2,
+                                          "microbatches": 8},
+    ("post", "/v1/jobs/{job_id}/plan/applied"): {"version": 1, "cost_s": 0.5},
 }
 
 
@@ -86,7 +90,7 @@ async def test_every_route_enforces_its_role(api: Api) -> None:
                 r = await call(api.auth(role))
                 assert 200 <= r.status_code < 300, (method, path, role, r.status_code, r.text)
             checked += 1
-    assert checked >= 23
+    assert checked >= 26
 
 
 async def test_probes_and_metrics_are_open(api: Api) -> None:

@@ -20,11 +20,13 @@ def _incident(status: str = "localized", job: str = JOB, **culprit: Any) -> Inci
                     culprit={"compute_ranks": [2], "comm_ids": [COMM], **culprit})
 
 
-def _suspect(**kw: Any) -> Suspicion:
+def _suspect(*, unchecked: bool = False, **kw: Any) -> Suspicion:
+    """``unchecked``: past the contract's bounds (which the consumer enforces first), to show
+    the guard holds on its own."""
     fields: dict[str, Any] = {"job_id": JOB, "incident_id": "inc1", "kind": "mixed_slow",
                               "ranks": [2], "comm_ids": [COMM]}
     fields.update(kw)
-    return Suspicion(**fields)
+    return Suspicion.model_construct(**fields) if unchecked else Suspicion(**fields)
 
 
 def test_a_suspicion_of_what_was_localised_may_pause() -> None:
@@ -33,11 +35,19 @@ def test_a_suspicion_of_what_was_localised_may_pause() -> None:
     assert refusal(_suspect(ranks=[], comm_ids=[COMM]), _incident(), RANKS) is None
 
 
+def test_the_planner_may_recheck_a_mitigated_gpu_wherever_its_ranks_moved() -> None:
+    """Under a role swap the slow GPU runs other ranks than those localised: a GEMM re-check
+    of them may pause; one naming communicators may not."""
+    recheck = _suspect(kind="compute_slow", ranks=[5], comm_ids=[])
+    assert refusal(recheck, _incident("mitigated"), RANKS) is None
+    assert refusal(recheck, _incident("mitigated"), {0, 1}) is not None  # still the job's ranks
+
+
 @pytest.mark.parametrize(("suspicion", "incident", "reason"), [
     (_suspect(), None, "no incident"),
     (_suspect(), _incident("resolved"), "resolved"),
     (_suspect(), _incident("detected"), "not localised"),
-    (_suspect(), _incident("mitigated"), "mitigated"),
+    (_suspect(), _incident("mitigated"), "names communicators"),
     (_suspect(), _incident(job="otherjob"), "otherjob"),
     (_suspect(ranks=[], comm_ids=[]), _incident(), "every GPU"),
     (_suspect(ranks=[2, 2]), _incident(), "repeats"),
@@ -45,8 +55,8 @@ def test_a_suspicion_of_what_was_localised_may_pause() -> None:
     (_suspect(ranks=[2, 1 << 19]), _incident(), "not ranks of"),
     (_suspect(ranks=[3]), _incident(), "not localised"),
     (_suspect(comm_ids=[COMM + 1]), _incident(), "communicators"),
-    (_suspect(ranks=[2], comm_ids=[1 << 64]), _incident(), "64 bits"),
-    (_suspect(slow_groups=list(range(8 * 64 + 1))), _incident(), "slow groups"),
+    (_suspect(unchecked=True, ranks=[2], comm_ids=[1 << 64]), _incident(), "64 bits"),
+    (_suspect(unchecked=True, slow_groups=list(range(8 * 64 + 1))), _incident(), "slow groups"),
     (_suspect(), Incident(id="inc1", job_id=JOB, status="localized", culprit={"ranks": []}),
      "not localised"),
 ], ids=["missing", "resolved", "detected", "mitigated", "wrong-job", "empty", "repeated",

@@ -1,7 +1,7 @@
 """outbox, validation claims, finite severities, indexes for retention
 
-Revision ID: 0003s
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-12-02 09:00:00
 
 The transactional outbox (messages that commits announce, published by a relay) and the
@@ -9,8 +9,6 @@ validator's claims (one pause per suspicion). Severities that are not finite (a 
 ``before_s=0`` once made inf, which the API could not serve) are clamped to the bound the bus
 contract now enforces and a check constraint keeps them finite. Indexes on the columns the
 retention pass deletes by.
-
-A planner migration "0003" is written in parallel; the two are chained at merge.
 """
 
 from __future__ import annotations
@@ -20,8 +18,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0003s"
-down_revision: str | None = "0002"
+revision: str = "0004"
+down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,0 +1,146 @@
+"""A job's iteration times, read from the telemetry stream only while the planner needs them.
+
+The ski-rental loss is a sum over iterations, so the planner needs a job's iteration times from
+its slowdown until its incidents are over, and no other job's. Rather than a durable consumer
+over every job's telemetry (which would have to receive, and ack, all of it to drop most), each
+watched job gets its own short-lived ordered consumer that the server filters to the job's
+subjects (``Subjects.job_iterations``), starting a little before the slowdown was detected:
+memory storage, no acks, removed when the watch ends or, if the planner dies, by the server after
+``inactive_threshold``. Nothing is lost by its being ephemeral: the loss it feeds is saved with
+the escalation state, and a restarted planner reads back ``lookback_s``.
+
+Every rank of a synchronous job runs at the job's pace, so one rank's series is the job's: the
+lowest rank seen, each of its iterations once, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from pydantic import ValidationError
+
+from services.common.bus.contract import IterationBatch, Subjects
+from services.common.bus.errors import describe
+from services.common.bus.streams import TELEMETRY
+
+log = logging.getLogger(__name__)
+
+OnTimes = Callable[[str, list[float]], Awaitable[None]]
+
+
+class IterationSeries:
+    """The job's iteration times as one rank sees them (pure bookkeeping, no I/O)."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.rank: int | None = None
+        self.last_iteration = -1
+        self.count = 0
+        self.recent: deque[float] = deque(maxlen=keep)
+
+    def take(self, batch: IterationBatch) -> list[float]:
+        """The new iteration times in ``batch`` of the reference rank (the lowest seen)."""
+        if not batch.rank:
+            return []
+        low = min(batch.rank)
+        if self.rank is None or low < self.rank:
+            self.rank, self.last_iteration = low, -1
+        out: list[float] = []
+        for r, it, d in zip(batch.rank, batch.iteration, batch.duration_s, strict=True):
+            if r == self.rank and it > self.last_iteration:
+                self.last_iteration = it
+                out.append(float(d))
+        self.count += len(out)
+        self.recent.extend(out)
+        return out
+
+    def since(self, count: int) -> list[float]:
+        """The times observed after the first ``count`` (as many as are still kept)."""
+        n = min(self.count - count, len(self.recent))
+        return list(self.recent)[len(self.recent) - n:] if n > 0 else []
+
+    def before(self, count: int, n: int) -> list[float]:
+        """Up to ``n`` times observed just before the ``count``-th."""
+        skip = self.count - count
+        kept = list(self.recent)
+        end = len(kept) - max(skip, 0)
+        return kept[max(0, end - n):max(end, 0)]
+
+
+class IterationWatch:
+    """One job's watch: call :meth:`run` as a task, :meth:`stop` to end it."""
+
+    def __init__(self, js: JetStreamContext, job: str, since: datetime, on_times: OnTimes, *,
+                 fetch_timeout_s: float = 0.5, batch: int = 256) -> None:
+        self.js = js
+        self.job = job
+        self.since = since.astimezone(UTC)
+        self.on_times = on_times
+        self.fetch_timeout_s = fetch_timeout_s
+        self.batch = batch
+        self.series = IterationSeries()
+        self._stopping = asyncio.Event()
+        self._name: str | None = None
+        self._last_ts: float | None = None
+
+    async def _bind(self) -> JetStreamContext.PullSubscription:
+        self._name = f"planner-iter-{uuid.uuid4().hex[:16]}"
+        start = self.since if self._last_ts is None else datetime.fromtimestamp(self._last_ts, UTC)
+        config = ConsumerConfig(
+            name=self._name, deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
+            ack_policy=AckPolicy.NONE, inactive_threshold=60.0, mem_storage=True,
+            filter_subject=Subjects.job_iterations(self.job))
+        await self.js.add_consumer(TELEMETRY, config)
+        return await self.js.pull_subscribe_bind(self._name, stream=TELEMETRY)
+
+    async def run(self) -> None:
+        """Read until stop(); a broken consumer is re-created from the last batch's time (the
+        series drops what it saw already), so the watch outlives a bus restart."""
+        sub: JetStreamContext.PullSubscription | None = None
+        while not self._stopping.is_set():
+            try:
+                if sub is None:
+                    sub = await self._bind()
+                msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)
+            except (NatsTimeoutError, TimeoutError):
+                continue
+            except Exception as exc:
+                if self._stopping.is_set():
+                    break
+                log.warning("iteration watch of %s: %s; re-binding", self.job, describe(exc))
+                await self._drop(sub)
+                sub = None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), 1.0)
+                continue
+            new: list[float] = []
+            for msg in msgs:
+                try:
+                    batch = IterationBatch.model_validate_json(msg.data)
+                except ValidationError:
+                    continue  # the tracker dead-letters these; a reader just skips them
+                self._last_ts = batch.ts
+                new += self.series.take(batch)
+            if new:
+                await self.on_times(self.job, new)
+        await self._drop(sub)
+
+    async def _drop(self, sub: JetStreamContext.PullSubscription | None) -> None:
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self._name is not None:
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(TELEMETRY, self._name)
+            self._name = None
+
+    def stop(self) -> None:
+        self._stopping.set()

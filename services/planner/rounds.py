@@ -1,0 +1,189 @@
+"""The planner's periodic round: what happens between messages.
+
+Plans an operator approved since go into force; proposals past their time expire; an escalation
+whose plan was rejected or expired moves on; plans for a slow GPU are re-checked with the
+validator; a plan kept after its incident recovered under it is taken back after ``hold_max_s``;
+escalation states are saved every few seconds; watches nobody needs any more end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+
+from services.common.bus.contract import Subjects, Suspicion
+from services.common.db import repository as repo
+from services.planner.base import WATCH_GRACE_S, PlannerBase, in_layout, log
+from services.planner.build import STRATEGIES
+from services.planner.delivery import deliver, job_state, note
+from services.planner.tracked import Tracked
+
+
+class PlannerRounds(PlannerBase):
+    async def tick(self) -> None:
+        await self._deliver_approved()
+        await self._expire()
+        await self._decisions()
+        await self._rechecks()
+        await self._hold_limits()
+        await self._save()
+        self._drop_idle_watches()
+        await self.flush()
+
+    async def _deliver_approved(self) -> None:
+        """Plans an operator approved since: into force, unless their incident is over."""
+        async with self.ctx.db()() as session:
+            plans = await repo.approved_undelivered(session, ("S2", "S3"))
+            for plan in plans:
+                t = self.tracked.get(plan.incident_id)
+                incident = await repo.get_incident_for_update(session, plan.incident_id)
+                layout = await self._layout(session, plan.job_id)
+                if incident is None or incident.status == "resolved" or layout is None or (
+                        t is not None and t.esc.closed):
+                    repo.move_plan(plan, "withdraw", reason="the fault ended before it was "
+                                   "delivered" if layout else "the job's layout is unknown")
+                    await note(session, incident, "plan_withdrawn", plan, reason=plan.reason)
+                    continue
+                cost = t.esc.overheads.get(STRATEGIES[plan.strategy]) if t else None
+                msg = await deliver(session, plan, layout, cost)
+                self._outbox.append((Subjects.plan(plan.job_id), msg))
+                log.info("plan %s (%s) approved by an operator: delivered to job %s as "
+                         "version %d", plan.id, plan.strategy, plan.job_id, msg.version)
+            await session.commit()
+
+    async def _expire(self) -> None:
+        async with self.ctx.db()() as session:
+            for plan in await repo.due_proposals(session, datetime.now(UTC)):
+                repo.move_plan(plan, "expire", reason=f"no decision within "
+                               f"{self.config.proposal_ttl_s:g} s")
+                incident = await repo.get_incident_for_update(session, plan.incident_id)
+                await note(session, incident, "plan_expired", plan, reason=plan.reason)
+                log.info("plan %s (%s) expired", plan.id, plan.strategy)
+            await session.commit()
+
+    async def _decisions(self) -> None:
+        """Pending plans that were rejected or expired (or withdrawn): the ladder moves past."""
+        waiting = {t.pending_plan: t for t in self.tracked.values() if t.pending_plan}
+        if not waiting:
+            return
+        async with self.ctx.db()() as session:
+            plans = await repo.plans_by_id(session, [p for p in waiting if p])
+        for plan_id, plan in plans.items():
+            t = waiting[plan_id]
+            if plan.status not in ("rejected", "expired", "withdrawn", "failed"):
+                continue
+            async with self._locks[t.job_id]:
+                strategy = STRATEGIES[plan.strategy]
+                if t.esc.pending is strategy:
+                    t.esc.failed(strategy)
+                t.pending_plan = None
+                t.dirty = True
+                log.info("incident %s: %s %s; the escalation moves on", t.incident_id,
+                         plan.strategy, plan.status)
+
+    async def _rechecks(self) -> None:
+        c = self.config
+        if c.recheck_s <= 0:
+            return
+        now = time.monotonic()
+        for t in list(self.tracked.values()):
+            if not t.checkable:
+                continue
+            if t.recheck_id is not None:
+                if now - t.recheck_at > c.recheck_timeout_s:
+                    log.warning("incident %s: re-check %s unanswered; retrying later",
+                                t.incident_id, t.recheck_id)
+                    t.recheck_id, t.last_check_at = None, now
+                continue
+            if now - t.last_check_at < c.recheck_s:
+                continue
+            async with self.ctx.db()() as session:
+                plans = [p for p in await repo.plans_of_incidents(session, [t.incident_id])
+                         if p.status == "applied"]
+                layout = await self._layout(session, t.job_id)
+                state, _ = await job_state(session, t.job_id)
+            if not plans or layout is None:
+                continue
+            culprit = in_layout(t, state, layout)
+            s = Suspicion(job_id=t.job_id, incident_id=t.incident_id, kind="compute_slow",
+                          ranks=sorted(culprit.gpu_ranks), comm_ids=[],
+                          evidence={"by": "planner", "recheck": [p.id for p in plans]})
+            t.recheck_id, t.recheck_at = s.event_id, now
+            self._outbox.append((Subjects.suspicion(t.job_id), s))
+            log.info("incident %s: asking the validator whether ranks %s are still slow",
+                     t.incident_id, s.ranks)
+
+    async def _hold_limits(self) -> None:
+        """A plan kept after its incident recovered under it, whose fault nothing can check, is
+        taken back after ``hold_max_s``: if the fault is still there, the job slows again and the
+        escalation starts over, with what this plan cost learned."""
+        c = self.config
+        if c.hold_max_s <= 0:
+            return
+        now = time.monotonic()
+        for t in list(self.tracked.values()):
+            if not (t.resolved and t.resolved_at is not None) or t.checkable:
+                continue
+            if now - t.resolved_at < c.hold_max_s:
+                continue
+            async with self._locks[t.job_id], self.ctx.db()() as session:
+                incident = await repo.get_incident_for_update(session, t.incident_id)
+                if incident is not None:
+                    await self._end(session, t, incident, f"held {c.hold_max_s:g} s after the "
+                                    "job recovered under it; nothing can check the fault")
+                await session.commit()
+
+    async def _save(self) -> None:
+        if time.monotonic() - self._saved_at < 5.0:
+            return
+        self._saved_at = time.monotonic()
+        dirty = [t for t in self.tracked.values() if t.dirty]
+        if not dirty:
+            return
+        async with self.ctx.db()() as session:
+            for t in dirty:
+                await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
+                t.dirty = False
+            await session.commit()
+
+    def _drop_idle_watches(self) -> None:
+        now = time.monotonic()
+        for job in list(self.watches):
+            if any(t.job_id == job for t in self.tracked.values()):
+                continue
+            if now - self._watch_since.get(job, 0.0) > WATCH_GRACE_S:
+                self.watches.pop(job).stop()
+                self._watch_tasks.pop(job, None)
+
+    async def restore(self) -> None:
+        """Escalations of open incidents (or with plans still in force) from the database."""
+        async with self.ctx.db()() as session:
+            rows = await repo.open_escalations(session)
+        # From now on: the loss counted before the restart is in the saved state already.
+        since = datetime.now(UTC)
+        for row, incident in rows:
+            try:
+                t = Tracked.from_state(row.incident_id, row.job_id, row.state)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("escalation of incident %s not restored: %s", row.incident_id, exc)
+                continue
+            if incident.status == "resolved":
+                t.resolved, t.resolved_at = True, time.monotonic()
+            t.last_check_at = time.monotonic()
+            self.tracked[t.incident_id] = t
+            self._watch(t.job_id, since)
+        if rows:
+            log.info("restored %d escalation(s)", len(self.tracked))
+
+    async def close(self) -> None:
+        for watch in self.watches.values():
+            watch.stop()
+        await asyncio.gather(*self._watch_tasks.values(), return_exceptions=True)
+        self.watches.clear()
+        self._watch_tasks.clear()
+        try:
+            self._saved_at = 0.0
+            await self._save()
+        except Exception:
+            log.exception("could not save escalation state on shutdown")

@@ -1,0 +1,193 @@
+"""A planner on the session's NATS and a fresh database, fed by hand: incidents written as the
+analyzer and validator write them, iteration batches as agents publish them, reports as the API
+forwards them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from services.common.bus.client import publish
+from services.common.bus.contract import (
+    DetectionEvent,
+    IncidentEvent,
+    IterationBatch,
+    JobLayout,
+    PlanMessage,
+    PlanReport,
+    Subjects,
+)
+from services.common.bus.streams import PLANNER, PLANS
+from services.common.db import repository as repo
+from services.common.db.models import Incident, Plan, PlanDelivery, Webhook
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
+from services.planner.service import Planner, run_planner
+from services.planner.settings import PlannerSettings
+
+
+@dataclass
+class Rig:
+    ctx: ServiceContext
+    planner: Planner
+    job: str
+    iteration: int = 0
+    seen: list[str] = field(default_factory=list)
+
+    async def layout(self, **kw: Any) -> None:
+        async with self.ctx.db()() as session:
+            await repo.set_job_layout(session, self.job, JobLayout(**kw).model_dump())
+            await session.commit()
+
+    async def webhook(self) -> None:
+        async with self.ctx.db()() as session:
+            session.add(Webhook(url="http://127.0.0.1:9/x", secret_enc="", events=[]))
+            await session.commit()
+
+    async def incident(self, *, kind: str, before_s: float, after_s: float,
+                       gpus: Sequence[int] = (), links: Sequence[tuple[int, int]] = (),
+                       gemm: dict[int, float] | None = None) -> str:
+        """An incident as far as the validator takes it: detected, localised, validated."""
+        detection = {"before_s": before_s, "after_s": after_s, "healthy_s": before_s,
+                     "first_iteration": 10, "detected_iteration": 12, "change": "onset"}
+        culprit = {"gpus": [{"rank": g, "node": 0, "host": "h", "device": g} for g in gpus],
+                   "links": [], "link_ranks": [list(x) for x in links],
+                   "ranks": list(gpus) or sorted({r for x in links for r in x})}
+        validation = {"suspicion": uuid.uuid4().hex, "verdict": kind,
+                      "gemm_s": {str(r): t for r, t in (gemm or {}).items()}}
+        async with self.ctx.db()() as session:
+            inc = await repo.open_incident(
+                session, job_id=self.job, kind=kind, dedup_key=f"slowdown-{uuid.uuid4().hex}",
+                severity=after_s / before_s, summary="test", culprit=culprit,
+                evidence={"detection": detection, "validation": validation},
+                stage_detail=detection)
+            await repo.add_timeline(session, inc, "localized", {})
+            await repo.add_timeline(session, inc, "validated", validation)
+            await session.commit()
+        await self.announce(inc.id, "validated", kind)
+        return inc.id
+
+    async def announce(self, incident_id: str, stage: str, kind: str = "compute_slow") -> None:
+        await publish(self.ctx.js, Subjects.incident(self.job), IncidentEvent(
+            job_id=self.job, incident_id=incident_id, stage=stage,
+            kind=kind, severity=1.0, summary="test"))
+
+    async def resolve(self, incident_id: str) -> None:
+        """What the analyzer does on the tracker's recovery."""
+        async with self.ctx.db()() as session:
+            inc = await repo.get_incident_for_update(session, incident_id)
+            assert inc is not None
+            await repo.add_timeline(session, inc, "resolved", {"by": "test"})
+            await session.commit()
+        await self.announce(incident_id, "resolved")
+
+    async def recovery(self, before_s: float, after_s: float) -> None:
+        await publish(self.ctx.js, Subjects.detection(self.job), DetectionEvent(
+            job_id=self.job, kind="recovery", ranks=[0], first_iteration=1, detected_iteration=2,
+            before_s=before_s, after_s=after_s, detected_ns=0, evidence={"change": "full"}))
+
+    async def iterations(self, seconds: float, n: int) -> None:
+        """``n`` iterations of every rank (0 and 1) at ``seconds`` each, as an agent sends."""
+        its = list(range(self.iteration + 1, self.iteration + n + 1))
+        self.iteration += n
+        await publish(self.ctx.js, Subjects.iterations(self.job, "agent-1"), IterationBatch(
+            job_id=self.job, agent_id="agent-1", rank=[1] * n + [0] * n, iteration=its + its,
+            end_ns=[0] * (2 * n), duration_s=[seconds] * (2 * n)))
+
+    async def report(self, version: int, outcome: str = "applied", cost_s: float | None = None,
+                     error: str | None = None) -> None:
+        await publish(self.ctx.js, Subjects.plan_report(self.job), PlanReport(
+            job_id=self.job, version=version, outcome=outcome,
+            cost_s=cost_s, error=error, reporter="test-job"))
+
+    async def plans(self) -> list[Plan]:
+        async with self.ctx.db()() as session:
+            rows = (await session.scalars(select(Plan).where(Plan.job_id == self.job)
+                                          .order_by(Plan.created_at))).all()
+        return list(rows)
+
+    async def deliveries(self) -> list[PlanDelivery]:
+        async with self.ctx.db()() as session:
+            rows = (await session.scalars(select(PlanDelivery).where(PlanDelivery.job_id == self.job)
+                                          .order_by(PlanDelivery.version))).all()
+        return list(rows)
+
+    async def incident_row(self, incident_id: str) -> Incident:
+        async with self.ctx.db()() as session:
+            inc = await repo.get_incident(session, incident_id)
+        assert inc is not None
+        return inc
+
+    async def stages(self, incident_id: str) -> list[str]:
+        return [e.stage for e in (await self.incident_row(incident_id)).timeline]
+
+    async def last_plan_message(self) -> PlanMessage:
+        raw = await self.ctx.js.get_last_msg(PLANS, Subjects.plan(self.job))
+        assert raw.data is not None
+        return PlanMessage.model_validate_json(raw.data)
+
+    async def wait(self, pred: Any, what: str, timeout_s: float = 30.0) -> Any:
+        """Poll an async predicate until it returns something truthy."""
+        box: list[Any] = [None]
+
+        async def check() -> None:
+            while not box[0]:
+                box[0] = await pred()
+                if not box[0]:
+                    await asyncio.sleep(0.05)
+
+        try:
+            await asyncio.wait_for(check(), timeout_s)
+        except TimeoutError:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}") from None
+        return box[0]
+
+
+FAST = {"poll_s": 0.05, "s2_overhead_s": 3.0, "s3_overhead_s": 5.0, "s4_overhead_s": 1e6,
+        "recheck_s": 0.0, "hold_max_s": 0.0}
+
+
+@dataclass
+class Bench:
+    nats_url: str
+    db_url: str
+    tmp_path: Path
+
+    @asynccontextmanager
+    async def planner(self, **settings: Any) -> AsyncIterator[Rig]:
+        """A running planner (FAST settings, overridden by ``settings``) whose durable consumer
+        sees only its own job's events."""
+        config = PlannerSettings(**{**FAST, **settings})
+        ctx = await start_service(
+            "planner-test", Settings(nats_url=self.nats_url, database_url=self.db_url,
+                                     data_dir=self.tmp_path / "data"),
+            backends=Backends(nats_url=self.nats_url, database_url=self.db_url))
+        job = f"pl-{uuid.uuid4().hex[:8]}"
+        spec = dataclasses.replace(PLANNER, durable=f"planner-test-{job}", filter_subjects=(
+            Subjects.incident(job), Subjects.detection(job), Subjects.plan_report(job)))
+        planner = Planner(ctx, config)
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_planner(ctx, stop, planner=planner, spec=spec))
+        try:
+            yield Rig(ctx, planner, job)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            await ctx.js.delete_consumer(spec.stream, spec.durable)
+            await ctx.close()
+
+
+@pytest.fixture()
+def bench(nats_url: str, fresh_db_url: str, tmp_path: Path) -> Bench:
+    return Bench(nats_url, fresh_db_url, tmp_path)
+
+

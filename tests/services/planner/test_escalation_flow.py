@@ -1,0 +1,180 @@
+"""The planner on real NATS and Postgres, fed by hand: a compute fail-slow reaches S2 once its
+loss pays for it, is delivered at once (automatic), applied, learned from and reverted when the
+job recovers; a congested link waits for an operator's approval; what cannot be decided in time
+expires and the ladder moves on; a job that cannot apply a plan gets its old layout back."""
+
+from __future__ import annotations
+
+from greyhound.core.microbatch import allocate_microbatches
+from services.common.db import repository as repo
+from services.common.db.models import WebhookDelivery
+from tests.services.planner.conftest import Bench, Rig
+
+
+async def _events(rig: Rig) -> list[str]:
+    from sqlalchemy import select
+
+    async with rig.ctx.db()() as session:
+        rows = (await session.scalars(select(WebhookDelivery.event)
+                                      .order_by(WebhookDelivery.id))).all()
+    return list(rows)
+
+
+async def test_compute_s2_automatic_applied_learned_and_reverted(bench: Bench) -> None:
+    async with bench.planner() as rig:
+        await rig.webhook()
+        await rig.layout(tp=1, dp=4, pp=1, gpus_per_node=4, microbatches=16)
+        await rig.iterations(1.0, 5)  # healthy
+        inc = await rig.incident(kind="compute_slow", before_s=1.0, after_s=1.5, gpus=[1],
+                                 gemm={0: 1.0, 1: 2.0, 2: 1.0, 3: 1.0})
+        await rig.wait(lambda: _tracked(rig, inc), "the escalation to start")
+        # 1.5 s iterations lose 0.5 s each: S2's 3 s overhead is paid by the 6th, not before.
+        await rig.iterations(1.5, 5)
+        await rig.iterations(1.0, 3)
+        await rig.wait(lambda: _fed(rig, inc, 13), "13 iterations")
+        assert await rig.plans() == []  # 2.5 s of loss so far: not yet
+        await rig.iterations(1.5, 1)
+        plans = await rig.wait(rig.plans, "an S2 plan")
+        (plan,) = plans
+        # The GEMM timed GPU 1 at 2x its peers: DP group 1 runs 2 s per micro-batch.
+        want = allocate_microbatches([1.0, 2.0, 1.0, 1.0], 16).counts
+        assert plan.strategy == "S2" and plan.policy == "automatic"
+        assert plan.status == "approved" and plan.version == 1
+        assert plan.params["microbatches"] == list(want) and plan.params["loss_s"] >= 3.0
+        assert plan.expected_gain is not None and plan.expected_gain > 1.2
+        msg = await rig.last_plan_message()
+        assert (msg.version, msg.action, msg.microbatches) == (1, "apply", list(want))
+        assert await rig.stages(inc) == ["detected", "localized", "validated", "plan_proposed",
+                                         "plan_approved"]
+        # The job applied it at a cost of 1 s: applied, incident mitigated, overhead learned.
+        await rig.report(1, cost_s=1.0)
+        await rig.wait(lambda: _status(rig, "applied"), "the plan applied")
+        row = await rig.incident_row(inc)
+        assert row.status == "mitigated" and (await rig.plans())[0].cost_s == 1.0
+        assert rig.planner.tracked[inc].esc.overheads[_s2()] == 2.0  # 3 + 0.5 (1 - 3)
+        # The tracker's recovery comes much later than the plan: the fault has ended.
+        await rig.iterations(1.1, 30)
+        await rig.wait(lambda: _fed(rig, inc, 44), "the iterations under the plan")
+        await rig.recovery(before_s=1.1, after_s=1.0)
+        await rig.resolve(inc)
+        await rig.wait(lambda: _status(rig, "reverted"), "the revert")
+        deliveries = await rig.deliveries()
+        assert [(d.version, d.action) for d in deliveries] == [(1, "apply"), (2, "revert")]
+        assert deliveries[1].message["microbatches"] is None  # back to the even split
+        assert (await rig.last_plan_message()).version == 2
+        assert await rig.stages(inc) == ["detected", "localized", "validated", "plan_proposed",
+                                         "plan_approved", "mitigated", "resolved",
+                                         "plan_reverted"]
+        await rig.wait(lambda: _has_events(rig, 4), "webhook events")
+        assert await _events(rig) == ["plan.proposed", "plan.approved", "plan.applied",
+                                      "plan.reverted"]
+        # A second incident of the job starts from what the job taught: 2 s, not 3 s.
+        async with rig.ctx.db()() as session:
+            assert await repo.learned_costs(session, rig.job) == [("S2", 1.0)]
+
+
+async def test_link_waits_for_approval_then_recovers_under_its_plan(bench: Bench) -> None:
+    async with bench.planner(hold_max_s=1.0) as rig:
+        # TP1 DP2 PP2, one GPU per node: the DP ring of stage 0 crosses nodes 0-1.
+        await rig.layout(tp=1, dp=2, pp=2, gpus_per_node=1, microbatches=8,
+                         dp_allreduce_bytes=4e9, pp_activation_bytes=1e7)
+        inc = await rig.incident(kind="comm_slow", before_s=1.0, after_s=2.0, links=[(0, 1)])
+        await rig.wait(lambda: _tracked(rig, inc), "the escalation to start")
+        assert rig.planner.tracked[inc].esc.ladder[1].name == "TOPOLOGY"  # no S2 for a link
+        await rig.iterations(2.0, 5)  # 5 s of loss: S3's overhead
+        (plan,) = await rig.wait(rig.plans, "an S3 proposal")
+        assert plan.strategy == "S3" and plan.policy == "approval" and plan.status == "proposed"
+        assert plan.params["kind"] == "role_swap" and plan.params["links"] == [[0, 1]]
+        assert plan.expires_at is not None and plan.version is None
+        assert await rig.deliveries() == []  # nothing reaches the job before a decision
+        async with rig.ctx.db()() as session:
+            row = (await repo.plans_by_id(session, [plan.id], for_update=True))[plan.id]
+            await repo.decide_plan(session, row, decision="approve", approver="alice", comment="")
+            await session.commit()
+        (d,) = await rig.wait(rig.deliveries, "the approved plan's delivery")
+        assert d.version == 1 and d.message["gpu_of_rank"] == plan.params["gpu_of_rank"]
+        assert [tuple(p) for p in d.message["swaps"]] == [tuple(p) for p in plan.params["swaps"]]
+        await rig.report(1, cost_s=2.0)
+        await rig.wait(lambda: _status(rig, "applied"), "the plan applied")
+        # The job is back to normal a few iterations later: that is the plan's doing.
+        await rig.iterations(1.02, 3)
+        await rig.recovery(before_s=2.0, after_s=1.02)
+        await rig.resolve(inc)
+        await rig.wait(lambda: _resolved_under_plan(rig, inc), "the incident to close under its plan")
+        assert (await rig.plans())[0].status == "applied"
+        # Nothing can re-check a link: after hold_max_s the plan is taken back anyway.
+        await rig.wait(lambda: _status(rig, "reverted"), "the revert after hold_max_s")
+        deliveries = await rig.deliveries()
+        assert deliveries[-1].action == "revert" and deliveries[-1].message["gpu_of_rank"] is None
+
+
+async def test_an_undecided_proposal_expires_and_the_ladder_moves_on(bench: Bench) -> None:
+    async with bench.planner(proposal_ttl_s=0.5, s4_overhead_s=8.0) as rig:
+        await rig.layout(tp=1, dp=2, pp=2, gpus_per_node=1, microbatches=8)
+        inc = await rig.incident(kind="comm_slow", before_s=1.0, after_s=2.0, links=[(0, 1)])
+        await rig.wait(lambda: _tracked(rig, inc), "the escalation to start")
+        await rig.iterations(2.0, 5)
+        await rig.wait(lambda: _status(rig, "expired"), "the proposal to expire")
+        assert "plan_expired" in await rig.stages(inc)
+        await rig.wait(lambda: _pending_none(rig, inc), "the ladder to move past S3")
+        await rig.iterations(2.0, 4)  # 9 s of loss: S4's 8 s
+        plans = await rig.wait(lambda: _count(rig, 2), "an S4 recommendation")
+        s4 = plans[1]
+        assert s4.strategy == "S4" and s4.status == "proposed" and s4.policy == "approval"
+        assert s4.params["replace_nodes"] == [0] and s4.params["links"] == [[0, 1]]
+
+
+async def test_a_plan_the_job_cannot_apply_fails_and_the_old_layout_is_delivered(
+        bench: Bench) -> None:
+    async with bench.planner() as rig:
+        await rig.layout(tp=1, dp=4, pp=1, gpus_per_node=4, microbatches=16)
+        inc = await rig.incident(kind="compute_slow", before_s=1.0, after_s=2.0, gpus=[2])
+        await rig.wait(lambda: _tracked(rig, inc), "the escalation to start")
+        await rig.iterations(2.0, 3)
+        await rig.wait(rig.deliveries, "the S2 delivery")
+        await rig.report(1, outcome="failed", error="sampler cannot split unevenly")
+        await rig.wait(lambda: _status(rig, "failed"), "the plan failed")
+        deliveries = await rig.deliveries()
+        assert [(d.version, d.action, d.message["microbatches"]) for d in deliveries][1] == (
+            2, "revert", None)
+        assert "plan_failed" in await rig.stages(inc)
+        assert (await rig.plans())[0].reason == "sampler cannot split unevenly"
+        assert rig.planner.tracked[inc].esc.pending is None
+
+
+def _s2() -> object:
+    from greyhound.core.escalation import Strategy
+
+    return Strategy.MICROBATCH
+
+
+async def _tracked(rig: Rig, inc: str) -> bool:
+    return inc in rig.planner.tracked
+
+
+async def _fed(rig: Rig, inc: str, n: int) -> bool:
+    t = rig.planner.tracked.get(inc)
+    return t is not None and t.fed >= n
+
+
+async def _pending_none(rig: Rig, inc: str) -> bool:
+    t = rig.planner.tracked.get(inc)
+    return t is not None and t.pending_plan is None
+
+
+async def _resolved_under_plan(rig: Rig, inc: str) -> bool:
+    t = rig.planner.tracked.get(inc)
+    return t is not None and t.resolved
+
+
+async def _status(rig: Rig, status: str) -> bool:
+    return any(p.status == status for p in await rig.plans())
+
+
+async def _count(rig: Rig, n: int) -> list[object] | None:
+    plans = await rig.plans()
+    return plans if len(plans) >= n else None  # type: ignore[return-value]
+
+
+async def _has_events(rig: Rig, n: int) -> bool:
+    return len(await _events(rig)) >= n
