@@ -128,7 +128,8 @@ SERVICES: tuple[Service, ...] = (
     Service("tracker", "services.tracker.service:run_tracker", "run the tracker service",
             bus=BusAccess(publish=(Subjects.ALL_DETECTIONS,),
                           consume=(Consume.of(TRACKER, partitioned=True),),
-                          object_stores=("gh-tracker-state",))),
+                          # a job's telemetry since its saved state, after a restart
+                          read=(TELEMETRY,), object_stores=("gh-tracker-state",))),
     Service("analyzer", "services.analyzer.service:run_analyzer", "run the analyzer service",
             bus=BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_SUSPICIONS,
                                    Subjects.ALL_CONTROL),

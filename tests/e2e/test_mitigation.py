@@ -53,7 +53,7 @@ def mstack() -> Iterator[Stack]:
     the session's NATS, and two planners on one durable would split the events."""
     with tempfile.TemporaryDirectory(prefix="gh-mitigate-") as d:
         root = Path(d)
-        nats, pg = EmbeddedNats(root / "nats"), EmbeddedPostgres(root / "pg")
+        nats, pg = EmbeddedNats(root / "nats", auth=False), EmbeddedPostgres(root / "pg")
         try:
             settings = Settings(nats_url=nats.start(), database_url=pg.start(),
                                 data_dir=root / "data", shm_dir=root / "shm",

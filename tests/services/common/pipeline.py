@@ -86,8 +86,8 @@ class StandInJob:
         for agent in AGENTS:
             async def answer(msg: Msg, agent: str = agent) -> None:
                 await self._answer(msg, agent)
-            self._subs.append(await self.ctx.nc.subscribe(Subjects.control(self.job, agent),
-                                                          cb=answer))
+            for subject in (Subjects.control(self.job, agent), Subjects.validation(self.job, agent)):
+                self._subs.append(await self.ctx.nc.subscribe(subject, cb=answer))
             ranks = [RankInfo(rank=r, host=agent, pid=100 + r, device=r % 2)
                      for r in AGENTS[agent]]
             await publish(self.ctx.js, Subjects.hello(self.job, agent),

@@ -27,6 +27,7 @@ from services.common.bus.streams import (
     ANALYZER,
     ANALYZER_COLLECTIVES,
     EVENTS,
+    PLANNER,
     TELEMETRY,
     TRACKER,
     VALIDATOR,
@@ -225,7 +226,7 @@ def test_the_registry_grants_the_durables_the_services_bind() -> None:
     from services.notifier.service import NOTIFIER
 
     bound = {"tracker": [TRACKER], "analyzer": [ANALYZER, ANALYZER_COLLECTIVES],
-             "validator": [VALIDATOR], "notifier": [NOTIFIER]}
+             "validator": [VALIDATOR], "planner": [PLANNER], "notifier": [NOTIFIER]}
     for name, specs in bound.items():
         granted = {(c.stream, c.durable) for c in BY_NAME[name].bus.consume}
         assert granted == {(s.stream, s.durable) for s in specs}, name

@@ -30,7 +30,7 @@ def test_nats_server_accepts_it_with_passwords_from_its_environment(tmp_path: Pa
     conf = tmp_path / "g.conf"
     conf.write_text(CONF.read_text().replace('"/data"', f'"{tmp_path / "js"}"'))
     env = {**os.environ, **{password_var(u): "pw" for u in
-                            ("tracker", "analyzer", "validator", "api", "notifier",
+                            ("tracker", "analyzer", "validator", "planner", "api", "notifier",
                              "agent-node0", "agent-node1")}}
     ok = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], env=env,
                         capture_output=True, text=True, timeout=30)

@@ -33,8 +33,8 @@ async def localized(ctx: ServiceContext, job: str) -> Suspicion:
     async with ctx.db()() as session:
         await repo.touch_job(session, job)
         inc = await repo.open_incident(session, job_id=job, kind="slowdown", dedup_key="slowdown",
-                                       severity=1.5, summary="s", culprit={}, evidence={},
-                                       stage_detail={})
+                                       severity=1.5, summary="s", culprit={"compute_ranks": [1]},
+                                       evidence={}, stage_detail={})
         await repo.add_timeline(session, inc, "localized", {"by": "test"})
         await session.commit()
     return Suspicion(job_id=job, incident_id=inc.id, kind="compute_slow", ranks=[1], comm_ids=[])
