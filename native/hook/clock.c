@@ -58,7 +58,8 @@ static void publish(uint64_t tsc, uint64_t ns) {
   uint64_t dticks = tsc - first_tsc, dns = ns - first_ns;
   if (dticks == 0) return;
   uint64_t mult = (uint64_t)(((unsigned __int128)dns << 32) / dticks);
-  struct gh_tsc_anchor *next = __atomic_load_n(&gh_anchor_now, __ATOMIC_RELAXED) == &anchors[0] ? &anchors[1] : &anchors[0];
+  const struct gh_tsc_anchor *now = __atomic_load_n(&gh_anchor_now, __ATOMIC_RELAXED);
+  struct gh_tsc_anchor *next = now == &anchors[0] ? &anchors[1] : &anchors[0];
   __atomic_store_n(&next->tsc, tsc, __ATOMIC_RELAXED);
   __atomic_store_n(&next->ns, ns, __ATOMIC_RELAXED);
   __atomic_store_n(&next->mult, mult, __ATOMIC_RELAXED);
