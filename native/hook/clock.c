@@ -14,15 +14,17 @@
 
 #define REANCHOR_NS 50000000ull /* 50 ms */
 
-struct gh_tsc_anchor gh_anchor[2];
-uint32_t gh_anchor_idx;
-int gh_tsc_ok;
-uint64_t gh_reanchor_ticks;
-static uint64_t first_tsc, first_ns;
-static int reanchoring;
+/* Until a TSC anchor is published (or for good, without an invariant TSC): ticks 0, so every stamp
+ * takes clock_gettime. Two anchors alternate, so a new one is written while readers use the other. */
+static const struct gh_tsc_anchor none;
+const struct gh_tsc_anchor *gh_anchor_now = &none;
 
 #if defined(__x86_64__)
 #include <x86intrin.h>
+
+static struct gh_tsc_anchor anchors[2];
+static int tsc_ok, reanchoring;
+static uint64_t first_tsc, first_ns;
 
 /* One (tsc, ns) pair with the TSC read on both sides of clock_gettime, midpoint taken: the
  * tightest of a few tries, so that a preemption between the reads (a loaded machine) cannot put
@@ -56,27 +58,38 @@ static void publish(uint64_t tsc, uint64_t ns) {
   uint64_t dticks = tsc - first_tsc, dns = ns - first_ns;
   if (dticks == 0) return;
   uint64_t mult = (uint64_t)(((unsigned __int128)dns << 32) / dticks);
-  uint32_t next = (__atomic_load_n(&gh_anchor_idx, __ATOMIC_RELAXED) + 1) & 1;
-  __atomic_store_n(&gh_anchor[next].tsc, tsc, __ATOMIC_RELAXED);
-  __atomic_store_n(&gh_anchor[next].ns, ns, __ATOMIC_RELAXED);
-  __atomic_store_n(&gh_anchor[next].mult, mult, __ATOMIC_RELAXED);
-  __atomic_store_n(&gh_anchor_idx, next, __ATOMIC_RELEASE);
-  __atomic_store_n(&gh_reanchor_ticks, (uint64_t)(((unsigned __int128)REANCHOR_NS << 32) / (mult ? mult : 1)),
+  const struct gh_tsc_anchor *now = __atomic_load_n(&gh_anchor_now, __ATOMIC_RELAXED);
+  struct gh_tsc_anchor *next = now == &anchors[0] ? &anchors[1] : &anchors[0];
+  __atomic_store_n(&next->tsc, tsc, __ATOMIC_RELAXED);
+  __atomic_store_n(&next->ns, ns, __ATOMIC_RELAXED);
+  __atomic_store_n(&next->mult, mult, __ATOMIC_RELAXED);
+  __atomic_store_n(&next->ticks, (uint64_t)(((unsigned __int128)REANCHOR_NS << 32) / (mult ? mult : 1)),
                    __ATOMIC_RELAXED);
+  __atomic_store_n(&gh_anchor_now, next, __ATOMIC_RELEASE);
 }
 
 void gh_clock_init(void) {
-  if (gh_tsc_ok || !invariant_tsc()) return;
+  if (tsc_ok || !invariant_tsc()) return;
   pair(&first_tsc, &first_ns);
   uint64_t tsc, ns;
   do pair(&tsc, &ns);
   while (ns - first_ns < 2000000); /* 2 ms of baseline for the first rate; once per process */
   publish(tsc, ns);
-  __atomic_store_n(&gh_tsc_ok, 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&tsc_ok, 1, __ATOMIC_RELEASE);
 }
 
-uint64_t gh_tsc_reanchor(uint64_t tsc) {
-  (void)tsc;
+/* The anchor is older than REANCHOR_NS (or the TSC went backwards): a fresh clock_gettime pair, which
+ * one thread publishes as the next anchor. This stamp keeps its TSC read and the old rate (the return
+ * stamp's few ticks are converted with it). No TSC anchor: clock_gettime, and so the return stamp. */
+uint64_t gh_clock_slow(struct gh_stamp *k, uint64_t tsc) {
+  const struct gh_tsc_anchor *a = __atomic_load_n(&gh_anchor_now, __ATOMIC_ACQUIRE);
+  if (a == &none) {
+    k->tsc = k->mult = k->ticks = 0;
+    return gh_now_ns();
+  }
+  k->tsc = tsc;
+  k->mult = __atomic_load_n(&a->mult, __ATOMIC_RELAXED);
+  k->ticks = __atomic_load_n(&a->ticks, __ATOMIC_RELAXED);
   uint64_t t, ns;
   pair(&t, &ns);
   int expect = 0;
@@ -88,8 +101,17 @@ uint64_t gh_tsc_reanchor(uint64_t tsc) {
 }
 #else
 void gh_clock_init(void) {}
-uint64_t gh_tsc_reanchor(uint64_t tsc) {
+uint64_t gh_clock_slow(struct gh_stamp *k, uint64_t tsc) {
   (void)tsc;
+  k->tsc = k->mult = k->ticks = 0;
   return gh_now_ns();
 }
 #endif
+
+/* A return stamp the enter stamp's anchor cannot serve (too late, no TSC): a fresh stamp, never
+ * before the enter stamp. */
+uint64_t gh_clock_late(uint64_t ns0) {
+  struct gh_stamp k;
+  uint64_t ns = gh_clock_enter(&k);
+  return ns > ns0 ? ns : ns0;
+}

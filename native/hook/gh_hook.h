@@ -11,17 +11,37 @@
 
 #include "greyhound_ring.h"
 #include "nccl_abi.h"
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
+
+/* Every declaration from here on is hidden too, not only the definitions: the compiler then reaches
+ * the hook's globals directly, PC-relative, instead of loading their address from the GOT first
+ * (one instruction per access on the hot path). Only GH_EXPORT names leave the library. */
+#pragma GCC visibility push(hidden)
 
 #define GH_EXPORT __attribute__((visibility("default")))
 #define GH_TLS __thread __attribute__((tls_model("initial-exec")))
 #define GH_LIKELY(x) __builtin_expect(!!(x), 1)
 #define GH_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
-/* Re-entrancy guard: NCCL calls its own exports (ncclBcast -> ncclBroadcast); record depth 0 only. */
-extern GH_TLS int gh_depth;
-/* Group nesting of this thread and the id of its open outermost group. */
-extern GH_TLS int gh_group_depth;
-extern GH_TLS uint64_t gh_group_id;
+/* What a thread keeps for the hot path, in one thread-local block: a shared library reaches its
+ * thread-locals through an offset loaded from the GOT, so one block costs one such load per call
+ * where separate variables cost one per access. */
+struct gh_thread {
+  int depth;                       /* re-entrancy guard: NCCL calls its own exports (ncclBcast ->
+                                      ncclBroadcast); only depth 0 is recorded */
+  int group_depth;                 /* ncclGroupStart nesting ... */
+  uint64_t group_id;               /* ... and the id of the open outermost group */
+  ncclComm_t last_comm;            /* the last communicator this thread used (training loops hit the
+                                      same one again and again): its entry and mark ring */
+  struct gh_comm_entry *last_entry;
+  struct gh_marks *last_marks;
+  int *errp;                       /* this thread's errno (set at its first cache miss): saved
+                                      without a call */
+  uint32_t tid;                    /* Linux tid, 0 until first needed */
+};
+extern GH_TLS struct gh_thread gh_thr;
 
 /* Process state; NULL/0 until the ring exists (or forever when recording is disabled). */
 extern struct gh_ring_header *gh_hdr;
@@ -40,54 +60,49 @@ static inline uint64_t gh_now_ns(void) {
 /* clock.c: CLOCK_MONOTONIC nanoseconds from the TSC where that is safe (x86-64, invariant TSC). */
 struct gh_tsc_anchor {
   uint64_t tsc, ns, mult; /* ns = anchor.ns + (tsc - anchor.tsc) * mult / 2^32 */
+  uint64_t ticks;         /* how long the anchor serves (REANCHOR_NS) in TSC ticks; 0 (no usable TSC,
+                             or not measured yet): every stamp takes the slow path, clock_gettime */
 };
-extern struct gh_tsc_anchor gh_anchor[2];
-extern uint32_t gh_anchor_idx;
-extern int gh_tsc_ok;
-extern uint64_t gh_reanchor_ticks;
+/* The anchor in use, published (release) whole: one load finds the TSC origin, rate and age limit,
+ * and the no-TSC case needs no test of its own (its ticks are 0). Never NULL. */
+extern const struct gh_tsc_anchor *gh_anchor_now;
+/* What an enter stamp keeps for the return stamp: the TSC read and the anchor's rate and life. */
+struct gh_stamp {
+  uint64_t tsc, mult, ticks;
+};
 void gh_clock_init(void);
-uint64_t gh_tsc_reanchor(uint64_t tsc);
+uint64_t gh_clock_slow(struct gh_stamp *k, uint64_t tsc); /* anchor too old, or no TSC */
+uint64_t gh_clock_late(uint64_t ns0);                       /* a return stamp the enter's cannot serve */
 /* Hot-path timestamps: the enter stamp keeps its TSC value and rate, so the return stamp costs one
  * rdtsc and a multiply (no anchor loads, never before the enter stamp). */
 #if defined(__x86_64__)
-#include <x86intrin.h>
 static inline uint64_t gh_tsc_to_ns(uint64_t dticks, uint64_t mult) {
   return (uint64_t)(((unsigned __int128)dticks * mult) >> 32);
 }
-static inline uint64_t gh_clock_enter(uint64_t *tsc, uint64_t *mult) {
-  if (GH_LIKELY(__atomic_load_n(&gh_tsc_ok, __ATOMIC_ACQUIRE))) {
-    uint64_t t = __rdtsc();
-    const struct gh_tsc_anchor *a = &gh_anchor[__atomic_load_n(&gh_anchor_idx, __ATOMIC_ACQUIRE)];
-    uint64_t dt = t - __atomic_load_n(&a->tsc, __ATOMIC_RELAXED);
-    uint64_t m = __atomic_load_n(&a->mult, __ATOMIC_RELAXED);
-    *tsc = t;
-    *mult = m;
-    if (GH_UNLIKELY(dt > __atomic_load_n(&gh_reanchor_ticks, __ATOMIC_RELAXED))) return gh_tsc_reanchor(t);
-    return __atomic_load_n(&a->ns, __ATOMIC_RELAXED) + gh_tsc_to_ns(dt, m);
-  }
-  *tsc = 0;
-  *mult = 0;
-  return gh_now_ns();
+static inline uint64_t gh_clock_enter(struct gh_stamp *k) {
+  const struct gh_tsc_anchor *a = __atomic_load_n(&gh_anchor_now, __ATOMIC_ACQUIRE);
+  uint64_t t = __rdtsc();
+  uint64_t dt = t - __atomic_load_n(&a->tsc, __ATOMIC_RELAXED); /* a TSC gone backwards wraps huge */
+  uint64_t ticks = __atomic_load_n(&a->ticks, __ATOMIC_RELAXED);
+  if (GH_UNLIKELY(dt >= ticks)) return gh_clock_slow(k, t);
+  uint64_t m = __atomic_load_n(&a->mult, __ATOMIC_RELAXED);
+  k->tsc = t;
+  k->mult = m;
+  k->ticks = ticks;
+  return __atomic_load_n(&a->ns, __ATOMIC_RELAXED) + gh_tsc_to_ns(dt, m);
 }
-static inline uint64_t gh_clock_exit(uint64_t tsc0, uint64_t mult, uint64_t ns0) {
-  if (GH_LIKELY(mult != 0)) {
-    uint64_t dt = __rdtsc() - tsc0; /* a TSC that went backwards wraps huge: slow path below */
-    if (GH_LIKELY(dt < __atomic_load_n(&gh_reanchor_ticks, __ATOMIC_RELAXED))) return ns0 + gh_tsc_to_ns(dt, mult);
-    uint64_t t, m, ns = gh_clock_enter(&t, &m);
-    return ns > ns0 ? ns : ns0;
-  }
-  uint64_t ns = gh_now_ns();
-  return ns > ns0 ? ns : ns0;
+static inline uint64_t gh_clock_exit(const struct gh_stamp *k, uint64_t ns0) {
+  uint64_t dt = __rdtsc() - k->tsc;
+  if (GH_LIKELY(dt < k->ticks)) return ns0 + gh_tsc_to_ns(dt, k->mult);
+  return gh_clock_late(ns0);
 }
 #else
-static inline uint64_t gh_clock_enter(uint64_t *tsc, uint64_t *mult) {
-  *tsc = 0;
-  *mult = 0;
+static inline uint64_t gh_clock_enter(struct gh_stamp *k) {
+  k->tsc = k->mult = k->ticks = 0;
   return gh_now_ns();
 }
-static inline uint64_t gh_clock_exit(uint64_t tsc0, uint64_t mult, uint64_t ns0) {
-  (void)tsc0;
-  (void)mult;
+static inline uint64_t gh_clock_exit(const struct gh_stamp *k, uint64_t ns0) {
+  (void)k;
   uint64_t ns = gh_now_ns();
   return ns > ns0 ? ns : ns0;
 }
@@ -263,5 +278,7 @@ int gh_streams_seen(cudaStream_t *out, int max); /* streams of this process's da
 typedef ncclResult_t (*gh_send_fn)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
 typedef ncclResult_t (*gh_recv_fn)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
 typedef ncclResult_t (*gh_query_fn)(const ncclComm_t, int *);
+
+#pragma GCC visibility pop
 
 #endif

@@ -3,8 +3,10 @@
  * outside any lock, timestamp, counters, one ring record), inlined into each wrapper so that the
  * op is a constant, the call state stays in registers and nothing is called out of line unless
  * something unusual happens: a communicator not in this thread's cache, a pause request or
- * profile mode (one control word says both), a P2P peer counter, a full ring. Those leave
- * through record.c / profile.c / control.c.
+ * profile mode (one control word says both), a call inside a group, a P2P peer counter, a full
+ * ring. Those leave through record.c / profile.c / control.c / marks.c. Whether one of the first
+ * four applies is decided once, before the call (gh_hot_gate): each wrapper carries one copy of the
+ * path specialised for the common case and one general copy.
  *
  * errno: the hot path makes no call that can set it (rdtsc, loads, stores, one CAS); every slow
  * path saves and restores it, so the caller sees errno exactly as NCCL left it.
@@ -23,13 +25,6 @@
 
 #define GH_INLINE static inline __attribute__((always_inline))
 #define GH_IS_P2P(op) ((op) == GH_OP_SEND || (op) == GH_OP_RECV)
-
-/* The last communicator this thread used (training loops hit the same one again and again), and
- * the thread's Linux tid (0 until first needed). */
-extern GH_TLS ncclComm_t gh_last_comm;
-extern GH_TLS struct gh_comm_entry *gh_last_entry;
-extern GH_TLS struct gh_marks *gh_last_marks;
-extern GH_TLS uint32_t gh_tid;
 
 /* record.c */
 struct gh_comm_entry *gh_comm_miss(ncclComm_t comm); /* lookup or adopt; refills the cache */
@@ -51,7 +46,8 @@ GH_INLINE uint64_t gh_bump(uint64_t *p) {
 }
 
 struct gh_call {
-  uint64_t enter_ns, tsc, mult, seq, call_no;
+  uint64_t enter_ns, seq, call_no;
+  struct gh_stamp stamp;
   struct gh_comm_entry *e;
   struct gh_marks *m;
   int profiled;
@@ -63,19 +59,35 @@ enum { GH_MARK_CHECK = 0, GH_MARK_CAPTURED = 1, GH_MARK_LOST = 2, GH_MARK_CLEAR 
 void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
                   uint64_t count, uint32_t dtype, int hint);
 
-GH_INLINE void gh_hot_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cudaStream_t stream,
-                            uint64_t count, uint32_t dtype) {
+/* The common case, decided once before the call: monitor mode with no pause request, outside a
+ * group, on the communicator this thread used last (still active, not a recycled entry). The
+ * wrapper then inlines the path with all of that known (`fast` = 1): no further test of the mode,
+ * the group or a missing entry. Anything else takes the general path (`fast` = 0), which tests each
+ * as it goes and reaches the same records and marks. */
+GH_INLINE int gh_hot_gate(ncclComm_t comm) {
   uint64_t ctl = __atomic_load_n(__atomic_load_n(&gh_ctl_word, __ATOMIC_ACQUIRE), __ATOMIC_RELAXED);
-  if (GH_UNLIKELY(ctl != 0) && GH_CTL_PAUSE(ctl) != 0 && gh_group_depth == 0) gh_pause_point_slow(comm);
-  struct gh_comm_entry *e = gh_last_entry;
-  if (GH_UNLIKELY(comm != gh_last_comm || __atomic_load_n(&e->state, __ATOMIC_RELAXED) != GH_COMM_ACTIVE ||
-                  e->handle != (uint64_t)(uintptr_t)comm))
-    e = gh_comm_miss(comm);
+  struct gh_comm_entry *e = gh_thr.last_entry;
+  return ctl == 0 && gh_thr.group_depth == 0 && comm == gh_thr.last_comm &&
+         __atomic_load_n(&e->state, __ATOMIC_RELAXED) == GH_COMM_ACTIVE &&
+         e->handle == (uint64_t)(uintptr_t)comm;
+}
+
+GH_INLINE void gh_hot_enter(struct gh_call *c, int fast, uint16_t op, ncclComm_t comm, cudaStream_t stream,
+                            uint64_t count, uint32_t dtype) {
+  uint64_t ctl = 0;
+  struct gh_comm_entry *e = gh_thr.last_entry;
+  if (!fast) {
+    ctl = __atomic_load_n(__atomic_load_n(&gh_ctl_word, __ATOMIC_ACQUIRE), __ATOMIC_RELAXED);
+    if (ctl != 0 && GH_CTL_PAUSE(ctl) != 0 && gh_thr.group_depth == 0) gh_pause_point_slow(comm);
+    if (comm != gh_thr.last_comm || __atomic_load_n(&e->state, __ATOMIC_RELAXED) != GH_COMM_ACTIVE ||
+        e->handle != (uint64_t)(uintptr_t)comm)
+      e = gh_comm_miss(comm);
+  }
   c->e = e;
-  c->m = gh_last_marks;
-  c->enter_ns = gh_clock_enter(&c->tsc, &c->mult);
+  c->m = gh_thr.last_marks;
+  c->enter_ns = gh_clock_enter(&c->stamp);
   c->seq = 0;
-  if (GH_LIKELY(e != NULL)) {
+  if (fast || e != NULL) {
     c->call_no = gh_bump(&e->calls_entered);
     if (!GH_IS_P2P(op)) c->seq = gh_bump(&e->last_seq_entered);
     __atomic_store_n(&e->inflight_enter_ns, c->enter_ns, __ATOMIC_RELAXED);
@@ -84,14 +96,13 @@ GH_INLINE void gh_hot_enter(struct gh_call *c, uint16_t op, ncclComm_t comm, cud
     __atomic_store_n(&e->last_dtype, dtype, __ATOMIC_RELAXED);
   }
   c->profiled = 0;
-  if (GH_UNLIKELY(ctl != 0)) c->profiled = gh_profile_enter(stream);
+  if (ctl != 0) c->profiled = gh_profile_enter(stream);
 }
 
 /* The completion mark of a call outside a group on a communicator whose ring is ready (its stream
  * is then the one m->stream holds): fill the next slot (not the poller's until head moves), ask
  * whether the stream captures a graph, record the slot's event behind the call, publish.
  * Everything else goes to gh_mark_slow. The CUDA calls may touch errno: it is put back. */
-extern GH_TLS int *gh_errp;
 GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
                        uint64_t count, uint32_t dtype, int in_group) {
   struct gh_marks *m = c->m;
@@ -109,7 +120,7 @@ GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, c
     s->enter_ns = c->enter_ns;
     s->shape = GH_MARK_SHAPE(0, coll);
     s->meta = GH_MARK_META(op, dtype, coll);
-    int *err = gh_errp;
+    int *err = gh_thr.errp;
     int saved = *err, cap;
     hint = GH_MARK_CAPTURED;
     if (GH_LIKELY(gh_cu.is_capturing(stream, &cap) == 0 && cap == 0)) {
@@ -125,16 +136,16 @@ GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, c
   gh_mark_slow(c, op, res, stream, count, dtype, hint);
 }
 
-GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
+GH_INLINE void gh_hot_exit(struct gh_call *c, int fast, uint16_t op, ncclResult_t res, cudaStream_t stream,
                            uint64_t count, int dtype, int redop, int peer) {
-  uint64_t ret_ns = gh_clock_exit(c->tsc, c->mult, c->enter_ns);
-  int in_group = gh_group_depth > 0;
+  uint64_t ret_ns = gh_clock_exit(&c->stamp, c->enter_ns);
+  int in_group = !fast && gh_thr.group_depth > 0;
   uint32_t flags = (res == ncclInProgress ? GH_F_IN_PROGRESS : 0u) | (in_group ? GH_F_IN_GROUP : 0u);
-  if (GH_UNLIKELY(c->profiled != 0)) flags |= gh_profile_exit(c->profiled);
+  if (!fast && c->profiled != 0) flags |= gh_profile_exit(c->profiled);
   struct gh_comm_entry *e = c->e;
   uint64_t seq = c->seq, comm_id = 0;
   int32_t rank = -1, nranks = 0;
-  if (GH_LIKELY(e != NULL)) {
+  if (fast || e != NULL) {
     if (!GH_IS_P2P(op)) __atomic_store_n(&e->last_seq_completed, seq, __ATOMIC_RELAXED);
     else if (res == ncclSuccess || res == ncclInProgress) seq = gh_p2p_count(e, op, peer);
     __atomic_store_n(&e->inflight_enter_ns, 0, __ATOMIC_RELAXED);
@@ -147,7 +158,7 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cud
   uint64_t idx = UINT64_MAX;
   struct gh_record *r = gh_reserve(&idx);
   if (GH_LIKELY(r != NULL)) {
-    uint32_t tid = gh_tid;
+    uint32_t tid = gh_thr.tid;
     if (GH_UNLIKELY(tid == 0)) tid = gh_tid_slow();
     r->comm_id = comm_id;
     r->count = count;
@@ -155,7 +166,7 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cud
     r->enter_ns = c->enter_ns;
     r->return_ns = ret_ns;
     r->stream = (uint64_t)(uintptr_t)stream;
-    r->group_id = gh_group_id; /* 0 outside groups */
+    r->group_id = fast ? 0 : gh_thr.group_id; /* 0 outside groups */
     r->gpu_start_ns = 0;
     r->gpu_end_ns = 0;
     r->comm_rank = rank;
@@ -169,20 +180,28 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, uint16_t op, ncclResult_t res, cud
     r->tid = tid;
     gh_publish(r, idx);
   }
-  if (GH_UNLIKELY(c->profiled > 0)) gh_profile_attach((uint32_t)c->profiled - 1, idx, e);
-  if (GH_LIKELY(e != NULL)) gh_mark(c, op, res, stream, count, (uint32_t)dtype, in_group);
+  if (!fast && c->profiled > 0) gh_profile_attach((uint32_t)c->profiled - 1, idx, e);
+  if (fast || e != NULL) gh_mark(c, op, res, stream, count, (uint32_t)dtype, in_group);
 }
 
-/* Body of a data-path wrapper: pass through when nested or disabled, else record around CALL. */
+/* Body of a data-path wrapper: pass through when nested or disabled, else record around CALL, on
+ * the fast path when gh_hot_gate allows (one copy of the path for each case, each specialised). */
 #define GH_DATA_CALL(OP, COMM, STREAM, CALL, COUNT, DTYPE, REDOP, PEER)                          \
   do {                                                                                           \
-    if (GH_UNLIKELY(gh_depth > 0 || gh_disabled)) return CALL;                                  \
-    gh_depth = 1;                                                                                \
+    if (GH_UNLIKELY(gh_thr.depth > 0 || gh_disabled)) return CALL;                              \
+    gh_thr.depth = 1;                                                                            \
     struct gh_call c_;                                                                           \
-    gh_hot_enter(&c_, (OP), (COMM), (STREAM), (uint64_t)(COUNT), (uint32_t)(DTYPE));             \
-    ncclResult_t res_ = CALL;                                                                    \
-    gh_hot_exit(&c_, (OP), res_, (STREAM), (uint64_t)(COUNT), (int)(DTYPE), (int)(REDOP), (PEER)); \
-    gh_depth = 0;                                                                                \
+    ncclResult_t res_;                                                                           \
+    if (GH_LIKELY(gh_hot_gate(COMM))) {                                                          \
+      gh_hot_enter(&c_, 1, (OP), (COMM), (STREAM), (uint64_t)(COUNT), (uint32_t)(DTYPE));        \
+      res_ = CALL;                                                                               \
+      gh_hot_exit(&c_, 1, (OP), res_, (STREAM), (uint64_t)(COUNT), (int)(DTYPE), (int)(REDOP), (PEER)); \
+    } else {                                                                                     \
+      gh_hot_enter(&c_, 0, (OP), (COMM), (STREAM), (uint64_t)(COUNT), (uint32_t)(DTYPE));        \
+      res_ = CALL;                                                                               \
+      gh_hot_exit(&c_, 0, (OP), res_, (STREAM), (uint64_t)(COUNT), (int)(DTYPE), (int)(REDOP), (PEER)); \
+    }                                                                                            \
+    gh_thr.depth = 0;                                                                            \
     return res_;                                                                                 \
   } while (0)
 

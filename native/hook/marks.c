@@ -42,7 +42,6 @@ struct pending {
 };
 static GH_TLS struct pending group[GH_MAX_COMMS];
 static GH_TLS int ngroup;
-GH_TLS int *gh_errp; /* this thread's errno (set at its first cache miss): saved without a call */
 
 void gh_marks_lock(void) { pthread_mutex_lock(&lock); }
 void gh_marks_unlock(void) { pthread_mutex_unlock(&lock); }
@@ -133,7 +132,7 @@ void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaSt
     /* A failed call enqueued nothing; an in-progress one (non-blocking communicator) is not on its
      * stream yet, so an event recorded now could complete before it. */
     lost(m, &p, res == ncclInProgress);
-  } else if (gh_group_depth > 0) {
+  } else if (gh_thr.group_depth > 0) {
     int i = 0;
     while (i < ngroup && group[i].m != m) i++;
     if (i == ngroup) group[ngroup++] = p; /* one entry per communicator: never more than the table */

@@ -166,8 +166,8 @@ int gh_profile_enter(cudaStream_t stream) {
   gh_cu.ev_record(s->start, stream);
   uint32_t slot = (uint32_t)(n % POOL);
   res = (int)slot + 1;
-  if (gh_group_depth > 0 && group_n < MAX_GROUP) group_slots[group_n++] = slot;
-  else if (gh_group_depth > 0) gh_profile_end(slot); /* group too large: end at issue */
+  if (gh_thr.group_depth > 0 && group_n < MAX_GROUP) group_slots[group_n++] = slot;
+  else if (gh_thr.group_depth > 0) gh_profile_end(slot); /* group too large: end at issue */
 out:
   errno = saved;
   return res;
@@ -175,7 +175,7 @@ out:
 
 uint32_t gh_profile_exit(int profiled) {
   if (profiled < 0) return GH_F_CAPTURED;
-  if (gh_group_depth == 0) {
+  if (gh_thr.group_depth == 0) {
     int saved = errno;
     gh_profile_end((uint32_t)profiled - 1);
     errno = saved;

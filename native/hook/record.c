@@ -8,30 +8,24 @@
 
 #include "hot.h"
 
-GH_TLS int gh_depth;
-GH_TLS int gh_group_depth;
-GH_TLS uint64_t gh_group_id;
-/* Starts on a value no communicator has: a thread's first call always misses the cache. */
-GH_TLS ncclComm_t gh_last_comm = (ncclComm_t)(uintptr_t)~(uintptr_t)0;
-GH_TLS struct gh_comm_entry *gh_last_entry;
-GH_TLS struct gh_marks *gh_last_marks;
-GH_TLS uint32_t gh_tid;
+/* last_comm starts on a value no communicator has: a thread's first call always misses the cache. */
+GH_TLS struct gh_thread gh_thr = {.last_comm = (ncclComm_t)(uintptr_t)~(uintptr_t)0};
 
 uint32_t gh_tid_slow(void) {
-  gh_tid = (uint32_t)syscall(SYS_gettid);
-  return gh_tid;
+  gh_thr.tid = (uint32_t)syscall(SYS_gettid);
+  return gh_thr.tid;
 }
 
 /* The cache never holds a NULL entry (the next call on that communicator misses again), so the
  * hot path's hit test need not check for one. */
 struct gh_comm_entry *gh_comm_miss(ncclComm_t comm) {
   int saved = errno; /* adopting asks NCCL about the communicator */
-  gh_errp = &errno;  /* every thread misses before its first hit: the hot path may use it */
+  gh_thr.errp = &errno;  /* every thread misses before its first hit: the hot path may use it */
   struct gh_comm_entry *e = gh_comm_lookup(comm);
   if (e == NULL && comm != NULL) e = gh_comm_adopt(comm);
-  gh_last_comm = e != NULL ? comm : (ncclComm_t)(uintptr_t)~(uintptr_t)0;
-  gh_last_entry = e;
-  gh_last_marks = e != NULL ? &gh_marks[e - gh_comms] : NULL;
+  gh_thr.last_comm = e != NULL ? comm : (ncclComm_t)(uintptr_t)~(uintptr_t)0;
+  gh_thr.last_entry = e;
+  gh_thr.last_marks = e != NULL ? &gh_marks[e - gh_comms] : NULL;
   errno = saved;
   return e;
 }
@@ -69,7 +63,7 @@ void gh_record_event(uint16_t op, struct gh_comm_entry *e, int result, int peer,
   r->enter_ns = enter_ns != 0 ? enter_ns : now;
   r->return_ns = now;
   r->stream = 0;
-  r->group_id = (op == GH_OP_GROUP_START || op == GH_OP_GROUP_END) ? gh_group_id : 0;
+  r->group_id = (op == GH_OP_GROUP_START || op == GH_OP_GROUP_END) ? gh_thr.group_id : 0;
   r->gpu_start_ns = 0;
   r->gpu_end_ns = 0;
   r->comm_rank = e != NULL ? e->rank : -1;
@@ -80,6 +74,6 @@ void gh_record_event(uint16_t op, struct gh_comm_entry *e, int result, int peer,
   r->datatype = 0;
   r->redop = 255;
   r->flags = 0;
-  r->tid = gh_tid != 0 ? gh_tid : gh_tid_slow();
+  r->tid = gh_thr.tid != 0 ? gh_thr.tid : gh_tid_slow();
   gh_publish(r, idx);
 }

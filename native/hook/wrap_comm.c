@@ -67,14 +67,14 @@ struct gh_comm_entry *gh_comm_adopt(ncclComm_t comm) {
 GH_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
   init_rank_fn f = GH_RESOLVE(real_init_rank, ncclCommInitRank);
   if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
-  if (gh_depth > 0 || gh_disabled) return f(comm, nranks, commId, rank);
-  gh_depth++;
+  if (gh_thr.depth > 0 || gh_disabled) return f(comm, nranks, commId, rank);
+  gh_thr.depth++;
   uint64_t t0 = gh_now_ns();
   ncclResult_t res = f(comm, nranks, commId, rank);
   int saved = errno;
   uint64_t id = gh_hash_bytes(commId.internal, sizeof commId.internal, 0);
   after_init(res, comm != NULL ? *comm : NULL, id, 0, -1, rank, nranks, GH_OP_COMM_INIT, t0);
-  gh_depth--;
+  gh_thr.depth--;
   errno = saved;
   return res;
 }
@@ -83,14 +83,14 @@ GH_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, nccl
                                               int rank, ncclConfig_t *config) {
   init_config_fn f = GH_RESOLVE(real_init_config, ncclCommInitRankConfig);
   if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
-  if (gh_depth > 0 || gh_disabled) return f(comm, nranks, commId, rank, config);
-  gh_depth++;
+  if (gh_thr.depth > 0 || gh_disabled) return f(comm, nranks, commId, rank, config);
+  gh_thr.depth++;
   uint64_t t0 = gh_now_ns();
   ncclResult_t res = f(comm, nranks, commId, rank, config);
   int saved = errno;
   uint64_t id = gh_hash_bytes(commId.internal, sizeof commId.internal, 0);
   after_init(res, comm != NULL ? *comm : NULL, id, 0, -1, rank, nranks, GH_OP_COMM_INIT, t0);
-  gh_depth--;
+  gh_thr.depth--;
   errno = saved;
   return res;
 }
@@ -98,8 +98,8 @@ GH_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, nccl
 GH_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
   init_all_fn f = GH_RESOLVE(real_init_all, ncclCommInitAll);
   if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
-  if (gh_depth > 0 || gh_disabled) return f(comms, ndev, devlist);
-  gh_depth++;
+  if (gh_thr.depth > 0 || gh_disabled) return f(comms, ndev, devlist);
+  gh_thr.depth++;
   uint64_t t0 = gh_now_ns();
   ncclResult_t res = f(comms, ndev, devlist);
   int saved = errno;
@@ -108,7 +108,7 @@ GH_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *d
   uint64_t id = gh_hash_bytes(key, sizeof key, 0x616c6cull);
   for (int i = 0; comms != NULL && i < ndev; i++)
     after_init(res, comms[i], id, 0, -1, i, ndev, GH_OP_COMM_INIT_ALL, t0);
-  gh_depth--;
+  gh_thr.depth--;
   errno = saved;
   return res;
 }
@@ -117,8 +117,8 @@ GH_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclCo
                                      ncclConfig_t *config) {
   split_fn f = GH_RESOLVE(real_split, ncclCommSplit);
   if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
-  if (gh_depth > 0 || gh_disabled) return f(comm, color, key, newcomm, config);
-  gh_depth++;
+  if (gh_thr.depth > 0 || gh_disabled) return f(comm, color, key, newcomm, config);
+  gh_thr.depth++;
   uint64_t t0 = gh_now_ns();
   struct gh_comm_entry *parent = gh_comm_lookup(comm);
   /* Every rank of the parent calls split collectively, so the split index agrees across ranks. */
@@ -133,15 +133,15 @@ GH_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclCo
     after_init(res, nc, gh_hash_bytes(k, sizeof k, 0x73706c6974ull), parent->comm_id, color, rank,
                nranks, GH_OP_COMM_SPLIT, t0);
   }
-  gh_depth--;
+  gh_thr.depth--;
   errno = saved;
   return res;
 }
 
 static ncclResult_t finish(comm_fn f, ncclComm_t comm, uint16_t op, uint32_t state) {
-  if (gh_depth > 0 || gh_disabled) return f(comm);
+  if (gh_thr.depth > 0 || gh_disabled) return f(comm);
   int saved = errno;
-  gh_depth++;
+  gh_thr.depth++;
   struct gh_comm_entry *e = gh_comm_lookup(comm);
   if (e != NULL) {
     gh_record_event(op, e, 0, -1, 0);
@@ -150,7 +150,7 @@ static ncclResult_t finish(comm_fn f, ncclComm_t comm, uint16_t op, uint32_t sta
   }
   errno = saved;
   ncclResult_t res = f(comm);
-  gh_depth--;
+  gh_thr.depth--;
   return res;
 }
 
@@ -171,17 +171,17 @@ GH_EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyn
   async_fn f = GH_RESOLVE(real_async, ncclCommGetAsyncError);
   if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
   ncclResult_t res = f(comm, asyncError);
-  if (gh_depth > 0 || gh_disabled || res != ncclSuccess || asyncError == NULL) return res;
+  if (gh_thr.depth > 0 || gh_disabled || res != ncclSuccess || asyncError == NULL) return res;
   int saved = errno;
   struct gh_comm_entry *e = gh_comm_lookup(comm);
   if (e != NULL) {
     int *last = &last_async[e - gh_comms];
     int now = (int)*asyncError;
     if (__atomic_exchange_n(last, now, __ATOMIC_RELAXED) != now) {
-      gh_depth++;
+      gh_thr.depth++;
       if (now == ncclSuccess) note_device(comm);
       gh_record_event(GH_OP_ASYNC_ERROR, e, now, -1, 0);
-      gh_depth--;
+      gh_thr.depth--;
     }
   }
   errno = saved;

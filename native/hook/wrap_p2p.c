@@ -33,21 +33,21 @@ GH_EXPORT ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t dat
 GH_EXPORT ncclResult_t ncclGroupStart(void) {
   group_fn f = GH_RESOLVE(real_group_start, ncclGroupStart);
   if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
-  if (gh_depth > 0 || gh_disabled) return f();
+  if (gh_thr.depth > 0 || gh_disabled) return f();
   int saved = errno;
-  gh_depth++;
+  gh_thr.depth++;
   uint64_t t0 = gh_now_ns();
-  if (gh_group_depth == 0) {
+  if (gh_thr.group_depth == 0) {
     gh_pause_point(NULL);
-    gh_group_id = __atomic_add_fetch(&next_group_id, 1, __ATOMIC_RELAXED);
+    gh_thr.group_id = __atomic_add_fetch(&next_group_id, 1, __ATOMIC_RELAXED);
   }
   errno = saved;
   ncclResult_t res = f();
   saved = errno;
-  if (res == ncclSuccess && gh_group_depth++ == 0)
+  if (res == ncclSuccess && gh_thr.group_depth++ == 0)
     gh_record_event(GH_OP_GROUP_START, NULL, (int)res, -1, t0);
-  if (gh_group_depth == 0) gh_group_id = 0; /* records outside groups carry id 0 */
-  gh_depth--;
+  if (gh_thr.group_depth == 0) gh_thr.group_id = 0; /* records outside groups carry id 0 */
+  gh_thr.depth--;
   errno = saved;
   return res;
 }
@@ -55,20 +55,20 @@ GH_EXPORT ncclResult_t ncclGroupStart(void) {
 GH_EXPORT ncclResult_t ncclGroupEnd(void) {
   group_fn f = GH_RESOLVE(real_group_end, ncclGroupEnd);
   if (GH_UNLIKELY(f == NULL)) return ncclSystemError;
-  if (gh_depth > 0 || gh_disabled) return f();
+  if (gh_thr.depth > 0 || gh_disabled) return f();
   int saved = errno;
-  gh_depth++;
+  gh_thr.depth++;
   uint64_t t0 = gh_now_ns();
   errno = saved;
   ncclResult_t res = f();
   saved = errno;
-  if (gh_group_depth > 0 && --gh_group_depth == 0) {
+  if (gh_thr.group_depth > 0 && --gh_thr.group_depth == 0) {
     gh_profile_group_end();
     gh_marks_group_end();
     gh_record_event(GH_OP_GROUP_END, NULL, (int)res, -1, t0);
-    gh_group_id = 0;
+    gh_thr.group_id = 0;
   }
-  gh_depth--;
+  gh_thr.depth--;
   errno = saved;
   return res;
 }
