@@ -17,17 +17,20 @@ fixed when the process starts, so the library is loaded here and handed to pynvm
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import logging
 import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from services.common.bus.contract import GpuSample, XidEvent
+from services.agent.collector import Collector
+from services.common.bus.contract import MAX_GPUS, GpuHealth, GpuSample, Message, Subjects, XidEvent
 
 with warnings.catch_warnings():  # the pynvml shim warns that nvidia-ml-py is the real package
     warnings.simplefilter("ignore")
@@ -175,6 +178,10 @@ class NvmlSampler:
                 log.warning("NVML shutdown: %s", exc)
             self._events = None
             self.gpus.clear()
+            if self.lib_path:  # the next session in this process loads its own library again
+                with pynvml.libLoadLock:
+                    pynvml.nvmlLib = None
+                    pynvml._nvmlGetFunctionPointer_cache.clear()
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -309,3 +316,81 @@ def _nvlink_errors(handle: Any, links: list[int] | None) -> dict[str, int]:
         for counter, name in NVLINK_COUNTERS:
             totals[name] += int(pynvml.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter))
     return totals
+
+
+def job_gpus(collector: Collector, ranks: Iterable[int] | None = None) -> dict[int, list[int]]:
+    """NVML index -> the job's ranks on it (the rings' device field; -1, no GPU, is left out).
+
+    The hook records the CUDA device ordinal, which is the NVML index unless the process's
+    CUDA_VISIBLE_DEVICES reorders the devices."""
+    wanted = None if ranks is None else set(ranks)
+    out: dict[int, list[int]] = {}
+    for stream in collector.streams.values():
+        if stream.ended or (wanted is not None and stream.rank not in wanted):
+            continue
+        device = stream.reader.header.device
+        if device < 0:  # the hook learns the device at the first CUDA/NCCL call
+            device = stream.reader.refresh_header().device
+        if device >= 0:
+            out.setdefault(device, []).append(stream.rank)
+    return {d: sorted(rs) for d, rs in sorted(out.items())}
+
+
+class GpuMonitor:
+    """The agent's side of GPU health: a sample of each job's GPUs every ``sample_s`` seconds
+    (and at once after an Xid), published per job, and answers to on-demand requests. Every
+    NVML call runs in a worker thread."""
+
+    def __init__(self, sampler: NvmlSampler, *, agent_id: str, sample_s: float = 5.0,
+                 xid_poll_s: float = 1.0) -> None:
+        self.sampler = sampler
+        self.agent_id = agent_id
+        self.sample_s = sample_s
+        self.xid_poll_s = xid_poll_s
+        self.published = 0
+
+    async def open(self) -> bool:
+        return await asyncio.to_thread(self.sampler.open)
+
+    async def samples(self, collector: Collector, ranks: Iterable[int] | None = None
+                      ) -> list[GpuSample]:
+        """A fresh sample of the GPUs of ``collector``'s job (only those of ``ranks`` if given),
+        each with the ranks on it; [] without NVML."""
+        gpus = job_gpus(collector, ranks)
+        if not gpus or not self.sampler.available:
+            return []
+        await asyncio.to_thread(self.sampler.poll_xids)
+        got = await asyncio.to_thread(self.sampler.sample, gpus)
+        return [g.model_copy(update={"ranks": gpus[i][:256]}) for i, g in got.items()][:MAX_GPUS]
+
+    async def collect(self, collectors: Mapping[str, Collector]) -> list[tuple[str, Message]]:
+        """One GpuHealth per job with GPUs on this node: (subject, message) to publish."""
+        out: list[tuple[str, Message]] = []
+        for job, col in list(collectors.items()):
+            gpus = await self.samples(col)
+            if gpus:
+                out.append((Subjects.gpu_health(job, self.agent_id), GpuHealth(
+                    job_id=job, agent_id=self.agent_id, sampled_ns=time.time_ns(), gpus=gpus)))
+        return out
+
+    async def run(self, stop: asyncio.Event, collectors: Mapping[str, Collector],
+                  emit: Callable[[str, Message], None]) -> None:
+        """Sample and emit until ``stop``; Xids are polled every ``xid_poll_s`` and trigger a
+        sample at once. Never raises: GPU health is a witness, not a reason to stop the agent."""
+        if not await self.open():
+            return
+        next_sample = 0.0
+        while not stop.is_set():
+            try:
+                xids = await asyncio.to_thread(self.sampler.poll_xids)
+                if xids or time.monotonic() >= next_sample:
+                    for subject, msg in await self.collect(collectors):
+                        emit(subject, msg)
+                        self.published += 1
+                    next_sample = time.monotonic() + self.sample_s
+            except Exception:
+                log.exception("GPU health sampling failed; trying again in %.0fs", self.sample_s)
+                next_sample = time.monotonic() + self.sample_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.xid_poll_s)
+        await asyncio.to_thread(self.sampler.close)

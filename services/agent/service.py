@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from greyhound.ids import check_token, slug
 from services.agent.collector import Collector, RankIteration
 from services.agent.control import AgentControl
+from services.agent.nvml import GpuMonitor, NvmlSampler
 from services.agent.settings import AgentSettings
 from services.common.bus.client import publish
 from services.common.bus.contract import (
@@ -68,6 +69,11 @@ class NodeAgent:
         self.backlog: deque[tuple[str, Message]] = deque(maxlen=MAX_BACKLOG)
         self.published = 0
         self.dropped = 0  # messages no server could take (a single row over max_payload)
+        self.gpu: GpuMonitor | None = None
+        if self.settings.nvml:
+            self.gpu = GpuMonitor(NvmlSampler(self.settings.nvml_lib, host=socket.gethostname()),
+                                  agent_id=self.agent_id, sample_s=self.settings.gpu_s,
+                                  xid_poll_s=self.settings.xid_poll_s)
 
     def _job_dirs(self) -> list[str]:
         if self.fixed_jobs is not None:
@@ -151,6 +157,10 @@ class NodeAgent:
         """Drain and publish until ``stop``; with ``control`` (and its connection ``nc``), also
         answer control requests for every job found."""
         next_scan = next_counters = 0.0
+        gpu_task = None
+        if self.gpu is not None:
+            gpu_task = asyncio.create_task(self.gpu.run(
+                stop, self.collectors, lambda subject, msg: self.backlog.append((subject, msg))))
         while not stop.is_set():
             now = time.monotonic()
             if now >= next_scan:
@@ -166,6 +176,8 @@ class NodeAgent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.settings.poll_s)
         self.collect_iterations()
+        if gpu_task is not None:
+            await gpu_task
         await self.flush()
         for col in self.collectors.values():
             col.close()
@@ -178,7 +190,8 @@ async def run_agent(ctx: ServiceContext, stop: asyncio.Event, *, job: list[str] 
     The caller owns ``ctx`` (its connection is drained when the caller closes it)."""
     agent = NodeAgent(ctx.settings.shm_dir, ctx.js, agent_id=agent_id or default_agent_id(),
                       jobs=job or None, settings=settings)
-    control = AgentControl(agent.agent_id, agent.collectors)
+    control = AgentControl(agent.agent_id, agent.collectors,
+                           gpu=agent.gpu.samples if agent.gpu is not None else None)
     log.info("agent %s watching %s", agent.agent_id, ctx.settings.shm_dir)
     try:
         await agent.run(stop, nc=ctx.nc, control=control)
