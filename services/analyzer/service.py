@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from greyhound.core.known_causes import KnownCauses, OpenStep, ended_by
+from services.analyzer.gpu_evidence import explain_hang_with_gpus, job_gpu_health
 from services.analyzer.hangs import diagnose_from_rows, unsigned64
 from services.analyzer.profiling import CollectiveFeed
 from services.analyzer.slow import SlowLocalizer
@@ -62,7 +63,9 @@ class Analyzer:
 
     async def handle(self, subject: str, det: DetectionEvent) -> None:
         try:
-            done = await self._record(det)
+            # a hang's GPUs may say why (an Xid): asked before the incident is written
+            gpus = await job_gpu_health(self.ctx, det.job_id) if det.kind == "hang" else []
+            done = await self._record(det, gpus)
         except OSError as exc:
             raise TransientError(f"database unreachable: {exc}") from exc
         for announce in done.events:
@@ -142,7 +145,8 @@ class Analyzer:
             f"job {det.job_id}: {d.kind} on communicator {comm} at {d.op} #{d.seq}; "
             f"ranks {d.ranks[:16]}; stalled {stalled:.1f}s")
 
-    async def _record(self, det: DetectionEvent) -> Recorded:
+    async def _record(self, det: DetectionEvent, gpus: list[dict[str, Any]] | None = None
+                      ) -> Recorded:
         change = str(det.evidence.get("change", "onset")) if det.kind != "hang" else None
         detail = {"event_id": det.event_id, "ranks": det.ranks[:64], "method": det.method,
                   "first_iteration": det.first_iteration,
@@ -155,7 +159,7 @@ class Analyzer:
                 return Recorded()
             await repo.touch_job(session, det.job_id)
             if det.kind == "hang":
-                done = await self._hang(session, det, detail)
+                done = await self._hang(session, det, detail, gpus or [])
             else:
                 open_ = await repo.open_incidents(session, det.job_id, SLOW_KEY)
                 if det.kind == "recovery":
@@ -165,15 +169,21 @@ class Analyzer:
             await session.commit()
         return done
 
-    async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any]) -> Recorded:
+    async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+                    gpus: list[dict[str, Any]]) -> Recorded:
         # One open incident per job and problem family: a hang stalls many communicators at once.
         kind, severity, culprit, summary = self._classify(det)
         incident = await repo.find_open_incident(session, det.job_id, "hang")
         if incident is None:
+            kind, culprit, gpu_ev, words = explain_hang_with_gpus(kind, culprit, gpus)
+            extra: dict[str, Any] = {"gpu_health": gpu_ev} if gpu_ev is not None else {}
+            if words:
+                extra["explanation"] = words
+                summary = f"{summary}; {words}"
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key="hang", severity=severity,
                 summary=summary, culprit=culprit,
-                evidence={"detection": detail, **det.evidence}, stage_detail=detail)
+                evidence={"detection": detail, **det.evidence, **extra}, stage_detail=detail)
             stage: IncidentStage = "localized" if kind != "hang" else "detected"
             if stage == "localized":
                 await repo.add_timeline(session, incident, "localized", culprit)

@@ -18,6 +18,7 @@ from typing import Any
 from greyhound.core.known_causes import KnownCauses, new_causes
 from greyhound.core.slow_localization import NodeLabel, SlowLocalization, localize_slow
 from greyhound.hookabi import unsigned64
+from services.analyzer.gpu_evidence import attach_slow, job_gpu_health
 from services.analyzer.profiling import ProfileBuffer, WindowRule
 from services.common.bus import control
 from services.common.bus.client import publish
@@ -72,13 +73,24 @@ class SlowLocalizer:
             if known is not None:
                 loc = new_causes(loc, known)
             announce = await self._record(incident_id, det, loc, {"window": window,
-                                                                   "timing": timing})
+                                                                   "timing": timing},
+                                          await self._gpus(det.job_id))
             for subject, msg in announce:
                 await publish(self.ctx.js, subject, msg)
         except asyncio.CancelledError:
             raise
         except Exception:  # one failed localisation must not take the analyzer down
             log.exception("localisation of job %s failed", det.job_id)
+
+    async def _gpus(self, job: str) -> list[dict[str, Any]]:
+        """The job's GPU health now, while it is still slow; [] when it cannot be had."""
+        try:
+            return await job_gpu_health(self.ctx, job, timeout_s=self.control_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("GPU health of job %s", job)
+            return []
 
     async def _profile(self, det: DetectionEvent
                        ) -> tuple[SlowLocalization, dict[str, Any], dict[str, object]]:
@@ -125,7 +137,8 @@ class SlowLocalizer:
         return ok
 
     async def _record(self, incident_id: str, det: DetectionEvent, loc: SlowLocalization,
-                      facts: dict[str, Any]) -> list[tuple[str, Any]]:
+                      facts: dict[str, Any], gpus: list[dict[str, Any]] | None = None
+                      ) -> list[tuple[str, Any]]:
         evidence = {**_unsigned_evidence(loc.evidence), **facts}
         async with self.ctx.db()() as session:
             incident = await repo.get_incident_for_update(session, incident_id)
@@ -154,6 +167,9 @@ class SlowLocalizer:
             incident.culprit = culprit
             incident.evidence = {**incident.evidence, "localization": evidence}
             incident.summary = _summary(det, loc, culprit)
+            words = attach_slow(incident, loc.compute_ranks, gpus or [])
+            if words:
+                incident.summary = f"{incident.summary}; {words}"
             # the slowdown may have ended while profiling: then the lifecycle keeps it closed
             resolved = await repo.add_timeline(
                 session, incident, "localized",

@@ -46,6 +46,7 @@ from services.common.bus.streams import VALIDATOR
 from services.common.db import repository as repo
 from services.common.db.models import Rank
 from services.common.runtime import ServiceContext, supervise
+from services.validator.gpu_evidence import confirmed_gpu_health
 from services.validator.plan import (
     CommView,
     Transfer,
@@ -74,6 +75,8 @@ class Run:
     failure: str | None = None
     pause_s: float = 0.0
     evidence: dict[str, Any] = field(default_factory=dict)
+    gpu_health: dict[str, Any] | None = None  # NVML's view of the confirmed slow GPUs
+    explanation: str | None = None
 
 
 class Validator:
@@ -91,6 +94,9 @@ class Validator:
             ranks = list(await repo.job_ranks(session, s.job_id))
         run = await self.validate(s, ranks)
         self.runs.append(run)
+        if run.verdict is not None and run.verdict.gpus:
+            run.gpu_health, run.explanation = await confirmed_gpu_health(
+                self.ctx.nc, s.job_id, ranks, run.verdict.gpus)
         announce = await self._record(s, ranks, run)
         if announce is not None:
             await publish(self.ctx.js, Subjects.incident(s.job_id), announce)
@@ -282,7 +288,10 @@ class Validator:
             v = run.verdict
             detail.update(_jsonable({"verdict": v.kind, "gpus": v.gpus,
                                      "links": [list(x) for x in v.links], **v.evidence}))
-            incident.evidence = {**incident.evidence, "validation": detail}
+            if run.gpu_health is not None:
+                detail["gpu_health"] = _jsonable(run.gpu_health)
+            incident.evidence = {**incident.evidence, "validation": detail,
+                                 **({"explanation": run.explanation} if run.explanation else {})}
             if await repo.add_timeline(session, incident, "validated", detail) == "resolved":
                 log.info("incident %s recovered while it was validated: it stays resolved",
                          incident.id)
