@@ -107,7 +107,7 @@ def explain_hang(samples: Sequence[Sample], ranks: Sequence[int], *,
         for x in list(s.get("xids") or [])[-4:]:
             code = int(x.get("code", -1))
             name = XID_NAMES.get(code)
-            ago = (f", {max(0.0, now_s - float(x['ts'])):.0f} s before"
+            ago = (f", {max(0.0, now_s - float(x['ts'])):.0f} s before the incident"
                    if now_s is not None and x.get("ts") is not None else "")
             found.append(("xid", f"Xid {code}" + (f" ({name})" if name else "") + ago))
         if (s.get("ecc_uncorrected") or 0) > 0:

@@ -318,22 +318,37 @@ def _nvlink_errors(handle: Any, links: list[int] | None) -> dict[str, int]:
     return totals
 
 
-def job_gpus(collector: Collector, ranks: Iterable[int] | None = None) -> dict[int, list[int]]:
+@dataclass
+class JobGpu:
+    """One GPU of a job on this node: its ranks, and since when (wall s) the earliest of them
+    has run (the hook's anchor), so an Xid from before the job is not blamed on it."""
+
+    ranks: list[int]
+    since_s: float
+
+
+def job_gpus(collector: Collector, ranks: Iterable[int] | None = None) -> dict[int, JobGpu]:
     """NVML index -> the job's ranks on it (the rings' device field; -1, no GPU, is left out).
 
     The hook records the CUDA device ordinal, which is the NVML index unless the process's
     CUDA_VISIBLE_DEVICES reorders the devices."""
     wanted = None if ranks is None else set(ranks)
-    out: dict[int, list[int]] = {}
+    out: dict[int, JobGpu] = {}
     for stream in collector.streams.values():
         if stream.ended or (wanted is not None and stream.rank not in wanted):
             continue
-        device = stream.reader.header.device
-        if device < 0:  # the hook learns the device at the first CUDA/NCCL call
-            device = stream.reader.refresh_header().device
-        if device >= 0:
-            out.setdefault(device, []).append(stream.rank)
-    return {d: sorted(rs) for d, rs in sorted(out.items())}
+        header = stream.reader.header
+        if header.device < 0:  # the hook learns the device at the first CUDA/NCCL call
+            header = stream.reader.refresh_header()
+        if header.device < 0:
+            continue
+        since = header.wall_anchor_ns / 1e9
+        got = out.setdefault(header.device, JobGpu([], since))
+        got.ranks.append(stream.rank)
+        got.since_s = min(got.since_s, since)
+    for g in out.values():
+        g.ranks.sort()
+    return dict(sorted(out.items()))
 
 
 class GpuMonitor:
@@ -361,7 +376,9 @@ class GpuMonitor:
             return []
         await asyncio.to_thread(self.sampler.poll_xids)
         got = await asyncio.to_thread(self.sampler.sample, gpus)
-        return [g.model_copy(update={"ranks": gpus[i][:256]}) for i, g in got.items()][:MAX_GPUS]
+        return [g.model_copy(update={
+            "ranks": gpus[i].ranks[:256],
+            "xids": [x for x in g.xids if x.ts >= gpus[i].since_s]}) for i, g in got.items()][:MAX_GPUS]
 
     async def collect(self, collectors: Mapping[str, Collector]) -> list[tuple[str, Message]]:
         """One GpuHealth per job with GPUs on this node: (subject, message) to publish."""

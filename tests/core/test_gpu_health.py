@@ -56,7 +56,7 @@ def test_xid_behind_a_hang_on_the_hung_rank_first() -> None:
     found = explain_hang(samples, [1], now_s=100.0)
     assert [(f.kind, f.index) for f in found] == [("xid", 1)]
     assert found[0].words == ("GPU 1 on node-2 (rank 1) reported Xid 79 (GPU has fallen off the "
-                              "bus), 3 s before")
+                              "bus), 3 s before the incident")
     # the hang names rank 2, whose GPU is fine: the GPUs that did report errors explain it
     assert [f.index for f in explain_hang(samples, [2], now_s=100.0)] == [0, 1]
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
 from greyhound.fakejob import FaultFile, native_build_dir
-from services.agent.nvml import NvmlSampler, decode_throttle
+from services.agent.collector import Collector
+from services.agent.nvml import GpuMonitor, NvmlSampler, decode_throttle
 
 
 def settle() -> None:
@@ -152,3 +156,46 @@ def test_unsupported_calls_leave_their_fields_out(sampler: NvmlSampler,
     assert sampler.poll_xids() == []  # no GPU takes Xid events: none watched
     power = [r for r in caplog.records if "power" in r.getMessage()]
     assert len(power) == 1, [r.getMessage() for r in power]  # once, not per GPU or sample
+
+
+@dataclass
+class _Stream:
+    """What job_gpus reads of a rank's ring."""
+
+    rank: int
+    device: int
+    anchor_s: float
+    ended: bool = False
+
+    @property
+    def reader(self) -> _Stream:
+        return self
+
+    @property
+    def header(self) -> SimpleNamespace:
+        return SimpleNamespace(device=self.device, wall_anchor_ns=int(self.anchor_s * 1e9))
+
+    def refresh_header(self) -> SimpleNamespace:
+        return self.header
+
+
+def _collector(*streams: _Stream) -> Collector:
+    return cast(Collector, SimpleNamespace(job="j", streams={i: s for i, s in enumerate(streams)}))
+
+
+async def test_monitor_maps_gpus_to_ranks_and_blames_no_xid_from_before_the_job(
+        sampler: NvmlSampler, faults: FaultFile) -> None:
+    monitor = GpuMonitor(sampler, agent_id="a")
+    assert await monitor.open()
+    faults.set("nvml_xid 1 79")
+    settle()
+    now = time.time()
+    old_job = _collector(_Stream(0, 1, now - 100), _Stream(1, 1, now - 50), _Stream(2, 3, now - 50),
+                         _Stream(3, -1, now - 50), _Stream(4, 2, now - 50, ended=True))
+    got = await monitor.samples(old_job)
+    assert [(g.index, g.ranks, [x.code for x in g.xids]) for g in got] == [(1, [0, 1], [79]),
+                                                                           (3, [2], [])]
+    assert [g.index for g in await monitor.samples(old_job, ranks=[2])] == [3]
+    # a job whose ranks started after the Xid was seen: not its GPU's fault
+    new_job = _collector(_Stream(0, 1, time.time() + 1))
+    assert [(g.index, g.xids) for g in await monitor.samples(new_job)] == [(1, [])]
