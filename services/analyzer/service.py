@@ -63,8 +63,10 @@ class Analyzer:
 
     async def handle(self, subject: str, det: DetectionEvent) -> None:
         try:
-            # a hang's GPUs may say why (an Xid): asked before the incident is written
-            gpus = await job_gpu_health(self.ctx, det.job_id) if det.kind == "hang" else []
+            # a hang's GPUs may say why (an Xid): asked before the incident is written, briefly
+            # (an agent that cannot answer in 1 s delays the incident by at most 3 s)
+            gpus = (await job_gpu_health(self.ctx, det.job_id, timeout_s=1.0)
+                    if det.kind == "hang" else [])
             done = await self._record(det, gpus)
         except OSError as exc:
             raise TransientError(f"database unreachable: {exc}") from exc
