@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import socket
 import threading
 import time
 import warnings
@@ -327,11 +328,15 @@ class JobGpu:
     since_s: float
 
 
-def job_gpus(collector: Collector, ranks: Iterable[int] | None = None) -> dict[int, JobGpu]:
-    """NVML index -> the job's ranks on it (the rings' device field; -1, no GPU, is left out).
+def job_gpus(collector: Collector, ranks: Iterable[int] | None = None, *,
+             host: str | None = None) -> dict[int, JobGpu]:
+    """NVML index -> the job's ranks on it: rings written on this ``host`` (default: this
+    machine's name; the simulator's rings come from other hosts, whose GPUs are not ours), by
+    their device field (-1, no GPU, is left out).
 
     The hook records the CUDA device ordinal, which is the NVML index unless the process's
     CUDA_VISIBLE_DEVICES reorders the devices."""
+    here = host if host is not None else socket.gethostname()
     wanted = None if ranks is None else set(ranks)
     out: dict[int, JobGpu] = {}
     for stream in collector.streams.values():
@@ -340,7 +345,7 @@ def job_gpus(collector: Collector, ranks: Iterable[int] | None = None) -> dict[i
         header = stream.reader.header
         if header.device < 0:  # the hook learns the device at the first CUDA/NCCL call
             header = stream.reader.refresh_header()
-        if header.device < 0:
+        if header.device < 0 or header.host != here:
             continue
         since = header.wall_anchor_ns / 1e9
         got = out.setdefault(header.device, JobGpu([], since))

@@ -68,19 +68,23 @@ class SlowLocalizer:
 
     async def _run(self, incident_id: str, det: DetectionEvent,
                    known: KnownCauses | None = None) -> None:
+        # GPU health is asked while the job is profiled (and still slow), alongside the window
+        gpus = asyncio.create_task(self._gpus(det.job_id), name=f"gpu-health-{det.job_id}")
         try:
             loc, window, timing = await self._profile(det)
             if known is not None:
                 loc = new_causes(loc, known)
             announce = await self._record(incident_id, det, loc, {"window": window,
                                                                    "timing": timing},
-                                          await self._gpus(det.job_id))
+                                          await gpus)
             for subject, msg in announce:
                 await publish(self.ctx.js, subject, msg)
         except asyncio.CancelledError:
             raise
         except Exception:  # one failed localisation must not take the analyzer down
             log.exception("localisation of job %s failed", det.job_id)
+        finally:
+            gpus.cancel()
 
     async def _gpus(self, job: str) -> list[dict[str, Any]]:
         """The job's GPU health now, while it is still slow; [] when it cannot be had."""

@@ -5,6 +5,7 @@ driver, a call a GPU does not support), none of which may raise."""
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -166,6 +167,7 @@ class _Stream:
     device: int
     anchor_s: float
     ended: bool = False
+    host: str = socket.gethostname()
 
     @property
     def reader(self) -> _Stream:
@@ -173,7 +175,8 @@ class _Stream:
 
     @property
     def header(self) -> SimpleNamespace:
-        return SimpleNamespace(device=self.device, wall_anchor_ns=int(self.anchor_s * 1e9))
+        return SimpleNamespace(device=self.device, host=self.host,
+                               wall_anchor_ns=int(self.anchor_s * 1e9))
 
     def refresh_header(self) -> SimpleNamespace:
         return self.header
@@ -191,7 +194,8 @@ async def test_monitor_maps_gpus_to_ranks_and_blames_no_xid_from_before_the_job(
     settle()
     now = time.time()
     old_job = _collector(_Stream(0, 1, now - 100), _Stream(1, 1, now - 50), _Stream(2, 3, now - 50),
-                         _Stream(3, -1, now - 50), _Stream(4, 2, now - 50, ended=True))
+                         _Stream(3, -1, now - 50), _Stream(4, 2, now - 50, ended=True),
+                         _Stream(5, 4, now - 50, host="sim-node3"))  # a simulator's ring
     got = await monitor.samples(old_job)
     assert [(g.index, g.ranks, [x.code for x in g.xids]) for g in got] == [(1, [0, 1], [79]),
                                                                            (3, [2], [])]
