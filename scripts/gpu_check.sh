@@ -12,7 +12,7 @@
 #   nvml   real NVML through the node agent's sampler (scripts/gpu_check_nvml.py): every GPU's
 #          clocks, throttle reasons, temperature, power, ECC, PCIe, NVLink idle and under a GEMM
 #          loop, Xid events, cross-checked with nvidia-smi (about 10 s).
-# Prints a summary and, last, RESULT {json}. About two minutes; at most 4 x 100 s + 120 s. Exits non-zero with a clear message
+# Prints a summary and, last, RESULT {json}. About two minutes; at most 4 x 100 s + 60 s (under 8 min). Exits non-zero with a clear message
 # when something needed is missing or a check fails.
 set -euo pipefail
 
@@ -58,7 +58,7 @@ mon=$(run monitor train monitor | tail -1) || fail "the monitor-mode training ru
 prof=$(run profile train profile | tail -1) || fail "the profile-mode training run failed"
 asy=$(run async async monitor | tail -1) || fail "the asynchronous-timeline run failed"
 "$PY" -c "import pynvml" >/dev/null 2>&1 || fail "pynvml is not importable by $PY (pip install nvidia-ml-py)"
-nvml_out=$(timeout 120 "$PY" "$ROOT/scripts/gpu_check_nvml.py" 2>&1) || true
+nvml_out=$(timeout 60 "$PY" "$ROOT/scripts/gpu_check_nvml.py" 2>&1) || true
 echo "$nvml_out" | sed '$d'
 nvml=$(echo "$nvml_out" | tail -1)
 "$PY" -c 'import json, sys; json.loads(sys.argv[1])' "$nvml" 2>/dev/null \
