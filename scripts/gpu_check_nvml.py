@@ -96,12 +96,12 @@ def main() -> int:
         what: list[str] = []
         worker = threading.Thread(target=lambda: what.append(busy(stop, running)), daemon=True)
         worker.start()
-        running.wait(timeout=60)  # CUDA start-up takes seconds
+        running.wait(timeout=30)  # CUDA start-up takes seconds
         time.sleep(3.0)
         loaded = sampler.sample()
         ref = smi() if lib is None else {}  # nvidia-smi reads the real driver, not another library
         stop.set()
-        worker.join(timeout=60)
+        worker.join(timeout=15)
         table(f"under load ({what[0] if what else 'GEMM loop on GPU 0'}):", loaded)
         xids = sampler.poll_xids()
     finally:
