@@ -38,7 +38,7 @@ def smi() -> dict[int, tuple[int, int]]:
         return {}
     out = subprocess.run(["nvidia-smi", "--query-gpu=index,clocks.sm,temperature.gpu",
                           "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                         timeout=30, check=False).stdout
+                         timeout=10, check=False).stdout
     got = {}
     for line in out.splitlines():
         parts = [p.strip() for p in line.split(",")]
