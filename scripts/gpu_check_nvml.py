@@ -36,9 +36,12 @@ def smi() -> dict[int, tuple[int, int]]:
     """nvidia-smi's (SM clock MHz, temperature C) per GPU index; {} without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return {}
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,clocks.sm,temperature.gpu",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                         timeout=10, check=False).stdout
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,clocks.sm,temperature.gpu",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=10, check=False).stdout
+    except subprocess.TimeoutExpired:
+        return {}
     got = {}
     for line in out.splitlines():
         parts = [p.strip() for p in line.split(",")]
