@@ -87,8 +87,10 @@ def test_throttle_ecc_and_nvlink_faults_show(sampler: NvmlSampler, faults: Fault
     assert got[3].nvlink_errors is not None and got[3].nvlink_errors["crc_flit"] == 7
     assert got[1].throttle == [] and got[1].sm_clock_mhz == 1980
     faults.clear("nvml_throttle 2 thermal")
+    faults.set("nvml_throttle 1 thermal|bogus")  # an unknown reason: the line is ignored
     settle()
     assert sampler.sample([2])[2].throttle == []
+    assert sampler.sample([1])[1].throttle == []
 
 
 def test_xid_events_are_polled_once_and_kept_with_samples(sampler: NvmlSampler,
