@@ -29,7 +29,7 @@ from types import TracebackType
 
 _REPO = Path(__file__).resolve().parent.parent
 _OUTPUTS = ("gh_workload", "libghworkload.so", "fake/libnccl.so.2", "fake/libcudart.so.12",
-            "fake/libcublas.so.12")
+            "fake/libcublas.so.12", "fake/libnvidia-ml.so.1")
 
 
 @dataclass(frozen=True)

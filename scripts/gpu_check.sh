@@ -8,8 +8,11 @@
 #          GPU start and duration from profile mode; (b) a collective hung on the GPU
 #          (cuStreamWaitValue32 on a flag): pending and ageing in the comm table while the
 #          training thread waits in a stream synchronisation, the tracker's hang-watch core run
-#          on it when importable, and released by the flag.
-# Prints a summary and, last, RESULT {json}. About two minutes; at most 4 x 100 s. Exits non-zero with a clear message
+#          on it when importable, and released by the flag;
+#   nvml   real NVML through the node agent's sampler (scripts/gpu_check_nvml.py): every GPU's
+#          clocks, throttle reasons, temperature, power, ECC, PCIe, NVLink idle and under a GEMM
+#          loop, Xid events, cross-checked with nvidia-smi (about 10 s).
+# Prints a summary and, last, RESULT {json}. About two minutes; at most 4 x 100 s + 60 s (under 8 min). Exits non-zero with a clear message
 # when something needed is missing or a check fails.
 set -euo pipefail
 
@@ -54,14 +57,20 @@ base=$(run base train none | tail -1) || fail "the unhooked training run failed"
 mon=$(run monitor train monitor | tail -1) || fail "the monitor-mode training run failed"
 prof=$(run profile train profile | tail -1) || fail "the profile-mode training run failed"
 asy=$(run async async monitor | tail -1) || fail "the asynchronous-timeline run failed"
-"$PY" - "$base" "$mon" "$prof" "$asy" <<'PYEOF'
+"$PY" -c "import pynvml" >/dev/null 2>&1 || fail "pynvml is not importable by $PY (pip install nvidia-ml-py)"
+nvml_out=$(timeout 60 "$PY" "$ROOT/scripts/gpu_check_nvml.py" 2>&1) || true
+echo "$nvml_out" | sed '$d'
+nvml=$(echo "$nvml_out" | tail -1)
+"$PY" -c 'import json, sys; json.loads(sys.argv[1])' "$nvml" 2>/dev/null \
+  || nvml='{"ok": false, "error": "the NVML step printed no result"}'
+"$PY" - "$base" "$mon" "$prof" "$asy" "$nvml" <<'PYEOF'
 import json, sys
-base, mon, prof, asy = (json.loads(a) for a in sys.argv[1:])
+base, mon, prof, asy, nvml = (json.loads(a) for a in sys.argv[1:])
 q, h = asy["queued"], asy["hang"]
 train_ok = (mon["records"] > 0 and mon["gpu_marks"] == 1 and prof["gpu_done"] > 0 and prof["gemm_ok"])
 res = {
-    "ok": bool(train_ok and q["ok"] and h["ok"]),
-    "train_ok": train_ok, "queued_ok": q["ok"], "hang_ok": h["ok"],
+    "ok": bool(train_ok and q["ok"] and h["ok"] and nvml["ok"]),
+    "train_ok": train_ok, "queued_ok": q["ok"], "hang_ok": h["ok"], "nvml_ok": nvml["ok"],
     "ms_per_step_unhooked": base["ms_per_step"],
     "ms_per_step_monitor": mon["ms_per_step"],
     "ms_per_step_profile": prof["ms_per_step"],
@@ -75,7 +84,7 @@ res = {
     "profiled_records_with_gpu_times": prof["gpu_done"],
     "median_gpu_allreduce_us": prof["gpu_us_median"],
     "gemm_benchmark_ns": prof["gemm_ns"], "gemm_drain_ns": prof["gemm_drain_ns"],
-    "queued": q, "hang": h, "device": prof["device"],
+    "queued": q, "hang": h, "device": prof["device"], "nvml": nvml,
 }
 print(f"training: unhooked {base['ms_per_step']:.3f} ms/step; monitor {mon['ms_per_step']:.3f}; "
       f"profile {prof['ms_per_step']:.3f}; GPU-timed all-reduces: {prof['gpu_done']}; GEMM "
@@ -91,6 +100,9 @@ print(f"(b) hung on the GPU: pending seq {h.get('pending_seq_seen')} ageing {h.g
       f"{h.get('pending_age_last_s')} s, host inside NCCL in {h.get('host_inside_nccl_samples')} samples, "
       f"training thread blocked {h.get('blocked_in_sync_s')} s; hang watch: {h.get('hang_watch')} -> "
       f"{'ok' if h['ok'] else 'FAILED: ' + str(h.get('error', ''))}")
+print(f"nvml: {nvml.get('gpus', 0)} GPU(s), {nvml.get('ms_per_sample_all_gpus')} ms per sample, "
+      f"absent fields {nvml.get('absent_fields')}, nvidia-smi agrees {nvml.get('nvidia_smi_agrees')} -> "
+      f"{'ok' if nvml['ok'] else 'FAILED: ' + str(nvml.get('error', ''))}")
 print("RESULT " + json.dumps(res))
 sys.exit(0 if res["ok"] else 1)
 PYEOF

@@ -157,7 +157,8 @@ SERVICES: tuple[Service, ...] = (
             options=(Option("--job", "only these job ids (repeatable)", repeat=True),
                      Option("--agent-id", "default: the host name")),
             bus=BusAccess(publish=(Subjects.ALL_HELLO, Subjects.ALL_ITERATIONS,
-                                   Subjects.ALL_COUNTERS, Subjects.ALL_COLLECTIVES),
+                                   Subjects.ALL_COUNTERS, Subjects.ALL_COLLECTIVES,
+                                   Subjects.ALL_GPU_HEALTH),
                           serve=(Subjects.ALL_CONTROL, Subjects.ALL_VALIDATION),
                           declare_streams=False, per_agent=True)),
 )

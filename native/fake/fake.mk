@@ -16,7 +16,7 @@ FAKE_HDRS := include/nccl_abi.h fake/nccl_fake.h fake/fk_faults.h fake/fk_time.h
 FAKE_USE_CUDART := -L$(FAKE_DIR) -l:libcudart.so.12 -Wl,-rpath,'$$ORIGIN' -Wl,--enable-new-dtags
 
 .PHONY: all-fake clean-fake
-all-fake: $(FAKE_DIR)/libnccl.so $(FAKE_DIR)/libcudart.so $(FAKE_DIR)/libcublas.so
+all-fake: $(FAKE_DIR)/libnccl.so $(FAKE_DIR)/libcudart.so $(FAKE_DIR)/libcublas.so $(FAKE_DIR)/libnvidia-ml.so.1
 
 $(FAKE_DIR)/libnccl.so.2: $(FAKE_NCCL_SRC) $(FAKE_HDRS) $(FAKE_DIR)/libcudart.so.12
 	@mkdir -p $(@D)
@@ -29,6 +29,11 @@ $(FAKE_DIR)/libcudart.so.12: $(FAKE_CUDART_SRC) $(FAKE_HDRS)
 $(FAKE_DIR)/libcublas.so.12: fake/cublas.c $(FAKE_HDRS) $(FAKE_DIR)/libcudart.so.12
 	@mkdir -p $(@D)
 	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libcublas.so.12 -o $@ fake/cublas.c $(FAKE_USE_CUDART) -lpthread
+
+# The fake NVML: loaded by the node agent (pynvml looks for libnvidia-ml.so.1), not the job.
+$(FAKE_DIR)/libnvidia-ml.so.1: fake/nvml.c $(FAKE_COMMON_SRC) $(FAKE_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libnvidia-ml.so.1 -o $@ fake/nvml.c $(FAKE_COMMON_SRC) -lpthread
 
 $(FAKE_DIR)/%.so: $(FAKE_DIR)/%.so.2
 	ln -sf $(<F) $@

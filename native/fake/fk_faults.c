@@ -30,14 +30,50 @@ static const char *const g_names[FK_NKINDS] = {
     [FK_SKIP_CALL] = "skip_call",         [FK_MISMATCH] = "mismatch",
     [FK_NEVER_COMPLETE] = "never_complete", [FK_INPROGRESS] = "inprogress",
     [FK_GPU_LAG_MS] = "gpu_lag_ms",       [FK_CAPTURE] = "capture",
-    [FK_SLOW_HOST] = "slow_host",
+    [FK_SLOW_HOST] = "slow_host",         [FK_NVML_THROTTLE] = "nvml_throttle",
+    [FK_NVML_XID] = "nvml_xid",           [FK_NVML_ECC] = "nvml_ecc",
+    [FK_NVML_NVLINK] = "nvml_nvlink",
 };
+
+/* NVML's clock event reason bits (nvmlClocksEventReason*), by the words a fault line uses. */
+static const struct {
+  const char *word;
+  long bits;
+} g_reasons[] = {
+    {"idle", 0x1},         {"app_clocks", 0x2},   {"power", 0x4},         {"hw", 0x8},
+    {"sync_boost", 0x10},  {"sw_thermal", 0x20},  {"hw_thermal", 0x40},   {"power_brake", 0x80},
+    {"thermal", 0x60},     {"display", 0x100},
+};
+
+/* "thermal|power" -> its bits; 0 when a word is unknown (the line is then ignored). */
+static long reason_bits(const char *words) {
+  long bits = 0;
+  char buf[64];
+  snprintf(buf, sizeof buf, "%s", words);
+  char *save = NULL;
+  for (char *w = strtok_r(buf, "|,", &save); w != NULL; w = strtok_r(NULL, "|,", &save)) {
+    long one = 0;
+    for (size_t i = 0; i < sizeof g_reasons / sizeof g_reasons[0]; i++)
+      if (strcmp(w, g_reasons[i].word) == 0) one = g_reasons[i].bits;
+    if (one == 0) return 0;
+    bits |= one;
+  }
+  return bits;
+}
 
 static void parse_line(const char *line) {
   char word[32];
   double x[3] = {0, 0, 0};
   int got = sscanf(line, " %31s %lf %lf %lf", word, &x[0], &x[1], &x[2]);
   if (got < 2 || word[0] == '#' || g_nrules >= FK_MAX_RULES) return;
+  if (strcmp(word, "nvml_throttle") == 0) { /* the one kind whose argument is a word */
+    long dev;
+    char reasons[64];
+    if (sscanf(line, " %*s %ld %63s", &dev, reasons) != 2) return;
+    long bits = reason_bits(reasons);
+    if (bits != 0) g_rules[g_nrules++] = (struct fk_rule){.kind = FK_NVML_THROTTLE, .a = dev, .b = bits, .v = 1.0};
+    return;
+  }
   for (int k = 0; k < FK_NKINDS; k++) {
     if (strcmp(word, g_names[k]) != 0) continue;
     struct fk_rule r = {.kind = k, .a = (long)x[0], .b = -1, .v = 1.0};
@@ -45,6 +81,8 @@ static void parse_line(const char *line) {
       case FK_SLOW_RANK:
       case FK_SLOW_HOST:
       case FK_GPU_LAG_MS:
+      case FK_NVML_ECC:
+      case FK_NVML_NVLINK:
         if (got < 3) return;
         r.v = x[1];
         break;
@@ -56,6 +94,7 @@ static void parse_line(const char *line) {
       case FK_SKIP_CALL:
       case FK_MISMATCH:
       case FK_NEVER_COMPLETE:
+      case FK_NVML_XID:
         if (got < 3) return;
         r.b = (long)x[1];
         break;

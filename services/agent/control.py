@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from nats.aio.client import Client as NATS
@@ -37,6 +37,7 @@ from services.common.bus.contract import (
     CommStatus,
     ControlReply,
     ControlRequest,
+    GpuSample,
     RankStatus,
     Subjects,
 )
@@ -59,8 +60,11 @@ class AgentControl:
     """Answers control requests for the jobs whose rings ``collectors`` (the agent's) hold."""
 
     def __init__(self, agent_id: str, collectors: dict[str, Collector], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 gpu: Callable[[Collector, list[int] | None], Awaitable[list[GpuSample]]] | None = None,
+                 ) -> None:
         self.agent_id = agent_id
+        self._gpu = gpu  # GpuMonitor.samples: the "gpu" action's answer
         self.collectors = collectors
         self._clock = clock
         self._controls: dict[FileId, Control] = {}
@@ -172,6 +176,9 @@ class AgentControl:
 
     async def _dispatch(self, req: ControlRequest) -> ControlReply:
         streams = self._streams(req.job_id)
+        if req.action == "gpu":
+            gpus = await self._gpu(self.collectors[req.job_id], req.ranks) if self._gpu else []
+            return ControlReply(ok=True, agent_id=self.agent_id, gpus=gpus)
         if req.action == "bench":
             return await self._bench(req, streams)
         targets = self._targets(req, streams)

@@ -33,6 +33,7 @@ from greyhound.ids import check_token
 from services.agent.collector import Collector, RankIteration, RankStream
 from services.agent.control import AgentControl
 from services.agent.health import RingHealth
+from services.agent.nvml import GpuMonitor, NvmlSampler
 from services.agent.reaper import RingReaper
 from services.agent.settings import AgentSettings
 from services.common.bus.auth import BusAuthError, agent_of_user, agent_user, default_agent_id
@@ -89,6 +90,11 @@ class NodeAgent:
         self._status_seen: dict[str, int] = {}
         self._publish_failures = 0  # in a row (the bus away, or the streams not declared yet)
         self.invalid_rows = 0  # rows outside the bus contract's bounds, left out
+        self.gpu: GpuMonitor | None = None
+        if self.settings.nvml:
+            self.gpu = GpuMonitor(NvmlSampler(self.settings.nvml_lib, host=socket.gethostname()),
+                                  agent_id=self.agent_id, sample_s=self.settings.gpu_s,
+                                  xid_poll_s=self.settings.xid_poll_s)
 
     def status(self) -> dict[str, Any]:
         """What the agent serves and what it could not: its status line, and tests, read it."""
@@ -253,6 +259,10 @@ class NodeAgent:
         answer control requests for every job found. A step that raises is logged and counted,
         and the next tick runs anyway: the agent is the one part that must not stop."""
         next_scan = next_counters = next_reap = 0.0
+        gpu_task = None
+        if self.gpu is not None:
+            gpu_task = asyncio.create_task(self.gpu.run(
+                stop, self.collectors, lambda subject, msg: self.backlog.append((subject, msg))))
         while not stop.is_set():
             now = time.monotonic()
             if now >= next_reap:  # rings of killed ranks would otherwise fill /dev/shm
@@ -284,6 +294,8 @@ class NodeAgent:
             self.collect_iterations()
         except Exception:
             self._step_failed("collect")
+        if gpu_task is not None:
+            await asyncio.gather(gpu_task, return_exceptions=True)
         await self.flush()
         for col in self.collectors.values():
             col.close()
@@ -305,7 +317,8 @@ async def run_agent(ctx: ServiceContext, stop: asyncio.Event, *, job: list[str] 
                            "--agent-id to the id the user is bound to")
     agent = NodeAgent(ctx.settings.shm_dir, ctx.js, agent_id=agent_id, jobs=job or None,
                       settings=settings)
-    control = AgentControl(agent.agent_id, agent.collectors)
+    control = AgentControl(agent.agent_id, agent.collectors,
+                           gpu=agent.gpu.samples if agent.gpu is not None else None)
     log.info("agent %s watching %s", agent.agent_id, ctx.settings.shm_dir)
     try:
         await agent.run(stop, nc=ctx.nc, control=control)

@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from greyhound.core.known_causes import KnownCauses, OpenStep, ended_by
 from greyhound.hookabi import unsigned64
+from services.analyzer.gpu_evidence import explain_hang_with_gpus, job_gpu_health
 from services.analyzer.hangs import diagnose_from_rows
 from services.analyzer.profiling import CollectiveFeed
 from services.analyzer.retention import run_retention
@@ -84,7 +85,11 @@ class Analyzer:
 
     async def handle(self, subject: str, det: DetectionEvent) -> None:
         """A database failure propagates: the consumer retries what may succeed later."""
-        done = await self._record(det)
+        # a hang's GPUs may say why (an Xid): asked before the incident is written, briefly
+        # (an agent that cannot answer in 1 s delays the incident by at most 3 s)
+        gpus = (await job_gpu_health(self.ctx, det.job_id, timeout_s=1.0)
+                if det.kind == "hang" else [])
+        done = await self._record(det, gpus)
         await self.outbox.flush([e.event_id for e in done.events])
         if done.localize is not None and self.localizer is not None:
             self._localize(done.localize, det, second=done.second)
@@ -184,7 +189,8 @@ class Analyzer:
             f"job {det.job_id}: {d.kind} on communicator {comm} at {d.op} #{d.seq}; "
             f"ranks {d.ranks[:16]}; stalled {stalled:.1f}s")
 
-    async def _record(self, det: DetectionEvent) -> Recorded:
+    async def _record(self, det: DetectionEvent, gpus: list[dict[str, Any]] | None = None
+                      ) -> Recorded:
         change = str(det.evidence.get("change", "onset")) if det.kind != "hang" else None
         detail = {"event_id": det.event_id, "ranks": det.ranks[:64], "method": det.method,
                   "first_iteration": det.first_iteration,
@@ -197,7 +203,7 @@ class Analyzer:
                 return Recorded()
             await repo.touch_job(session, det.job_id)
             if det.kind == "hang":
-                done = await self._hang(session, det, detail)
+                done = await self._hang(session, det, detail, gpus or [])
             elif det.hang_over:
                 done = await self._hang_over(session, det, detail)
             else:
@@ -222,15 +228,21 @@ class Analyzer:
                                  "moved_comms": det.evidence.get("moved_comms", [])})
         return Recorded([self._event(det, incident, "resolved")])
 
-    async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any]) -> Recorded:
+    async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+                    gpus: list[dict[str, Any]]) -> Recorded:
         # One open incident per job and problem family: a hang stalls many communicators at once.
         kind, severity, culprit, summary = self._classify(det)
         incident = await repo.find_open_incident(session, det.job_id, "hang")
         if incident is None:
+            kind, culprit, gpu_ev, words = explain_hang_with_gpus(kind, culprit, gpus)
+            extra: dict[str, Any] = {"gpu_health": gpu_ev} if gpu_ev is not None else {}
+            if words:
+                extra["explanation"] = words
+                summary = f"{summary}; {words}"
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key="hang", severity=severity,
                 summary=summary, culprit=culprit,
-                evidence={"detection": detail, **det.evidence}, stage_detail=detail)
+                evidence={"detection": detail, **det.evidence, **extra}, stage_detail=detail)
             stage: IncidentStage = "localized" if kind != "hang" else "detected"
             if stage == "localized":
                 await repo.add_timeline(session, incident, "localized", culprit)

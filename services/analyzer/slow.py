@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from greyhound.core.known_causes import KnownCauses, new_causes
 from greyhound.core.slow_localization import NodeLabel, SlowLocalization, localize_slow
 from greyhound.hookabi import unsigned64
+from services.analyzer.gpu_evidence import attach_slow, job_gpu_health
 from services.analyzer.profiling import ProfileBuffer, WindowRule
 from services.common.bus import control
 from services.common.bus.contract import (
@@ -78,26 +79,42 @@ class SlowLocalizer:
 
     async def _run(self, incident_id: str, det: DetectionEvent,
                    known: KnownCauses | None = None) -> None:
+        # GPU health is asked while the job is profiled (and still slow), alongside the window
+        gpus = asyncio.create_task(self._gpus(det.job_id), name=f"gpu-health-{det.job_id}")
         try:
             loc, window, timing = await self._profile(det)
             if known is not None:
                 loc = new_causes(loc, known)
             ids = await self._record_patiently(incident_id, det, loc,
-                                               {"window": window, "timing": timing})
+                                               {"window": window, "timing": timing},
+                                               await gpus)
             await self.outbox.flush(ids)
         except asyncio.CancelledError:
             raise
         except Exception:  # one failed localisation must not take the analyzer down
             log.exception("localisation of job %s failed", det.job_id)
+        finally:
+            gpus.cancel()
+
+    async def _gpus(self, job: str) -> list[dict[str, Any]]:
+        """The job's GPU health now, while it is still slow; [] when it cannot be had."""
+        try:
+            return await job_gpu_health(self.ctx, job, timeout_s=self.control_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("GPU health of job %s", job)
+            return []
 
     async def _record_patiently(self, incident_id: str, det: DetectionEvent,
-                                loc: SlowLocalization, facts: dict[str, Any]) -> list[str]:
+                                loc: SlowLocalization, facts: dict[str, Any],
+                                gpus: list[dict[str, Any]]) -> list[str]:
         """Record the result, retrying while the database is away (up to record_patience_s)."""
         deadline = time.monotonic() + self.record_patience_s
         delay = 0.5
         while True:
             try:
-                return await self._record(incident_id, det, loc, facts)
+                return await self._record(incident_id, det, loc, facts, gpus)
             except Exception as exc:
                 if not is_transient(exc) or time.monotonic() + delay > deadline:
                     raise
@@ -151,16 +168,18 @@ class SlowLocalizer:
         return ok
 
     async def _record(self, incident_id: str, det: DetectionEvent, loc: SlowLocalization,
-                      facts: dict[str, Any]) -> list[str]:
+                      facts: dict[str, Any], gpus: list[dict[str, Any]] | None = None
+                      ) -> list[str]:
         """Commit the result with its announcements; the event ids to send."""
         async with self.ctx.db()() as session:
-            announce = await self._apply(session, incident_id, det, loc, facts)
+            announce = await self._apply(session, incident_id, det, loc, facts, gpus or [])
             ids = [await self.outbox.stage(session, subject, msg) for subject, msg in announce]
             await session.commit()
         return ids
 
     async def _apply(self, session: AsyncSession, incident_id: str, det: DetectionEvent,
-                     loc: SlowLocalization, facts: dict[str, Any]) -> list[tuple[str, Message]]:
+                     loc: SlowLocalization, facts: dict[str, Any],
+                     gpus: list[dict[str, Any]]) -> list[tuple[str, Message]]:
         evidence = {**_unsigned_evidence(loc.evidence), **facts}
         incident = await repo.get_incident_for_update(session, incident_id)
         if incident is None:
@@ -188,6 +207,9 @@ class SlowLocalizer:
         incident.culprit = culprit
         incident.evidence = {**incident.evidence, "localization": evidence}
         incident.summary = _summary(det, loc, culprit)
+        words = attach_slow(incident, loc.compute_ranks, gpus)
+        if words:
+            incident.summary = f"{incident.summary}; {words}"
         # the slowdown may have ended while profiling: then the lifecycle keeps it closed
         resolved = await repo.add_timeline(
             session, incident, "localized",

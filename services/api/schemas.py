@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.api.errors import storable_text
 from services.api.tokens import Role
@@ -56,6 +56,16 @@ class IncidentOut(BaseModel):
     acknowledged_by: str | None = None
     timeline: list[TimelineEntry]
     cost: CostOut | None = None
+    explanation: str | None = Field(default=None, examples=[
+        "GPU 3 on node-2 (rank 3) is thermally throttled (SM clock 1095 MHz vs 1980 MHz on its "
+        "peers; 87 C)"], description="what the GPUs' own health (NVML) says caused it, if anything")
+
+    @model_validator(mode="after")
+    def _explanation(self) -> IncidentOut:
+        """Kept in the evidence (no column of its own): the analyzer and validator write it."""
+        if self.explanation is None and isinstance(self.evidence.get("explanation"), str):
+            self.explanation = self.evidence["explanation"]
+        return self
 
 
 class ApprovalOut(BaseModel):

@@ -67,6 +67,7 @@ from services.common.db import repository as repo
 from services.common.db.models import Incident, Rank
 from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext, supervise
+from services.validator.gpu_evidence import confirmed_gpu_health
 from services.validator.guard import SuspicionRefused, refusal
 from services.validator.plan import (
     CommView,
@@ -96,6 +97,8 @@ class Run:
     failure: str | None = None
     pause_s: float = 0.0
     evidence: dict[str, Any] = field(default_factory=dict)
+    gpu_health: dict[str, Any] | None = None  # NVML's view of the confirmed slow GPUs
+    explanation: str | None = None
 
 
 RUNS_KEPT = 100  # the latest validations, for tests and inspection
@@ -169,6 +172,9 @@ class Validator:
             run = await self.validate(s, ranks)
             run.evidence["attempt"] = attempt
             self.runs.append(run)
+            if run.verdict is not None and run.verdict.gpus:
+                run.gpu_health, run.explanation = await confirmed_gpu_health(
+                    self.ctx.nc, s.job_id, ranks, run.verdict.gpus)
             ids = await self._record_patiently(s, ranks, run)
         finally:
             lease.cancel()
@@ -459,7 +465,10 @@ class Validator:
         v = run.verdict
         detail.update(_jsonable({"verdict": v.kind, "gpus": v.gpus,
                                  "links": [list(x) for x in v.links], **v.evidence}))
-        incident.evidence = {**incident.evidence, "validation": detail}
+        if run.gpu_health is not None:
+            detail["gpu_health"] = _jsonable(run.gpu_health)
+        incident.evidence = {**incident.evidence, "validation": detail,
+                             **({"explanation": run.explanation} if run.explanation else {})}
         if await repo.add_timeline(session, incident, "validated", detail) == "resolved":
             log.info("incident %s recovered while it was validated: it stays resolved",
                      incident.id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -12,12 +13,14 @@ import httpx
 import pytest
 
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from services.agent.settings import AgentSettings
 from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import for_cpu_fake
 from stack.up import Stack, wait_api
 
 HANG_FLOOR_S = 2.0
+GPU_DIR = "gpu"  # under the stack's root: the workdir whose fault file the agent's fake NVML reads
 
 
 def _free_port() -> int:
@@ -32,10 +35,32 @@ def stack(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory) 
     settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=root / "data",
                         shm_dir=root / "shm", api_anonymous_role="viewer")
     port = _free_port()
-    with Stack(settings, port=port, service_settings=(
-            for_cpu_fake(), TrackerSettings(hang_floor_s=HANG_FLOOR_S))) as st:
-        wait_api(f"http://127.0.0.1:{port}")
-        yield st
+    # The agent loads the fake NVML, which reads <root>/gpu/faults.txt: jobs run in that workdir
+    # (gpu_workdir) share their fault file with the agent's GPUs.
+    agent = AgentSettings(nvml_lib=str(native_build_dir() / "fake" / "libnvidia-ml.so.1"),
+                          gpu_s=1.0, xid_poll_s=0.2)
+    old = os.environ.get("FAKE_NCCL_FAULTS")
+
+    def restore() -> None:
+        if old is None:
+            os.environ.pop("FAKE_NCCL_FAULTS", None)
+        else:
+            os.environ["FAKE_NCCL_FAULTS"] = old
+
+    os.environ["FAKE_NCCL_FAULTS"] = str(root / GPU_DIR / "faults.txt")  # the children's copy
+    try:
+        with Stack(settings, port=port, service_settings=(
+                for_cpu_fake(), TrackerSettings(hang_floor_s=HANG_FLOOR_S), agent)) as st:
+            restore()
+            wait_api(f"http://127.0.0.1:{port}")
+            yield st
+    finally:
+        restore()
+
+
+def gpu_workdir(stack: Stack) -> Path:
+    """The workdir whose faults.txt the stack agent's fake NVML reads (one job at a time)."""
+    return Path(stack.settings.data_dir).parent / GPU_DIR
 
 
 def fake_job(stack: Stack, workdir: Path, job: str, **spec: Any) -> FakeJob:

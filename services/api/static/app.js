@@ -221,7 +221,8 @@ async function incidentView(id) {
     <p><a href="#/">← all incidents</a></p>
     <section class="card" id="incident"><h2><span class="pill ${kindClass(i.kind)}">${esc(i.kind)}</span> ${esc(i.summary)}</h2>
       <dl class="kv"><dt>Status</dt><dd>${esc(i.status)}${i.acknowledged_by ? " · acknowledged by " + esc(i.acknowledged_by) : ""}</dd>
-      <dt>Culprit</dt><dd>${esc(culprit(i.culprit, i.status))}</dd>
+      <dt>Culprit</dt><dd>${esc(culprit(i.culprit, i.status))}</dd>${i.explanation ? `
+      <dt>Why</dt><dd>${esc(i.explanation)}</dd>` : ""}
       <dt>Cost</dt><dd><b>${esc(hours(c))} GPU-hours</b> <span class="muted">= ${c.lost_fraction == null ? "?" : (c.lost_fraction * 100).toFixed(0) + "%"}
         × ${esc(c.gpus ?? "?")} GPUs × ${((c.duration_s || 0) / 60).toFixed(1)} min${c.ongoing ? " (ongoing)" : ""}</span></dd>
       <dt>Detected after</dt><dd>${c.detection_latency_s == null ? "n/a" : c.detection_latency_s.toFixed(1) + " s"}</dd></dl>

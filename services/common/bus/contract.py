@@ -78,6 +78,11 @@ class Subjects:
         return _job_subject(job, "colls", agent)
 
     @staticmethod
+    def gpu_health(job: str, agent: str) -> str:
+        """GPU health (NVML) of the GPUs this agent's ranks of ``job`` run on."""
+        return _job_subject(job, "gpu", agent)
+
+    @staticmethod
     def control(job: str, agent: str) -> str:
         """Requests that only look or switch the mode (status, set_mode) to one agent."""
         return _job_subject(job, "control", agent)
@@ -129,6 +134,7 @@ class Subjects:
     ALL_ITERATIONS = f"{PREFIX}.*.iter.*"
     ALL_COUNTERS = f"{PREFIX}.*.counters.*"
     ALL_COLLECTIVES = f"{PREFIX}.*.colls.*"
+    ALL_GPU_HEALTH = f"{PREFIX}.*.gpu.*"
     ALL_DETECTIONS = f"{PREFIX}.*.detect"
     ALL_INCIDENTS = f"{PREFIX}.*.incident"
     ALL_SUSPICIONS = f"{PREFIX}.*.suspect"
@@ -370,6 +376,64 @@ class IncidentEvent(Message):
     summary: Text
 
 
+MAX_GPUS = 64  # per agent and message: a node has 8 or 16; the bound keeps messages small
+
+
+class XidEvent(BaseModel):
+    """An Xid critical error NVML reported for one GPU (the agent's wall clock when it saw it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    code: int = Field(ge=0)
+    ts: float
+
+
+class GpuSample(BaseModel):
+    """One GPU's health from NVML. A field is None when NVML cannot say (no such counter on this
+    GPU, no permission, a failed call): absent, never a made-up zero.
+
+    ``index`` is the NVML device index on ``host``; ``ranks`` the job's ranks on it (from the
+    rings' device field). ``throttle`` names the bits of ``throttle_mask`` (NVML's clock event
+    reasons: thermal, power cap, hardware slowdown, ...). ECC counts are volatile (since the
+    driver loaded); ``nvlink_errors`` sums each NVLink error counter over the active links
+    (None without NVLink); ``xids`` are the Xid events of the last minutes, newest last.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0)
+    host: str = Field(max_length=255)
+    uuid: str | None = Field(default=None, max_length=96)
+    name: str | None = Field(default=None, max_length=96)
+    ranks: list[int] = Field(default_factory=list, max_length=256)
+    sm_clock_mhz: int | None = Field(default=None, ge=0)
+    sm_clock_max_mhz: int | None = Field(default=None, ge=0)
+    mem_clock_mhz: int | None = Field(default=None, ge=0)
+    mem_clock_max_mhz: int | None = Field(default=None, ge=0)
+    throttle_mask: int | None = Field(default=None, ge=0)
+    throttle: list[str] = Field(default_factory=list, max_length=16)
+    temperature_c: int | None = None
+    power_w: float | None = Field(default=None, ge=0)
+    ecc_corrected: int | None = Field(default=None, ge=0)
+    ecc_uncorrected: int | None = Field(default=None, ge=0)
+    pcie_replays: int | None = Field(default=None, ge=0)
+    nvlink_links: int | None = Field(default=None, ge=0)
+    nvlink_errors: dict[str, int] | None = Field(default=None, max_length=8)
+    xids: list[XidEvent] = Field(default_factory=list, max_length=16)
+
+
+class GpuHealth(Message):
+    """GPU health of one agent's GPUs that run ranks of the job, sampled every few seconds.
+
+    Per job rather than per node: every subject carries its job (consumers filter and shard by
+    it), and a job's incident wants its own GPUs, not the node's others."""
+
+    kind: Literal["gpu"] = "gpu"
+    agent_id: Token
+    sampled_ns: int = Field(description="wall-clock ns of the sample")
+    gpus: list[GpuSample] = Field(max_length=MAX_GPUS)
+
+
 class DeadLetter(BaseModel):
     """What the dead-letter subject receives for a message that failed validation, failed its
     handler for good, or ran out of deliveries."""
@@ -485,14 +549,14 @@ class ControlRequest(BaseModel):
     hook between monitor and profile; ``pause`` parks each rank at the entry of its call on
     ``pause_comm_id`` (per rank, as the rank's own comm id) whose sequence is >= ``pause_seq``;
     ``bench`` runs ``bench`` items on paused ranks and replies with their durations; ``resume``
-    releases them.
+    releases them; ``gpu`` samples the GPU health (NVML) of the ranks' GPUs now.
     """
 
     model_config = STRICT
 
     schema_version: Literal[1] = 1
     job_id: Token
-    action: Literal["status", "set_mode", "pause", "resume", "bench"]
+    action: Literal["status", "set_mode", "pause", "resume", "bench", "gpu"]
     ranks: list[Rank] | None = Field(default=None, max_length=MAX_LISTED,
                                      description="None: every rank of the job here")
     mode: Literal["monitor", "profile"] | None = None
@@ -547,6 +611,8 @@ class ControlReply(BaseModel):
     agent_id: Token
     ranks: list[RankStatus] = Field(default_factory=list, max_length=MAX_LISTED)
     results: list[BenchOutcome] = Field(default_factory=list, max_length=MAX_BENCH_ITEMS)
+    gpus: list[GpuSample] = Field(default_factory=list, max_length=MAX_GPUS,
+                                  description="the answer to a gpu request")
 
 
 class JobLayout(BaseModel):

@@ -11,12 +11,16 @@ agent refuses a holding request that comes on the second.
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.common.bus.contract import ControlReply, ControlRequest, Subjects
+
+log = logging.getLogger(__name__)
 
 HOLDING_ACTIONS = frozenset({"pause", "bench", "resume"})
 
@@ -45,3 +49,19 @@ async def request(nc: NATS, agent: str, req: ControlRequest) -> ControlReply:
 async def request_all(nc: NATS, agents: list[str], req: ControlRequest) -> list[ControlReply]:
     """The same request to several agents at once (each gets only its ranks' part of it)."""
     return list(await asyncio.gather(*(request(nc, a, req) for a in agents)))
+
+
+async def gpu_health(nc: NATS, job: str, agents: list[str], *, timeout_s: float = 2.0
+                     ) -> list[dict[str, Any]]:
+    """A fresh GPU health sample (the ``gpu`` action) from each of ``agents`` for ``job``, as
+    plain dicts; an agent that does not answer, refuses or has no NVML adds nothing. GPU health
+    explains an incident; its absence must never hold one up."""
+    req = ControlRequest(job_id=job, action="gpu", timeout_s=timeout_s)
+    replies = await asyncio.gather(*(request(nc, a, req) for a in agents), return_exceptions=True)
+    out: list[dict[str, Any]] = []
+    for agent, reply in zip(agents, replies, strict=True):
+        if isinstance(reply, BaseException):
+            log.info("no GPU health from agent %s for job %s: %s", agent, job, reply)
+        elif reply.ok:
+            out.extend(g.model_dump(mode="json") for g in reply.gpus)
+    return out

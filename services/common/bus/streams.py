@@ -38,7 +38,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
         StreamConfig(
             name=TELEMETRY,
             subjects=[Subjects.ALL_HELLO, Subjects.ALL_ITERATIONS, Subjects.ALL_COUNTERS,
-                      Subjects.ALL_COLLECTIVES],
+                      Subjects.ALL_COLLECTIVES, Subjects.ALL_GPU_HEALTH],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,

@@ -24,6 +24,7 @@ from services.common.bus.contract import (
     ControlReply,
     ControlRequest,
     DetectionEvent,
+    GpuSample,
     Subjects,
     Suspicion,
 )
@@ -76,6 +77,15 @@ class StandInAgents:
         for i, agent in enumerate(AGENTS):
             async def answer(msg: Msg, agent: str = agent, i: int = i) -> None:
                 req = ControlRequest.model_validate_json(msg.data)
+                if req.action == "gpu":  # GPU health: rank 2's GPU runs hot
+                    gpus = [GpuSample(index=r % 2, host=f"host{i}", ranks=[r],
+                                      sm_clock_mhz=1095 if r == 2 else 1980,
+                                      throttle=["hw_thermal"] if r == 2 else [],
+                                      temperature_c=87 if r == 2 else 60)
+                            for r in (2 * i, 2 * i + 1)]
+                    await msg.respond(ControlReply(ok=True, agent_id=agent, gpus=gpus)
+                                      .model_dump_json().encode())
+                    return
                 self.modes.append(str(req.mode))
                 await msg.respond(ControlReply(ok=True, agent_id=agent).model_dump_json().encode())
                 if req.mode == "profile":
@@ -146,6 +156,12 @@ async def test_late_gpu_is_localized_while_every_host_enters_together(
     assert incident["evidence"]["localization"]["timing"] == {
         "basis": "gpu", "gpu_rows": 160, "host_only_rows": 0, "excluded_rows": 0}
     assert suspicions[0].ranks == [2] and suspicions[0].evidence["timing"]["basis"] == "gpu"
+    # the GPU's own health says why, in the evidence and in words
+    words = ("GPU 0 on host1 (rank 2) is thermally throttled (SM clock 1095 MHz vs 1980 MHz on "
+             "its peers; 87 C)")
+    assert incident["evidence"]["explanation"] == words
+    assert incident["evidence"]["gpu_health"]["gpus_sampled"] == 4
+    assert incident["evidence"]["gpu_health"]["samples"][0]["ranks"] == [2]
 
 
 async def test_late_rank_is_localized_as_compute(ctx: ServiceContext) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from greyhound.fakejob import native_build_dir
 from services.agent.service import run_agent
 from services.agent.settings import AgentSettings
 from services.common.bus.client import publish
@@ -98,7 +99,10 @@ def validator_config() -> ValidatorSettings:
 
 @pytest.fixture()
 async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path,
-                     validator_config: ValidatorSettings) -> AsyncIterator[MiniStack]:
+                     validator_config: ValidatorSettings,
+                     monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MiniStack]:
+    # the in-process agent's fake NVML reads the fault file of the job in tmp_path / "w"
+    monkeypatch.setenv("FAKE_NCCL_FAULTS", str(tmp_path / "w" / "faults.txt"))
     settings = Settings(nats_url=own_nats, database_url=fresh_db_url, shm_dir=tmp_path / "shm",
                         data_dir=tmp_path / "data")
     backends = Backends(nats_url=own_nats, database_url=fresh_db_url)
@@ -115,7 +119,10 @@ async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path,
     sub = await ctx.nc.subscribe(Subjects.ALL_INCIDENTS, cb=on_event)
     tasks = [
         asyncio.create_task(run_agent(agent_ctx, stop, agent_id=AGENT,
-                                      settings=AgentSettings(poll_s=0.02, counters_s=0.5))),
+                                      settings=AgentSettings(
+                                          poll_s=0.02, counters_s=0.5,
+                                          nvml_lib=str(native_build_dir() / "fake" /
+                                                       "libnvidia-ml.so.1")))),
         asyncio.create_task(run_tracker(tracker_ctx, stop)),
         asyncio.create_task(run_validator(ctx, stop, validator=validator)),
     ]

@@ -32,6 +32,7 @@ async def test_slow_gpu_and_slow_link_are_confirmed(mini_stack: MiniStack, tmp_p
                                                                         action="status"))
         world = status.ranks[0].comms[0].comm_id
         fj.faults.set("slow_rank 2 2.0")
+        fj.faults.set("nvml_throttle 2 power")  # and its GPU says why (the fake NVML)
         fj.faults.set("slow_link 1 2 4.0")
         inc = await mini_stack.suspect(Suspicion(
             job_id=job, incident_id=incident_id, kind="mixed_slow", ranks=[2], comm_ids=[world]))
@@ -52,6 +53,11 @@ async def test_slow_gpu_and_slow_link_are_confirmed(mini_stack: MiniStack, tmp_p
     assert v["p2p_rounds"] == 3 and len(v["p2p_s"]) == 6  # ring (2 rounds) + tree's new links
     assert 0 < v["pause_s"] <= 5.0, v["pause_s"]
     assert any(e.stage == "validated" and e.incident_id == incident_id for e in mini_stack.events)
+    # the confirmed GPU's own health, next to the verdict and in words
+    found = v["gpu_health"]["findings"]
+    assert [(f["kind"], f["ranks"]) for f in found] == [("throttled", [2])], v["gpu_health"]
+    assert "(rank 2) is power-capped (SM clock 1410 MHz vs 1980 MHz on its peers" in (
+        inc.evidence["explanation"])
 
 
 async def test_a_fault_gone_before_the_check_is_transient(mini_stack: MiniStack,
