@@ -25,6 +25,14 @@ Plans: :meth:`LiveSimulation.submit` hands the job a mitigation (greyhound.sim.m
 takes effect at the next iteration the simulation has not computed yet, which starts later by
 the plan's modelled cost (a re-balance costs little, a topology change is a pause, as in the
 scenario's ``costs``), and :meth:`LiveSimulation.applied` says when and at what cost.
+
+
+A paced step moves the clock by at most ``speed`` x ``max_step_s``: wall time lost to a stall
+(the driver's callbacks, a loaded machine) is not made up in one leap. A leap writes a burst of
+records whose simulation and writing take longer still, so the next leap is larger; meanwhile
+the clock keeper cannot restamp (pending GPU calls look hung), pause requests wait for the step
+to end, and the agents' readers get many seconds of calls at once. On a loaded machine the run
+falls behind ``speed`` instead, and everything that reads it sees a consistent job.
 """
 
 from __future__ import annotations
@@ -88,10 +96,12 @@ class LiveSimulation:
     def __init__(self, scenario: Scenario, shm_dir: Path, job_id: str, *,
                  speed: float | None = None, capacity: int = 4096, lead: float = 0.25,
                  max_ahead_s: float = 1.0, chunk_iterations: int = 4, tick_s: float = 0.02,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_step_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
         check_token(job_id, "job id")
         if speed is not None and speed <= 0:
             raise ValueError("speed must be positive")
+        if max_step_s <= 0:
+            raise ValueError("max_step_s must be positive")
         self.scenario = scenario
         self.model = model = ClusterModel(scenario)
         self.job_id = job_id
@@ -104,6 +114,7 @@ class LiveSimulation:
         self._written_at: collections.deque[tuple[float, list[int]]] = collections.deque()
         self.chunk_iterations = chunk_iterations
         self.tick_s = tick_s
+        self.max_step_s = max_step_s
         self._clock = clock
         self.dir = Path(shm_dir) / job_id
         self.mono0_ns = time.monotonic_ns()
@@ -270,7 +281,7 @@ class LiveSimulation:
     def _target(self, dt: float) -> float:
         end = self.scenario.duration_s
         if self.speed is not None:
-            return min(end, self._v + self.speed * dt)
+            return min(end, self._v + self.speed * min(dt, self.max_step_s))
         if self.model.hung or self._parked:
             # Nothing moves but the clock: keep the pace the run has had (at least real time).
             rate = max(1.0, self._v / max(self._last - self._start, 1e-9))
@@ -282,8 +293,10 @@ class LiveSimulation:
         return min(end, ahead[-1] if ahead and np.isfinite(ahead[-1]) else self._v + dt)
 
     def _fill(self, target: float, at_least: int = 0) -> None:
-        """Simulate iterations until the pending records cover ``target``."""
+        """Simulate iterations until the pending records cover ``target``; they join the
+        pending ones in a single sort (one per iteration costs the square of a long step)."""
         n = 0
+        new: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         while (self._model_t <= target or n < at_least) and not self.model.hung \
                 and not self._parked and self._model_t < self.scenario.duration_s:
             self._apply_submitted()
@@ -294,12 +307,16 @@ class LiveSimulation:
             self._model_t = it.end_s
             n += 1
             if len(recs):
-                rank = np.concatenate((self._rank, ranks))
-                rec = np.concatenate((self._rec, recs))
-                order = np.lexsort((rec["gpu_start_ns"], rec["enter_ns"], rank))
-                self._rank, self._rec = rank[order], rec[order]
-                self._iter = np.concatenate((self._iter, np.full(len(recs), it.index)))[order]
-                self._state = np.concatenate((self._state, np.zeros(len(recs), np.uint8)))[order]
+                new.append((ranks, recs, np.full(len(recs), it.index, dtype=np.int64)))
+        if not new:
+            return
+        rank = np.concatenate((self._rank, *(x[0] for x in new)))
+        rec = np.concatenate((self._rec, *(x[1] for x in new)))
+        order = np.lexsort((rec["gpu_start_ns"], rec["enter_ns"], rank))
+        self._rank, self._rec = rank[order], rec[order]
+        self._iter = np.concatenate((self._iter, *(x[2] for x in new)))[order]
+        added = sum(len(x[1]) for x in new)
+        self._state = np.concatenate((self._state, np.zeros(added, np.uint8)))[order]
 
     def _apply_submitted(self) -> None:
         """Plans submitted since: in force from the iteration about to be simulated, which

@@ -2,7 +2,9 @@
 PP2) through agent, tracker, analyzer and validator: each fault is its own incident with its
 own culprit. Scenarios in scenarios/: a GPU at 100 s then a congested DP link from 200 s to
 400 s (the link's incident resolves when it clears, the GPU's stays open), and a second GPU
-that slows while the first is still slow. Run at 25x virtual time (about 20-30 s each)."""
+that slows while the first is still slow. Run at 25x virtual time (about 20-30 s each); on a
+loaded machine the simulator falls behind that pace rather than leaping to catch up (see
+greyhound.sim.live), so the services keep the same virtual time to answer in."""
 
 from __future__ import annotations
 

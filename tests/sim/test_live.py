@@ -471,3 +471,24 @@ def test_unread_virtual_time_stays_under_max_ahead(tmp_path: Path) -> None:
         assert sim.step() and sim.virtual_s > first_stop
     finally:
         sim.close()
+
+
+def test_a_paced_run_does_not_leap_over_a_stall(tmp_path: Path) -> None:
+    """Wall time lost between steps (a loaded machine, a slow callback) is not made up in one
+    step: at 25x a 3 s stall would write 75 virtual seconds of every rank's calls at once, and
+    simulating and writing those takes longer still, so the next leap is larger. A step moves
+    the clock by at most speed x max_step_s; an ordinary step by speed x its wall time."""
+    now = [0.0]
+    sim = LiveSimulation(scenario(J, duration_s=60.0), tmp_path, "job-s", speed=25.0,
+                         max_ahead_s=float("inf"), max_step_s=0.1, clock=lambda: now[0])
+    try:
+        now[0] += 0.04
+        assert sim.step()
+        assert sim.virtual_s == pytest.approx(1.0)
+        now[0] += 3.0
+        assert sim.step()
+        assert sim.virtual_s == pytest.approx(1.0 + 25.0 * 0.1)
+        with pytest.raises(ValueError):
+            LiveSimulation(scenario(J, duration_s=1.0), tmp_path, "job-z", max_step_s=0.0)
+    finally:
+        sim.close()
