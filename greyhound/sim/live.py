@@ -26,7 +26,6 @@ takes effect at the next iteration the simulation has not computed yet, which st
 the plan's modelled cost (a re-balance costs little, a topology change is a pause, as in the
 scenario's ``costs``), and :meth:`LiveSimulation.applied` says when and at what cost.
 
-
 A paced step moves the clock by at most ``speed`` x ``max_step_s``: wall time lost to a stall
 (the driver's callbacks, a loaded machine) is not made up in one leap. A leap writes a burst of
 records whose simulation and writing take longer still, so the next leap is larger; meanwhile
