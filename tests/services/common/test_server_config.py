@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from services.common.bus.server_config import add_passwords, main, password_var, render
+from services.common.bus.streams import STREAMS, stream_configs
 from services.common.embedded import nats_server_binary
 from services.registry import SERVICES
 
@@ -24,6 +25,16 @@ def test_the_committed_config_is_the_generated_one() -> None:
     command = "python -m services.common.bus.server_config --agent node0 --agent node1"
     assert CONF.read_text() == render(EXAMPLE_AGENTS, command=command), (
         f"regenerate it: {command} > deploy/nats/greyhound.conf")
+
+
+def test_every_stream_a_service_declares_is_granted() -> None:
+    """A stream missing from STREAMS is refused to every service that declares the streams on
+    start, so ``greyhound up`` with the embedded (authenticating) NATS dies at once."""
+    from services.common.settings import Settings
+
+    assert {c.name for c in stream_configs(Settings())} == set(STREAMS)
+    for name in STREAMS:
+        assert f'"$JS.API.STREAM.CREATE.{name}"' in CONF.read_text(), name
 
 
 def test_nats_server_accepts_it_with_passwords_from_its_environment(tmp_path: Path) -> None:
