@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from services.api.settings import ApiSettings
 from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import for_cpu_fake
@@ -30,10 +31,11 @@ def _free_port() -> int:
 def stack(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("e2e")
     settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=root / "data",
-                        shm_dir=root / "shm", api_anonymous_role="viewer")
+                        shm_dir=root / "shm")
     port = _free_port()
     with Stack(settings, port=port, service_settings=(
-            for_cpu_fake(), TrackerSettings(hang_floor_s=HANG_FLOOR_S))) as st:
+            for_cpu_fake(), TrackerSettings(hang_floor_s=HANG_FLOOR_S),
+            ApiSettings(api_anonymous_role="viewer"))) as st:
         wait_api(f"http://127.0.0.1:{port}")
         yield st
 
