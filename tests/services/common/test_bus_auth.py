@@ -222,10 +222,11 @@ async def test_the_api_reads_telemetry_but_cannot_touch_the_services_durables(
 
 
 def test_the_registry_grants_the_durables_the_services_bind() -> None:
+    from services.common.bus.streams import PLANNER
     from services.notifier.service import NOTIFIER
 
     bound = {"tracker": [TRACKER], "analyzer": [ANALYZER, ANALYZER_COLLECTIVES],
-             "validator": [VALIDATOR], "notifier": [NOTIFIER]}
+             "validator": [VALIDATOR], "notifier": [NOTIFIER], "planner": [PLANNER]}
     for name, specs in bound.items():
         granted = {(c.stream, c.durable) for c in BY_NAME[name].bus.consume}
         assert granted == {(s.stream, s.durable) for s in specs}, name

@@ -40,9 +40,9 @@ def test_every_stream_a_service_declares_is_granted() -> None:
 def test_nats_server_accepts_it_with_passwords_from_its_environment(tmp_path: Path) -> None:
     conf = tmp_path / "g.conf"
     conf.write_text(CONF.read_text().replace('"/data"', f'"{tmp_path / "js"}"'))
+    users = [s.bus_user() for s in SERVICES if not s.bus.per_agent]
     env = {**os.environ, **{password_var(u): "pw" for u in
-                            ("tracker", "analyzer", "validator", "api", "notifier",
-                             "agent-node0", "agent-node1")}}
+                            (*users, "agent-node0", "agent-node1")}}
     ok = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], env=env,
                         capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
