@@ -5,9 +5,8 @@ consumer behind once closed, even when binding fails."""
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -18,18 +17,9 @@ from services.common.bus.client import publish
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.bus.reader import TelemetryReader
 from services.common.bus.streams import TELEMETRY
-from services.common.embedded import EmbeddedNats
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
 from services.planner.iterations import IterationWatch
-
-
-@pytest.fixture(scope="module")
-def own_nats() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="gh-reader-") as d:
-        server = EmbeddedNats(Path(d), auth=False)  # an open bus: the test connects without users
-        yield server.start()
-        server.stop()
 
 
 @pytest.fixture()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ import pytest
 from services.common.bus.client import publish
 from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.db import repository as repo
-from services.common.embedded import EmbeddedNats
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
 from services.notifier.secretbox import SecretBox
@@ -23,14 +21,6 @@ from services.notifier.service import Notifier, run_notifier
 from services.notifier.settings import NotifierSettings
 
 KEY = "notifier-test-key-0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def own_nats() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="gh-notifier-nats-") as d:
-        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
-        yield server.start()
-        server.stop()
 
 
 def notifier_settings(nats: str, db: str, tmp: Path, **over: object) -> Settings:
