@@ -27,6 +27,7 @@ import httpx
 
 from greyhound.sim.live import LiveSimulation
 from greyhound.sim.scenario import Scenario, load_scenario
+from services.api.settings import ApiSettings
 from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from stack.sim_live import incident_line, job_id_for
@@ -241,10 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"services' logs: {tmp}/data/logs", file=sys.stderr)
     # The simulator reports time inside NCCL in virtual seconds: at 4x a validation pause of
     # ~1.5 s shows as ~6 s, so the hang floor stays above that and below the scenarios' tails.
-    settings = Settings(data_dir=tmp / "data", shm_dir=tmp / "shm",
-                        api_anonymous_role="viewer")  # incidents read over REST, no token
+    settings = Settings(data_dir=tmp / "data", shm_dir=tmp / "shm")
     hang_floor = TrackerSettings(hang_floor_s=args.hang_floor)
-    with Stack(settings, port=port, service_settings=(hang_floor,)) as stack:
+    anonymous = ApiSettings(api_anonymous_role="viewer")  # incidents read over REST, no token
+    with Stack(settings, port=port, service_settings=(hang_floor, anonymous)) as stack:
         base = f"http://127.0.0.1:{port}"
         wait_api(base)
         for n, path in enumerate(paths, 1):

@@ -191,10 +191,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for chatty in ("pgserver", "alembic", "httpx"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    if getattr(args, "host", "unset") is None:
-        args.host = settings.api_host
-    if getattr(args, "port", "unset") is None:
-        args.port = settings.api_port
+    if getattr(args, "host", "unset") is None or getattr(args, "port", "unset") is None:
+        from services.api.settings import ApiSettings
+
+        api = ApiSettings()  # the API's own settings say where it listens
+        if getattr(args, "host", "unset") is None:
+            args.host = api.api_host
+        if getattr(args, "port", "unset") is None:
+            args.port = api.api_port
     rc = args.func(args)
     return int(rc)
 

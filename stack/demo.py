@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from services.api.settings import ApiSettings
 from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import for_cpu_fake
@@ -311,8 +312,8 @@ def run_demo(settings: Settings, *, fault: FaultKind = "slow", ranks: int = 4,
         raise SystemExit(f"greyhound demo: --at must be >= 10 (the detectors learn the healthy "
                          f"iteration first), got {at}")
     # The demo reads its incident over REST on loopback without a token.
-    settings = settings.model_copy(update={"api_anonymous_role": "viewer"})
-    port = port or settings.api_port
+    api = ApiSettings(api_anonymous_role="viewer")
+    port = port or api.api_port
     tracker = TrackerSettings()
     floor = min(tracker.hang_floor_s, DEMO_HANG_FLOOR_S) if fault == "hang" else None
     print(f"greyhound demo --fault {fault}: {chosen.expects()} expected", flush=True)
@@ -326,7 +327,7 @@ def run_demo(settings: Settings, *, fault: FaultKind = "slow", ranks: int = 4,
               flush=True)
         tracker = tracker.model_copy(update={"hang_floor_s": floor})
     # The fake's GPU is a CPU: validation sizes for it, unless the operator chose others.
-    with Stack(settings, port=port, service_settings=(for_cpu_fake(), tracker)) as stack:
+    with Stack(settings, port=port, service_settings=(for_cpu_fake(), tracker, api)) as stack:
         wait_api(f"http://127.0.0.1:{port}")
         try:
             res = play(stack, chosen, at=at, timeout_s=timeout_s, hang_floor_s=floor)

@@ -28,6 +28,7 @@ from greyhound.ids import slug
 from greyhound.integrations.rest import PlanClient
 from greyhound.sim.live import LiveProgress, LiveSimulation
 from greyhound.sim.scenario import Scenario
+from services.api.settings import ApiSettings
 from services.common.settings import Settings, get_settings
 from stack.sim_plans import SimPlanFollower, mint_token
 from stack.up import Stack, wait_api
@@ -90,7 +91,8 @@ def run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float 
     job = job_id_for(scenario)
     print(f"starting the services (data in {settings.data_dir}) ...", file=err, flush=True)
     # The incidents are read back over REST on loopback without a token.
-    with Stack(settings.model_copy(update={"api_anonymous_role": "viewer"}), port=port) as stack:
+    with Stack(settings, port=port,
+               service_settings=(ApiSettings(api_anonymous_role="viewer"),)) as stack:
         wait_api(base)
         sim = LiveSimulation(scenario, Path(settings.shm_dir), job, speed=speed)
         report = _Reporter(err)
@@ -163,5 +165,5 @@ def _drain(sim: LiveSimulation, stack: Stack, settle_s: float, timeout_s: float 
 def run_from_args(scenario: Scenario, args: argparse.Namespace) -> int:
     """greyhound.sim.cli's live runner: its arguments, the process's settings."""
     settings = get_settings()
-    return run_live(scenario, settings, port=args.port or settings.api_port, speed=args.speed,
+    return run_live(scenario, settings, port=args.port or ApiSettings().api_port, speed=args.speed,
                     as_json=args.json, out=sys.stdout, err=sys.stderr, settle_s=args.settle)

@@ -21,9 +21,9 @@ import httpx
 import numpy as np
 
 from greyhound.core.layout import swaps_between
+from greyhound.core.plans import MicrobatchPlan, Plan, SwapGpusPlan, even_split
 from greyhound.integrations.rest import PlanClient
 from greyhound.sim.live import LiveSimulation
-from greyhound.sim.mitigation import MicrobatchPlan, Plan, SwapGpusPlan, even_split
 from greyhound.sim.scenario import JobSpec
 from services.api.tokens import display_prefix, hash_token, new_token
 from services.common.db import repository as repo

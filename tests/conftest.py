@@ -20,6 +20,16 @@ def nats_url() -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def own_nats() -> Iterator[str]:
+    """A server of the module's own (open, like nats_url): durable consumers the module binds
+    start empty, whatever other modules left on the session's server."""
+    with tempfile.TemporaryDirectory(prefix="gh-own-nats-") as d:
+        server = EmbeddedNats(Path(d), auth=False)
+        yield server.start()
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="gh-pg-") as d:

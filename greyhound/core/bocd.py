@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from greyhound.core.levels import NORMAL, SLOW, Detection, LevelState
+from greyhound.core.levels import NORMAL, SLOW, Detection, LevelState, iteration_batch
 from greyhound.core.recurring import BurstConfig, RecurringBursts
 
 FloatArray = npt.NDArray[np.float64]
@@ -275,10 +275,7 @@ class BocdVBatch:
 
     def update_many(self, values: npt.ArrayLike) -> list[Detection | None]:
         """One iteration time (seconds) per stream; NaN (or <= 0) skips that stream this time."""
-        x = np.asarray(values, dtype=np.float64).reshape(-1)
-        if x.shape[0] != self.streams:
-            raise ValueError(f"expected {self.streams} values, got {x.shape[0]}")
-        ok = np.isfinite(x) & (x > 0.0)
+        x, ok = iteration_batch(values, self.streams)
         out: list[Detection | None] = [None] * self.streams
         if ok.all():
             rows: npt.NDArray[np.intp] | None = None

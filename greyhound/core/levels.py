@@ -12,6 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+import numpy.typing as npt
+
 Kind = Literal["slowdown", "recovery"]
 
 NORMAL = 0
@@ -19,6 +22,16 @@ SLOW = 1
 
 
 Change = Literal["onset", "further", "partial", "full"]
+
+
+def iteration_batch(values: npt.ArrayLike, streams: int
+                    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
+    """One iteration time (seconds) per stream, and which of them count: every method's
+    ``update_many`` reads its input here, so that all skip the same values (NaN, <= 0)."""
+    x = np.asarray(values, dtype=np.float64).reshape(-1)
+    if x.shape[0] != streams:
+        raise ValueError(f"expected {streams} values, got {x.shape[0]}")
+    return x, np.isfinite(x) & (x > 0.0)
 
 
 @dataclass(frozen=True, slots=True)

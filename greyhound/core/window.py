@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from greyhound.core.levels import SLOW, Detection, LevelState
+from greyhound.core.levels import SLOW, Detection, LevelState, iteration_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +40,7 @@ class WindowBatch:
         self.states = [LevelState() for _ in range(streams)]
 
     def update_many(self, values: npt.ArrayLike) -> list[Detection | None]:
-        x = np.asarray(values, dtype=np.float64).reshape(-1)
-        if x.shape[0] != self.streams:
-            raise ValueError(f"expected {self.streams} values, got {x.shape[0]}")
-        ok = np.isfinite(x) & (x > 0.0)
+        x, ok = iteration_batch(values, self.streams)
         out: list[Detection | None] = [None] * self.streams
         rows = np.flatnonzero(ok)
         if rows.size == 0:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from greyhound.core.plans import even_split
+
 log = logging.getLogger(__name__)
 
 
@@ -66,12 +68,6 @@ class AppliedPlan:
 PlanSource = Callable[[], MicrobatchPlan | Mapping[str, Any] | None]
 
 
-def even_counts(total: int, groups: int) -> tuple[int, ...]:
-    """The uniform split (Megatron's), remainder on the first groups."""
-    base, extra = divmod(total, groups)
-    return tuple(base + (1 if i < extra else 0) for i in range(groups))
-
-
 class PlanFollower:
     """One DP rank's view of the S2 plan; call :meth:`next_iteration` before every iteration."""
 
@@ -93,7 +89,7 @@ class PlanFollower:
         self._source = source
         self._on_applied = on_applied
         self._on_error = on_error or (lambda e: log.warning("greyhound plan ignored: %s", e))
-        self.counts = even_counts(microbatches, dp_size)
+        self.counts = even_split(microbatches, dp_size)
         self.version: int | None = None
         self.iteration = 0
 
@@ -131,7 +127,7 @@ class PlanFollower:
 
     def check(self, plan: MicrobatchPlan) -> MicrobatchPlan:
         if not plan.counts:
-            return MicrobatchPlan(plan.version, even_counts(self.total, self.dp_size))
+            return MicrobatchPlan(plan.version, even_split(self.total, self.dp_size))
         c = plan.counts
         if len(c) != self.dp_size:
             raise ValueError(f"plan v{plan.version}: {len(c)} counts for {self.dp_size} DP groups")

@@ -21,7 +21,7 @@ both are rescaled each tick to read the virtual time elapsed since (see ``CommTa
 Pacing: ``speed`` caps virtual seconds per wall second; without it the run goes as fast as the
 agent consumes (never more than ``lead`` x capacity records ahead of any rank's consumed cursor).
 
-Plans: :meth:`LiveSimulation.submit` hands the job a mitigation (greyhound.sim.mitigation); it
+Plans: :meth:`LiveSimulation.submit` hands the job a mitigation (greyhound.core.plans); it
 takes effect at the next iteration the simulation has not computed yet, which starts later by
 the plan's modelled cost (a re-balance costs little, a topology change is a pause, as in the
 scenario's ``costs``), and :meth:`LiveSimulation.applied` says when and at what cost.
@@ -48,11 +48,11 @@ from pathlib import Path
 import numpy as np
 
 from greyhound import hookabi
+from greyhound.core.plans import Plan, PlanError
 from greyhound.hookabi import BenchRequest, BenchState, CommRow, RingWriter
 from greyhound.ids import check_token
 from greyhound.sim import livectl
 from greyhound.sim.commtable import CommTables, Progress
-from greyhound.sim.mitigation import Plan, PlanError
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.records import NEVER_NS, RecordCodec, comm_ids
 from greyhound.sim.scenario import Scenario
@@ -72,7 +72,7 @@ class AppliedPlan:
     virtual_s: float
     cost_s: float
     iteration: int
-    error: str | None = None  # the job could not apply it (greyhound.sim.mitigation.PlanError)
+    error: str | None = None  # the job could not apply it (greyhound.core.plans.PlanError)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,8 @@
-"""Mitigation plans as the simulated job receives them, and their effect on its layout.
+"""How the simulated job applies a mitigation plan (greyhound.core.plans) to its layout.
 
-GREYHOUND's strategies (PAPERS.md, mitigation): S2 sets per-DP-group micro-batch counts; S3
-swaps which nodes carry DP and PP traffic, or moves ranks between PP stages to consolidate
-stragglers; S4 restarts from a checkpoint, possibly on replaced parts. A plan changes the
-layout; it never changes the faults themselves, except that a restart on new parts leaves the
-old faulty parts behind.
+A plan changes the layout; it never changes the faults themselves, except that a restart on new
+parts leaves the old faulty parts behind. The layout stays here: besides the counts and the GPU
+of each rank it holds which of the scenario's faults a restart cleared, a simulator notion.
 """
 
 from __future__ import annotations
@@ -15,51 +13,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from greyhound.core.plans import (
+    MicrobatchPlan,
+    Plan,
+    PlanError,
+    RestartPlan,
+    SwapGpusPlan,
+    SwapNodesPlan,
+    even_split,
+)
 from greyhound.sim.scenario import CostSpec, FaultSpec, JobSpec
 
 IntArray = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True, slots=True)
-class MicrobatchPlan:
-    """S2: micro-batches per DP group, applied from the next iteration; they must sum to M."""
-
-    counts: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SwapNodesPlan:
-    """S3: each pair of nodes exchanges roles (every GPU takes the other node's ranks)."""
-
-    pairs: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SwapGpusPlan:
-    """S3: each pair of GPUs exchanges ranks, e.g. to gather stragglers into one PP stage."""
-
-    pairs: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class RestartPlan:
-    """S4: checkpoint and restart, replacing the listed GPUs and nodes with healthy ones."""
-
-    replace_gpus: tuple[int, ...] = ()
-    replace_nodes: tuple[int, ...] = ()
-
-
-Plan = MicrobatchPlan | SwapNodesPlan | SwapGpusPlan | RestartPlan
-
-
-class PlanError(ValueError):
-    """A plan the job cannot apply (wrong sizes, unknown GPU or node)."""
-
-
-def even_split(total: int, groups: int) -> tuple[int, ...]:
-    """Megatron's default: M micro-batches split evenly, any remainder to the first groups."""
-    base, extra = divmod(total, groups)
-    return tuple(base + (1 if i < extra else 0) for i in range(groups))
 
 
 @dataclass(slots=True)

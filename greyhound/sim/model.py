@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from greyhound.core.plans import Plan
 from greyhound.sim import faults as flt
 from greyhound.sim import hang_cascade as hc
 from greyhound.sim import timeline as tl
 from greyhound.sim.events import CommTable, EventBlock, IterationTiming, Op
-from greyhound.sim.mitigation import Layout, Plan, apply
+from greyhound.sim.mitigation import Layout, apply
 from greyhound.sim.scenario import JobSpec, Scenario
 from greyhound.sim.schedule import (
     FloatArray,

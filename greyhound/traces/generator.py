@@ -35,7 +35,8 @@ class GeneratorConfig:
     max_jitter: float = 0.04
 
 
-def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
+def log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
+    """A draw whose logarithm is uniform: factors and durations spread evenly across scales."""
     return float(np.exp(rng.uniform(np.log(lo), np.log(hi))))
 
 
@@ -43,7 +44,7 @@ def _healthy(rng: np.random.Generator, n: int, cfg: GeneratorConfig,
              noise: list[NoiseEvent]) -> FloatArray:
     """Multiplicative healthy profile (1.0 = the job's nominal iteration time)."""
     t = np.arange(n, dtype=np.float64)
-    sigma = _log_uniform(rng, cfg.min_jitter, cfg.max_jitter)
+    sigma = log_uniform(rng, cfg.min_jitter, cfg.max_jitter)
     heavy = rng.random() < 0.3  # sequence-length jitter, sometimes heavy-tailed
     logf = (rng.standard_t(4.0, n) / np.sqrt(2.0) if heavy else rng.normal(0.0, 1.0, n)) * sigma
     # Compilation on the first iteration and a warm-up that decays.
@@ -132,14 +133,14 @@ def generate_trace(rng: np.random.Generator, name: str, *, positive: bool,
             if cursor + 8 > n:
                 break
             end = cursor + _duration(rng, n - cursor)
-            factor = _log_uniform(rng, cfg.min_factor, cfg.max_factor)
+            factor = log_uniform(rng, cfg.min_factor, cfg.max_factor)
             episodes.append(_apply(f, rng, cursor, end, factor))
             if rng.random() < 0.2 and end - cursor > 60:  # compound: a second one on top
                 s2 = cursor + int(rng.integers(30, end - cursor - 20))
                 e2 = s2 + _duration(rng, end - s2)
-                episodes.append(_apply(f, rng, s2, e2, _log_uniform(rng, cfg.min_factor, 2.0)))
+                episodes.append(_apply(f, rng, s2, e2, log_uniform(rng, cfg.min_factor, 2.0)))
             cursor = end + int(rng.integers(100, 1000))
-    base = _log_uniform(rng, 0.02, 5.0)
+    base = log_uniform(rng, 0.02, 5.0)
     episodes.sort(key=lambda e: e.start)
     return Trace(name, base * f, episodes, noise)
 

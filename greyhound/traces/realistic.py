@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from greyhound.traces.generator import log_uniform
 from greyhound.traces.hindsight import label_by_hindsight
 from greyhound.traces.labels import NoiseEvent, Trace
 
@@ -45,10 +46,6 @@ class RealisticConfig:
     max_factor: float = 2.2
 
 
-def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
-    return float(np.exp(rng.uniform(np.log(lo), np.log(hi))))
-
-
 def _healthy(rng: np.random.Generator, n: int, noise: list[NoiseEvent]) -> FloatArray:
     """Log of the healthy profile: plateaus, per-plateau jitter, smooth moves between them."""
     level = np.empty(n)
@@ -62,7 +59,7 @@ def _healthy(rng: np.random.Generator, n: int, noise: list[NoiseEvent]) -> Float
         k = np.arange(seg.stop - seg.start, dtype=np.float64)
         ramp = float(rng.integers(5, 40))
         level[seg] = target + (prev - target) * np.exp(-k / ramp)
-        sigma[seg] = _log_uniform(rng, 0.025, 0.07)
+        sigma[seg] = log_uniform(rng, 0.025, 0.07)
         noise.append(NoiseEvent("plateau", seg.start, seg.stop, float(np.exp(target))))
         prev = target
         i = seg.stop
@@ -112,12 +109,12 @@ def _stalls(rng: np.random.Generator, logf: FloatArray, w: int,
     rate = rng.uniform(0.005, 0.03)
     for i in np.flatnonzero(rng.random(n - w) < rate) + w:
         end = min(n, int(i) + (1 if rng.random() < 0.9 else int(rng.integers(2, 4))))
-        logf[i:end] += np.log(_log_uniform(rng, 1.3, 8.0))
+        logf[i:end] += np.log(log_uniform(rng, 1.3, 8.0))
         noise.append(NoiseEvent("stall", int(i), end, 0.0))
     for _ in range(int(rng.integers(0, 6))):
         s = int(rng.integers(w, n - 8))
         e = s + int(rng.integers(3, 8))
-        f = _log_uniform(rng, 1.15, 2.0)
+        f = log_uniform(rng, 1.15, 2.0)
         logf[s:e] += np.log(f)
         noise.append(NoiseEvent("short-run", s, e, f))
     for _ in range(int(rng.integers(0, 5))):
@@ -138,8 +135,8 @@ def _stalls(rng: np.random.Generator, logf: FloatArray, w: int,
 def _slowdown(rng: np.random.Generator, n: int, s: int, cfg: RealisticConfig
               ) -> tuple[int, FloatArray, str, float]:
     """Log factors of one intermittent slowdown starting at s: (end, factors, pattern, factor)."""
-    length = int(np.clip(_log_uniform(rng, 10.0, 600.0), 10, n - s))
-    f = _log_uniform(rng, cfg.min_factor, cfg.max_factor)
+    length = int(np.clip(log_uniform(rng, 10.0, 600.0), 10, n - s))
+    f = log_uniform(rng, cfg.min_factor, cfg.max_factor)
     if rng.random() < 0.1:
         f = rng.uniform(1.10, cfg.min_factor)  # just under: the labels will ignore it
     u = rng.random()
@@ -195,7 +192,7 @@ def generate_realistic(rng: np.random.Generator, name: str, *, positive: bool,
                 noise.append(NoiseEvent("dip", end, tail, float(a)))
                 end = tail
             cursor = end + int(rng.integers(50, 800))
-    t0 = _log_uniform(rng, 0.01, 2.0)
+    t0 = log_uniform(rng, 0.01, 2.0)
     times = t0 * np.exp(logf)
     episodes, ignore = label_by_hindsight(times, t0, warmup=w)
     return Trace(name, times, episodes, noise, ignore, t0, ONSET_TOLERANCE)

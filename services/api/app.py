@@ -20,18 +20,23 @@ from services.api.errors import install_handlers, reject_unstorable
 from services.api.metrics import REQUEST_SECONDS, REQUESTS
 from services.api.openapi import install_openapi
 from services.api.routes import fleet, incidents, job_plans, jobs, ops, plans, tokens, webhooks
+from services.api.settings import ApiSettings
 from services.common.settings import Settings
 
 STATIC = Path(__file__).resolve().parent / "static"
 
 
 def create_app(sessions: async_sessionmaker[AsyncSession], *, settings: Settings | None = None,
-               nc: NATS | None = None, js: JetStreamContext | None = None) -> FastAPI:
+               api: ApiSettings | None = None, nc: NATS | None = None,
+               js: JetStreamContext | None = None) -> FastAPI:
+    """``settings`` are what every process shares, ``api`` the API's own (each read from the
+    environment when not given)."""
     app = FastAPI(title="Greyhound", version="0.2.0",
                   description="Fail-slow and hang detection for distributed training jobs",
                   dependencies=[Depends(reject_unstorable)])
     app.state.sessions = sessions
     app.state.settings = settings or Settings()
+    app.state.api_settings = api or ApiSettings()
     app.state.bus = Bus(nc=nc, js=js)
     install_handlers(app)
     routers = [m.router for m in (ops, jobs, job_plans, incidents, plans, fleet, webhooks,

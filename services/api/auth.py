@@ -33,8 +33,9 @@ def token_key(settings: Settings) -> bytes | None:
 async def _principal(request: Request, creds: HTTPAuthorizationCredentials | None) -> Principal:
     settings: Settings = request.app.state.settings
     if creds is None or not creds.credentials:
-        if settings.api_anonymous_role is not None:
-            return Principal(name="anonymous", role=settings.api_anonymous_role, token_id=None)
+        anonymous = request.app.state.api_settings.api_anonymous_role
+        if anonymous is not None:
+            return Principal(name="anonymous", role=anonymous, token_id=None)
         raise Unauthorized("this route needs a bearer token (greyhound token create)")
     digest = hash_token(creds.credentials, token_key(settings))
     now = datetime.now(UTC)

@@ -12,6 +12,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.api.errors import Problem, Unavailable
+from services.api.settings import ApiSettings
 from services.common.bus.client import publish
 from services.common.bus.contract import Message
 from services.common.settings import Settings
@@ -55,9 +56,15 @@ def settings_dep(request: Request) -> Settings:
     return settings
 
 
+def api_settings_dep(request: Request) -> ApiSettings:
+    settings: ApiSettings = request.app.state.api_settings
+    return settings
+
+
 Session = Annotated[AsyncSession, Depends(session_dep)]
 BusDep = Annotated[Bus, Depends(bus_dep)]
 SettingsDep = Annotated[Settings, Depends(settings_dep)]
+ApiSettingsDep = Annotated[ApiSettings, Depends(api_settings_dep)]
 
 
 def problems(*codes: int) -> dict[int | str, dict[str, Any]]:

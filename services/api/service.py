@@ -9,6 +9,7 @@ from collections.abc import Generator
 import uvicorn
 
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.common.runtime import ServiceContext
 
 
@@ -20,8 +21,10 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def run_api(ctx: ServiceContext, stop: asyncio.Event, *, host: str, port: int) -> None:
-    app = create_app(ctx.db(), settings=ctx.settings, nc=ctx.nc, js=ctx.js)
+async def run_api(ctx: ServiceContext, stop: asyncio.Event, *, host: str, port: int,
+                  settings: ApiSettings | None = None) -> None:
+    app = create_app(ctx.db(), settings=ctx.settings, api=settings or ApiSettings(), nc=ctx.nc,
+                     js=ctx.js)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
     server = _Server(config)
     task = asyncio.create_task(server.serve())

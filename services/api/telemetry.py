@@ -8,9 +8,7 @@ refresh costs a bounded read whatever the job's size; the answer says when it wa
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -18,11 +16,10 @@ from typing import TypeVar
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import BaseModel, ValidationError
 
 from services.common.bus.contract import CollectiveBatch, IterationBatch, Subjects
-from services.common.bus.streams import TELEMETRY
+from services.common.bus.reader import TelemetryReader
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +39,8 @@ class Window:
 
 async def _read(js: JetStreamContext, subject: str, since: datetime, model: type[M], *,
                 max_messages: int, fetch_timeout_s: float) -> tuple[list[M], bool]:
-    name = f"api-read-{uuid.uuid4().hex[:16]}"
-    config = ConsumerConfig(
-        name=name, deliver_policy=DeliverPolicy.BY_START_TIME,
-        opt_start_time=since.astimezone(UTC),
-        ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True,
-        filter_subject=subject)
-    await js.add_consumer(TELEMETRY, config)
-    sub = await js.pull_subscribe_bind(name, stream=TELEMETRY)
+    reader = await TelemetryReader.open(js, "api-read", subject, start_time=since)
+    sub = reader.sub
     out: list[M] = []
     truncated = False
     try:
@@ -70,10 +61,7 @@ async def _read(js: JetStreamContext, subject: str, since: datetime, model: type
                     continue  # the consumers dead-letter these; a read just skips them
                 pending = int(msg.metadata.num_pending or 0)
     finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-        with contextlib.suppress(Exception):
-            await js.delete_consumer(TELEMETRY, name)
+        await reader.close()
     return out, truncated
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -45,8 +44,6 @@ class Settings(BaseSettings):
     database_url: str | None = None
     data_dir: Path = Path(".greyhound")
     shm_dir: Path = Path("/dev/shm/greyhound")
-    api_host: str = "127.0.0.1"
-    api_port: int = Field(default=8000, ge=0, le=65535)
     telemetry_max_age_s: float = Field(default=3600.0, gt=0)
     telemetry_max_bytes: int = Field(default=2 * 1024**3, gt=0)
     events_max_age_s: float = Field(default=30 * 24 * 3600.0, gt=0)
@@ -57,7 +54,7 @@ class Settings(BaseSettings):
         default=1, ge=1, le=1024,
         description="jobs are hashed over this many tracker processes (1: one tracker, no hashing)")
     tracker_partition: int = Field(default=0, ge=0, description="this tracker's partition")
-    # The on-call surface: REST access control, webhooks, metrics and the fleet view.
+    # Read by the API and the notifier (the planner too: the dashboard address in its notes).
     token_key: SecretStr | None = Field(
         default=None, description=(
             "keys the hash of API tokens (a pepper kept out of the database); changing it "
@@ -65,25 +62,11 @@ class Settings(BaseSettings):
     webhook_key: SecretStr | None = Field(
         default=None, min_length=16, description=(
             "encrypts webhook signing secrets at rest; required once any webhook exists"))
-    api_anonymous_role: Literal["viewer"] | None = Field(
-        default=None, description=(
-            "grant requests without a token this role (single-user local runs only); "
-            "unset: every /v1 route needs a token"))
-    api_metrics_public: bool = Field(
-        default=True, description="False: /metrics needs a viewer token like /v1")
     api_public_url: str | None = Field(
         default=None, description="the dashboard's address as on-call reaches it (links in alerts)")
-    webhook_timeout_s: float = Field(default=5.0, gt=0, le=60)
-    webhook_max_attempts: int = Field(default=10, ge=1, le=50)
-    webhook_backoff_base_s: float = Field(default=1.0, gt=0)
-    webhook_backoff_max_s: float = Field(default=300.0, gt=0)
-    notifier_poll_s: float = Field(default=0.5, gt=0)
-    fleet_window_days: float = Field(
-        default=7.0, gt=0, description="incidents this recent count towards a drain advice")
-    fleet_drain_incidents: int = Field(
-        default=3, ge=1, description="confirmed incidents of one GPU/node/link that advise a drain")
-    fleet_drain_jobs: int = Field(
-        default=2, ge=1, description="... spread over at least this many jobs")
+    webhook_timeout_s: float = Field(
+        default=5.0, gt=0, le=60,
+        description="a webhook delivery's timeout (the notifier's, and the API's test delivery)")
     # The transactional outbox (services.common.outbox): every service with a database publishes
     # what its commits announce through it.
     outbox_poll_s: float = Field(

@@ -5,7 +5,8 @@ into one pending delivery per interested webhook, with the body frozen and an id
 commits, then acks: a crash before the commit redelivers the event, a crash after it finds the
 rows already there (unique per webhook and key). The sender claims due deliveries (leased with
 SKIP LOCKED, so replicas share the work), signs and posts them, and logs every attempt; a
-failure is retried with exponential back-off and jitter until ``webhook_max_attempts``.
+failure is retried with exponential back-off and jitter until ``webhook_max_attempts``
+(services.notifier.settings).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from services.notifier.outbox import enqueue, incident_facts
 from services.notifier.payload import STAGE_EVENT, delivery_key, incident_payload
 from services.notifier.secretbox import SecretBox, SecretKeyError
 from services.notifier.sender import Attempt, attempt, retry_delay_s
+from services.notifier.settings import NotifierSettings
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class SenderStats:
 class Notifier:
     ctx: ServiceContext
     box: SecretBox | None
+    config: NotifierSettings = field(default_factory=NotifierSettings)
     rng: random.Random = field(default_factory=random.Random)
     stats: SenderStats = field(default_factory=SenderStats)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -125,17 +128,17 @@ class Notifier:
         await self._record(d, number, result)
 
     async def _record(self, d: WebhookDelivery, number: int, result: Attempt) -> None:
-        s = self.settings
+        c = self.config
         now = datetime.now(UTC)
         self.stats.attempts += 1
         next_at: datetime | None = None
         if result.outcome == "delivered":
             status = "delivered"
             self.stats.delivered += 1
-        elif result.retryable and number < s.webhook_max_attempts:
+        elif result.retryable and number < c.webhook_max_attempts:
             status = "pending"
-            delay = retry_delay_s(number, base_s=s.webhook_backoff_base_s,
-                                  max_s=s.webhook_backoff_max_s, rng=self.rng,
+            delay = retry_delay_s(number, base_s=c.webhook_backoff_base_s,
+                                  max_s=c.webhook_backoff_max_s, rng=self.rng,
                                   retry_after_s=result.retry_after_s)
             next_at = now + timedelta(seconds=delay)
             self.stats.retried += 1
@@ -164,7 +167,7 @@ class Notifier:
                     continue
                 self.wake.clear()
                 waits = [asyncio.create_task(self.wake.wait()), asyncio.create_task(stop.wait())]
-                await asyncio.wait(waits, timeout=self.settings.notifier_poll_s,
+                await asyncio.wait(waits, timeout=self.config.notifier_poll_s,
                                    return_when=asyncio.FIRST_COMPLETED)
                 for t in waits:
                     t.cancel()
@@ -186,8 +189,11 @@ async def check_key(ctx: ServiceContext) -> SecretBox | None:
 
 
 async def run_notifier(ctx: ServiceContext, stop: asyncio.Event, *,
-                       notifier: Notifier | None = None) -> None:
-    notifier = notifier or Notifier(ctx, await check_key(ctx))
+                       notifier: Notifier | None = None,
+                       settings: NotifierSettings | None = None) -> None:
+    """``settings`` (read from the environment when not given) apply to the notifier made here;
+    a ``notifier`` passed in brings its own."""
+    notifier = notifier or Notifier(ctx, await check_key(ctx), settings or NotifierSettings())
     consumer: Consumer[IncidentEvent] = Consumer(ctx.js, NOTIFIER, IncidentEvent, notifier.handle)
     tasks = [asyncio.create_task(consumer.run()), asyncio.create_task(notifier.run_sender(stop))]
     await stop.wait()

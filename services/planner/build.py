@@ -29,6 +29,7 @@ from greyhound.core.consolidate import plan_consolidation
 from greyhound.core.escalation import Strategy
 from greyhound.core.layout import ParallelShape, swaps_between
 from greyhound.core.microbatch import allocate_microbatches
+from greyhound.core.plans import even_split
 from greyhound.core.restart import Culprit as RestartCulprit
 from greyhound.core.restart import RestartCosts, recommend_restart
 from greyhound.core.role_swap import Traffic, plan_role_swap
@@ -37,12 +38,6 @@ from services.planner.settings import PlannerSettings
 
 NAMES = {Strategy.MICROBATCH: "S2", Strategy.TOPOLOGY: "S3", Strategy.RESTART: "S4"}
 STRATEGIES = {v: k for k, v in NAMES.items()}
-
-
-def even_split(total: int, groups: int, multiple_of: int = 1) -> tuple[int, ...]:
-    """The job's own split (Megatron's): M / P units spread evenly, the remainder first."""
-    base, extra = divmod(total // multiple_of, groups)
-    return tuple((base + (1 if i < extra else 0)) * multiple_of for i in range(groups))
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,12 +14,13 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from greyhound.core.plans import even_split
 from services.common.bus.contract import JobLayout, PlanMessage
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan
 from services.notifier.outbox import enqueue
 from services.notifier.payload import PlanFacts, plan_payload
-from services.planner.build import JobState, even_split, next_state, undo_swaps
+from services.planner.build import JobState, next_state, undo_swaps
 
 
 def state_of(message: dict[str, Any] | None) -> JobState:

@@ -18,19 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.bus.errors import describe
-from services.common.bus.streams import TELEMETRY
+from services.common.bus.reader import TelemetryReader
 
 log = logging.getLogger(__name__)
 
@@ -88,36 +86,30 @@ class IterationWatch:
         self.batch = batch
         self.series = IterationSeries()
         self._stopping = asyncio.Event()
-        self._name: str | None = None
         self._last_ts: float | None = None
 
-    async def _bind(self) -> JetStreamContext.PullSubscription:
-        self._name = f"planner-iter-{uuid.uuid4().hex[:16]}"
+    async def _bind(self) -> TelemetryReader:
         start = self.since if self._last_ts is None else datetime.fromtimestamp(self._last_ts, UTC)
-        config = ConsumerConfig(
-            name=self._name, deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
-            ack_policy=AckPolicy.NONE, inactive_threshold=60.0, mem_storage=True,
-            filter_subject=Subjects.job_iterations(self.job))
-        await self.js.add_consumer(TELEMETRY, config)
-        return await self.js.pull_subscribe_bind(self._name, stream=TELEMETRY)
+        return await TelemetryReader.open(self.js, "planner-iter", Subjects.job_iterations(self.job),
+                                          start_time=start, idle_s=60.0)
 
     async def run(self) -> None:
         """Read until stop(); a broken consumer is re-created from the last batch's time (the
         series drops what it saw already), so the watch outlives a bus restart."""
-        sub: JetStreamContext.PullSubscription | None = None
+        reader: TelemetryReader | None = None
         while not self._stopping.is_set():
             try:
-                if sub is None:
-                    sub = await self._bind()
-                msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)
+                if reader is None:
+                    reader = await self._bind()
+                msgs = await reader.sub.fetch(self.batch, timeout=self.fetch_timeout_s)
             except (NatsTimeoutError, TimeoutError):
                 continue
             except Exception as exc:
                 if self._stopping.is_set():
                     break
                 log.warning("iteration watch of %s: %s; re-binding", self.job, describe(exc))
-                await self._drop(sub)
-                sub = None
+                await self._drop(reader)
+                reader = None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), 1.0)
                 continue
@@ -131,16 +123,11 @@ class IterationWatch:
                 new += self.series.take(batch)
             if new:
                 await self.on_times(self.job, new)
-        await self._drop(sub)
+        await self._drop(reader)
 
-    async def _drop(self, sub: JetStreamContext.PullSubscription | None) -> None:
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        if self._name is not None:
-            with contextlib.suppress(Exception):
-                await self.js.delete_consumer(TELEMETRY, self._name)
-            self._name = None
+    async def _drop(self, reader: TelemetryReader | None) -> None:
+        if reader is not None:
+            await reader.close()
 
     def stop(self) -> None:
         self._stopping.set()

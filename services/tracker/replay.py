@@ -17,9 +17,7 @@ message's stream sequence in a context variable for the handler to read.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import Any
@@ -28,12 +26,11 @@ from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
 from services.common.bus.client import Consumer
 from services.common.bus.contract import IterationBatch, Subjects
-from services.common.bus.streams import TELEMETRY
+from services.common.bus.reader import TelemetryReader
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +64,9 @@ async def replay(js: JetStreamContext, job: str, *, after: int, before: int, lim
     durable consumer dead-lettered them)."""
     if before <= after + 1 or limit <= 0:
         return
-    name = f"tracker-replay-{uuid.uuid4().hex[:16]}"
-    config = ConsumerConfig(
-        name=name, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1,
-        ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True,
-        filter_subject=Subjects.job_iterations(job))
-    await js.add_consumer(TELEMETRY, config)
-    sub = await js.pull_subscribe_bind(name, stream=TELEMETRY)
+    reader = await TelemetryReader.open(js, "tracker-replay", Subjects.job_iterations(job),
+                                        start_seq=after + 1)
+    sub = reader.sub
     given = 0
     try:
         pending = int((await sub.consumer_info()).num_pending or 0)
@@ -97,7 +90,4 @@ async def replay(js: JetStreamContext, job: str, *, after: int, before: int, lim
             log.warning("job %s: replayed %d telemetry messages, the limit; older ones between "
                         "its saved state and now were skipped", job, given)
     finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-        with contextlib.suppress(Exception):
-            await js.delete_consumer(TELEMETRY, name)
+        await reader.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from greyhound.core.verdict import THRESHOLD
+
 
 class ValidatorSettings(BaseSettings):
     """``GREYHOUND_VALIDATOR_<FIELD>``, e.g. ``GREYHOUND_VALIDATOR_GEMM_N=256``."""
@@ -22,7 +24,7 @@ class ValidatorSettings(BaseSettings):
     p2p_bytes: list[int] = Field(default=[16 << 20, 32 << 20, 64 << 20], min_length=1,
                                  description="sizes of each P2P check, bytes")
     p2p_repeat: int = Field(default=3, ge=1, le=64)
-    threshold: float = Field(default=0.15, gt=0, description="slower than peers by this: slow")
+    threshold: float = Field(default=THRESHOLD, gt=0, description="slower than peers by this: slow")
     status_timeout_s: float = Field(default=5.0, gt=0)
     pause_timeout_s: float = Field(default=10.0, gt=0)
     bench_timeout_s: float = Field(default=30.0, gt=0)

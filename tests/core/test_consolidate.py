@@ -9,7 +9,7 @@ import pytest
 
 from greyhound.core.consolidate import plan_consolidation
 from greyhound.core.layout import ParallelShape, swaps_between
-from greyhound.sim.mitigation import SwapGpusPlan
+from greyhound.core.plans import SwapGpusPlan
 from tests.sim.helpers import iteration_s, job
 
 # Fig. 12 in its units: PP3, micro-batch 1 s (forward 1/3, backward 2/3), stragglers at 1.5 s,
@@ -87,7 +87,7 @@ def test_milp_when_stragglers_differ_and_pipelines_are_uneven() -> None:
     assert plan.method in ("milp", "enumerated")
     assert plan.after_s < plan.before_s
     j = job(dp=2, pp=4, microbatches=16, gpus_per_node=1, host_fraction=0.0)
-    from greyhound.sim.mitigation import MicrobatchPlan
+    from greyhound.core.plans import MicrobatchPlan
 
     counts = MicrobatchPlan((6, 10))
     before = iteration_s(j, slow(stragglers), counts)

@@ -7,7 +7,7 @@ import numpy as np
 
 from greyhound.core.escalation import Apply, Escalation, Revert, Strategy
 from greyhound.core.microbatch import allocate_microbatches
-from greyhound.sim.mitigation import MicrobatchPlan, even_split
+from greyhound.core.plans import MicrobatchPlan, even_split
 from greyhound.sim.model import ClusterModel
 from tests.sim.helpers import job, scenario
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from greyhound.core.microbatch import allocate_microbatches
-from greyhound.sim.mitigation import MicrobatchPlan
+from greyhound.core.plans import MicrobatchPlan
 from greyhound.sim.model import ClusterModel
 from tests.sim.helpers import iteration_s, job, scenario
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from greyhound.core.plans import RestartPlan
 from greyhound.core.restart import Culprit, RestartCosts, recommend_restart
 from greyhound.core.verdict import ValidationVerdict
-from greyhound.sim.mitigation import RestartPlan
 from tests.sim.helpers import iteration_s, job
 
 COSTS = RestartCosts(checkpoint_bytes=400e9, write_bytes_per_s=2e9, read_bytes_per_s=4e9,

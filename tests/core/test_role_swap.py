@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from greyhound.core.layout import ParallelShape
+from greyhound.core.plans import SwapGpusPlan, SwapNodesPlan
 from greyhound.core.role_swap import Traffic, plan_role_swap
-from greyhound.sim.mitigation import SwapGpusPlan, SwapNodesPlan
 from tests.sim.helpers import iteration_s, job
 
 # Fig. 11: PP2 x DP2 over four nodes, TP2 inside each node; stage 0 on nodes 0-1, stage 1 on 2-3.

@@ -14,6 +14,7 @@ import pytest
 
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
 from services.agent.settings import AgentSettings
+from services.api.settings import ApiSettings
 from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import for_cpu_fake
@@ -33,7 +34,7 @@ def _free_port() -> int:
 def stack(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("e2e")
     settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=root / "data",
-                        shm_dir=root / "shm", api_anonymous_role="viewer")
+                        shm_dir=root / "shm")
     port = _free_port()
     # The agent loads the fake NVML, which reads <root>/gpu/faults.txt: jobs run in that workdir
     # (gpu_workdir) share their fault file with the agent's GPUs.
@@ -50,7 +51,8 @@ def stack(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory) 
     os.environ["FAKE_NCCL_FAULTS"] = str(root / GPU_DIR / "faults.txt")  # the children's copy
     try:
         with Stack(settings, port=port, service_settings=(
-                for_cpu_fake(), TrackerSettings(hang_floor_s=HANG_FLOOR_S), agent)) as st:
+                for_cpu_fake(), TrackerSettings(hang_floor_s=HANG_FLOOR_S), agent,
+                ApiSettings(api_anonymous_role="viewer"))) as st:
             restore()
             wait_api(f"http://127.0.0.1:{port}")
             yield st

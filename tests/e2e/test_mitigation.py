@@ -29,6 +29,7 @@ import pytest
 from greyhound.integrations.rest import PlanClient
 from greyhound.sim.live import LiveSimulation
 from greyhound.sim.scenario import Scenario, load_scenario
+from services.api.settings import ApiSettings
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
 from services.common.settings import Settings
 from services.planner.settings import PlannerSettings
@@ -56,9 +57,9 @@ def mstack() -> Iterator[Stack]:
         nats, pg = EmbeddedNats(root / "nats", auth=False), EmbeddedPostgres(root / "pg")
         try:
             settings = Settings(nats_url=nats.start(), database_url=pg.start(),
-                                data_dir=root / "data", shm_dir=root / "shm",
-                                api_anonymous_role="viewer")
-            with Stack(settings, port=_free_port(), service_settings=(PLANNER,)) as st:
+                                data_dir=root / "data", shm_dir=root / "shm")
+            with Stack(settings, port=_free_port(), service_settings=(
+                    PLANNER, ApiSettings(api_anonymous_role="viewer"))) as st:
                 wait_api(f"http://127.0.0.1:{st.port}")
                 yield st
         finally:

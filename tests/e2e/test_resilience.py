@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from greyhound.sim.live import LiveProgress, LiveSimulation
+from services.api.settings import ApiSettings
 from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import ValidatorSettings
@@ -87,7 +88,7 @@ def rig(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     pg = ThreadedPgProxy(db_url)
     pg.start()
     settings = Settings(nats_url=nats.url, database_url=pg.url, data_dir=root / "data",
-                        shm_dir=root / "shm", api_anonymous_role="viewer", outbox_poll_s=0.5,
+                        shm_dir=root / "shm", outbox_poll_s=0.5,
                         outbox_grace_s=1.0)
     port = _free_port()
     stack = Stack(settings, port=port,
@@ -95,7 +96,8 @@ def rig(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
                   service_settings=(
                       TrackerSettings(hang_floor_s=600.0),
                       ValidatorSettings(claim_lease_s=3.0, resume_every_s=0.5,
-                                        unclaimed_after_s=20.0)))
+                                        unclaimed_after_s=20.0),
+                      ApiSettings(api_anonymous_role="viewer")))
     try:
         stack.start()
         wait_api(f"http://127.0.0.1:{port}")

@@ -10,7 +10,9 @@ from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.agent.settings import AgentSettings
+from services.api.settings import ApiSettings
 from services.common.settings import Settings, as_env
+from services.notifier.settings import NotifierSettings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import CPU_FAKE, ValidatorSettings, for_cpu_fake
 
@@ -20,7 +22,10 @@ def test_each_service_reads_its_variables(monkeypatch: pytest.MonkeyPatch) -> No
            "GREYHOUND_VALIDATOR_THRESHOLD": "0.3", "GREYHOUND_VALIDATOR_PAUSE_TIMEOUT_S": "4",
            "GREYHOUND_HANG_FLOOR_S": "7.5", "GREYHOUND_HANG_MULTIPLE": "9",
            "GREYHOUND_DETECTOR": "window", "GREYHOUND_AGENT_POLL_S": "0.2",
-           "GREYHOUND_AGENT_COUNTERS_S": "2", "GREYHOUND_DATA_DIR": "/tmp/gh"}
+           "GREYHOUND_AGENT_COUNTERS_S": "2", "GREYHOUND_DATA_DIR": "/tmp/gh",
+           "GREYHOUND_API_PORT": "9123", "GREYHOUND_API_ANONYMOUS_ROLE": "viewer",
+           "GREYHOUND_FLEET_DRAIN_JOBS": "4", "GREYHOUND_WEBHOOK_MAX_ATTEMPTS": "3",
+           "GREYHOUND_NOTIFIER_POLL_S": "0.25", "GREYHOUND_WEBHOOK_TIMEOUT_S": "7"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     val = ValidatorSettings()
@@ -29,10 +34,17 @@ def test_each_service_reads_its_variables(monkeypatch: pytest.MonkeyPatch) -> No
     assert (t.detector, t.hang_floor_s, t.hang_multiple) == ("window", 7.5, 9.0)
     a = AgentSettings()
     assert (a.poll_s, a.counters_s) == (0.2, 2.0)
-    assert str(Settings().data_dir) == "/tmp/gh"  # the others' variables do not disturb it
+    api = ApiSettings()
+    assert (api.api_port, api.api_anonymous_role, api.fleet_drain_jobs) == (9123, "viewer", 4)
+    n = NotifierSettings()
+    assert (n.webhook_max_attempts, n.notifier_poll_s) == (3, 0.25)
+    shared = Settings()  # the others' variables do not disturb it
+    assert (str(shared.data_dir), shared.webhook_timeout_s) == ("/tmp/gh", 7.0)
 
 
-@pytest.mark.parametrize("moved", ["validator_gemm_n", "hang_floor_s", "agent_poll_s", "detector"])
+@pytest.mark.parametrize("moved", ["validator_gemm_n", "hang_floor_s", "agent_poll_s", "detector",
+                                   "api_port", "api_anonymous_role", "fleet_window_days",
+                                   "webhook_max_attempts", "notifier_poll_s"])
 def test_the_shared_settings_refuse_a_moved_knob(moved: str) -> None:
     with pytest.raises(ValidationError, match=moved):
         Settings(**{moved: 1})

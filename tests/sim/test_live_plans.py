@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from greyhound.core.plans import MicrobatchPlan, SwapGpusPlan
 from greyhound.hookabi import RingReader, list_rings
 from greyhound.sim.live import LiveSimulation
-from greyhound.sim.mitigation import MicrobatchPlan, SwapGpusPlan
 from greyhound.sim.scenario import ScenarioError
 from tests.sim.helpers import job, scenario
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from greyhound.core.plans import MicrobatchPlan, PlanError, RestartPlan, SwapNodesPlan
 from greyhound.sim.events import CommKind, Op
-from greyhound.sim.mitigation import MicrobatchPlan, PlanError, RestartPlan, SwapNodesPlan
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.offline import run_offline
 from tests.sim.helpers import job, scenario

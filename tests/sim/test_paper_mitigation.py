@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from greyhound.sim.mitigation import MicrobatchPlan, SwapGpusPlan
+from greyhound.core.plans import MicrobatchPlan, SwapGpusPlan
 from tests.sim.helpers import iteration_s, job
 
 S2_JOB = job(dp=4, pp=2, gpus_per_node=8, microbatches=64, microbatch_compute_s=0.045,

@@ -8,7 +8,7 @@ from typing import Literal
 from fastapi import APIRouter
 
 from services.api.auth import Viewer
-from services.api.deps import Session, SettingsDep, problems
+from services.api.deps import ApiSettingsDep, Session, problems
 from services.api.fleet import FleetIncident, build_fleet, placements_of
 from services.api.schemas import ComponentOut, FleetOut, SightingOut
 from services.common.db import repository as repo
@@ -28,7 +28,7 @@ router = APIRouter(prefix="/v1/fleet", tags=["fleet"])
                 "unconfirmed (profiling-only) incidents, or within one job, is `watch`. Hangs "
                 "are left out: they name software states, not hardware."),
             responses=problems(422))
-async def fleet(session: Session, settings: SettingsDep, _: Viewer,
+async def fleet(session: Session, settings: ApiSettingsDep, _: Viewer,
                 kind: Literal["gpu", "node", "link"] | None = None,
                 advice: Literal["drain", "watch", "ok"] | None = None) -> FleetOut:
     now = datetime.now(UTC)

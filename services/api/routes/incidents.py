@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
 
+from greyhound.core import lifecycle
 from services.api.auth import Operator, Viewer
 from services.api.cost import TimelinePoint, incident_cost
 from services.api.deps import BusDep, Session, problems
@@ -29,7 +30,8 @@ from services.notifier.outbox import job_gpus
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/incidents", tags=["incidents"])
-StatusFilter = Literal["open", "detected", "localized", "validated", "mitigated", "resolved"]
+# "open": every incident not resolved yet; else one of the lifecycle's statuses.
+StatusFilter = Literal["open", lifecycle.Status]
 
 
 async def _cost(session: Session, inc: Incident, gpus: dict[str, int | None]) -> CostOut:
@@ -104,24 +106,30 @@ async def _reload(session: Session, incident_id: str) -> IncidentOut:
     return await incident_out(session, await _get(session, incident_id))
 
 
+async def _unresolved_for_update(session: Session, incident_id: str) -> Incident:
+    """The incident, locked for this transaction; 404 if there is none, 409 once it is resolved
+    (a closed incident takes no acknowledgement and no second closing)."""
+    inc = await repo.get_incident_for_update(session, incident_id)
+    if inc is None:
+        raise NotFound(f"incident {incident_id!r} not found")
+    if not lifecycle.is_open(inc.status):
+        raise Conflict(f"incident {incident_id} is already resolved")
+    return inc
+
+
 @router.post("/{incident_id}/ack", response_model=IncidentOut,
              summary="Acknowledge an incident (someone is on it)",
              description="Needs operator. 409 when it is already acknowledged or resolved.",
              responses=problems(404, 409, 422))
 async def acknowledge(incident_id: str, body: Note, session: Session,
                       who: Operator) -> IncidentOut:
-    inc = await repo.get_incident_for_update(session, incident_id)
-    if inc is None:
-        raise NotFound(f"incident {incident_id!r} not found")
-    if inc.status == "resolved":
-        raise Conflict(f"incident {incident_id} is resolved")
+    inc = await _unresolved_for_update(session, incident_id)
     if inc.acknowledged_at is not None:
         raise Conflict(f"incident {incident_id} was acknowledged by {inc.acknowledged_by}")
     inc.acknowledged_at = datetime.now(UTC)
     inc.acknowledged_by = who.name
-    stage = inc.status
+    # The lifecycle keeps the status on an acknowledgement (greyhound.core.lifecycle.advance).
     await repo.add_timeline(session, inc, "acknowledged", {"by": who.name, "note": body.note})
-    inc.status = stage  # add_timeline moves the stage on; an acknowledgement does not
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="incident.ack",
                      target_type="incident", target_id=inc.id, note=body.note)
     await session.commit()
@@ -135,11 +143,7 @@ async def acknowledge(incident_id: str, body: Note, session: Session,
              responses=problems(404, 409, 422))
 async def close(incident_id: str, body: RequiredNote, session: Session, bus: BusDep,
                 who: Operator) -> IncidentOut:
-    inc = await repo.get_incident_for_update(session, incident_id)
-    if inc is None:
-        raise NotFound(f"incident {incident_id!r} not found")
-    if inc.status == "resolved":
-        raise Conflict(f"incident {incident_id} is already resolved")
+    inc = await _unresolved_for_update(session, incident_id)
     await repo.add_timeline(session, inc, "resolved",
                             {"by": who.name, "note": body.note, "manual": True})
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="incident.close",

@@ -11,7 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 
 from services.api import metrics
 from services.api.auth import bearer, require
-from services.api.deps import BusDep, Session, SettingsDep
+from services.api.deps import ApiSettingsDep, BusDep, Session
 from services.api.schemas import Health, Readiness
 from services.common.db import repository as repo
 
@@ -48,7 +48,7 @@ async def readyz(session: Session, bus: BusDep) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
 
-async def _metrics_access(request: Request, settings: SettingsDep,
+async def _metrics_access(request: Request, settings: ApiSettingsDep,
                           creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
                           ) -> None:
     if not settings.api_metrics_public:

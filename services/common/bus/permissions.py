@@ -29,12 +29,11 @@ from typing import Any
 
 from services.common.bus.auth import agent_user, inbox_prefix
 from services.common.bus.contract import Subjects
-from services.common.bus.streams import DEAD_LETTERS, EVENTS, PLANS, TELEMETRY, tracker_spec
+from services.common.bus.streams import STREAMS, tracker_spec
 from services.common.settings import Settings
 from services.registry import SERVICES, BusAccess, Consume, Service
 
 API = "$JS.API"
-STREAMS = (TELEMETRY, EVENTS, PLANS, DEAD_LETTERS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,8 @@ TELEMETRY = "GH_TELEMETRY"
 EVENTS = "GH_EVENTS"
 PLANS = "GH_PLANS"
 DEAD_LETTERS = "GH_DLQ"
+# Every stream stream_configs declares: the bus permissions grant declaring exactly these.
+STREAMS = (TELEMETRY, EVENTS, PLANS, DEAD_LETTERS)
 
 
 def stream_configs(settings: Settings) -> list[StreamConfig]:

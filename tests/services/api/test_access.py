@@ -136,16 +136,17 @@ async def test_anonymous_viewer_only_when_configured(api: Api, nats_url: str, fr
     import httpx
 
     from services.api.app import create_app
+    from services.api.settings import ApiSettings
 
-    settings = api_settings(nats_url, fresh_db_url, tmp_path, api_anonymous_role="viewer",
-                            api_metrics_public=False)
-    app = create_app(api.ctx.db(), settings=settings)
+    settings = api_settings(nats_url, fresh_db_url, tmp_path)
+    app = create_app(api.ctx.db(), settings=settings,
+                     api=ApiSettings(api_anonymous_role="viewer", api_metrics_public=False))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as c:
         assert (await c.get("/v1/incidents")).status_code == 200
         assert (await c.get("/metrics")).status_code == 200  # anonymous is a viewer here
         assert (await c.post("/v1/incidents/x/ack", json={})).status_code == 403
-    strict = create_app(api.ctx.db(), settings=api_settings(
-        nats_url, fresh_db_url, tmp_path, api_metrics_public=False))
+    strict = create_app(api.ctx.db(), settings=settings,
+                        api=ApiSettings(api_metrics_public=False))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=strict),
                                  base_url="http://a") as c:
         assert (await c.get("/metrics")).status_code == 401

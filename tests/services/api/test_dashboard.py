@@ -8,16 +8,11 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from services.common.db import repository as repo
 from services.common.db.models import Plan
-from services.common.embedded import EmbeddedNats
 from services.common.runtime import Backends, start_service
 from tests.services.api.browser import chrome, ensure_chromium
 from tests.services.api.conftest import api_settings
@@ -31,14 +26,6 @@ from tests.services.api.live import (
 from tests.services.notifier.receiver import free_port
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
-
-
-@pytest.fixture(scope="module")
-def own_nats() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="gh-dash-nats-") as d:
-        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
-        yield server.start()
-        server.stop()
 
 
 async def _until(pred: Any, timeout_s: float, what: str) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
+from services.api.settings import ApiSettings
 from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import for_cpu_fake
@@ -36,15 +37,16 @@ def _incident(base: str, job: str) -> dict[str, Any] | None:
 
 def test_the_whole_stack_runs_on_its_own_users(pg_url: str, tmp_path: Path) -> None:
     data = tmp_path / "data"
-    settings = Settings(database_url=pg_url, data_dir=data, shm_dir=tmp_path / "shm",
-                        api_anonymous_role="viewer")  # no nats_url: the embedded one, with users
+    # No nats_url: the embedded one, with users.
+    settings = Settings(database_url=pg_url, data_dir=data, shm_dir=tmp_path / "shm")
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     job = f"auth-{uuid.uuid4().hex[:6]}"
     spec = FakeJobSpec(world_size=4, iters=420, compute_ms=40.0, job_id=job, compute_busy=0.1)
     latest: dict[str, Any] | None = None
     with Stack(settings, port=port, service_settings=(
-            for_cpu_fake(), TrackerSettings(hang_floor_s=2.0))) as stack:
+            for_cpu_fake(), TrackerSettings(hang_floor_s=2.0),
+            ApiSettings(api_anonymous_role="viewer"))) as stack:
         wait_api(base)
         users = json.loads((data / "nats" / "users.json").read_text())
         assert set(stack.services) - {"agent"} <= set(users)

@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.common.bus.contract import CounterBatch, DeadLetter, Subjects
 from services.common.bus.streams import DEAD_LETTERS, EVENTS, TELEMETRY
 from services.common.embedded import EmbeddedNats
@@ -155,9 +156,9 @@ async def test_poison_is_dead_lettered_counted_and_contained(
         own_nats: str, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GREYHOUND_TRACKER_MAX_RANKS", str(MAX_RANKS))
     job, healthy = f"evil-{uuid.uuid4().hex[:6]}", f"good-{uuid.uuid4().hex[:6]}"
-    async with pipeline(own_nats, fresh_db_url, tmp_path, services=("tracker", "analyzer"),
-                        api_anonymous_role="viewer") as p:
-        app = create_app(p.ctx.db(), settings=p.settings, nc=p.ctx.nc, js=p.ctx.js)
+    async with pipeline(own_nats, fresh_db_url, tmp_path, services=("tracker", "analyzer")) as p:
+        app = create_app(p.ctx.db(), settings=p.settings, api=ApiSettings(api_anonymous_role="viewer"),
+                         nc=p.ctx.nc, js=p.ctx.js)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://api") as client:
             await run_poison(p, client, job, healthy)

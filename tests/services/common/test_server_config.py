@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from services.common.bus.server_config import add_passwords, main, password_var, render
+from services.common.bus.streams import STREAMS, stream_configs
 from services.common.embedded import nats_server_binary
 from services.registry import SERVICES
 
@@ -26,12 +27,22 @@ def test_the_committed_config_is_the_generated_one() -> None:
         f"regenerate it: {command} > deploy/nats/greyhound.conf")
 
 
+def test_every_stream_a_service_declares_is_granted() -> None:
+    """A stream missing from STREAMS is refused to every service that declares the streams on
+    start, so ``greyhound up`` with the embedded (authenticating) NATS dies at once."""
+    from services.common.settings import Settings
+
+    assert {c.name for c in stream_configs(Settings())} == set(STREAMS)
+    for name in STREAMS:
+        assert f'"$JS.API.STREAM.CREATE.{name}"' in CONF.read_text(), name
+
+
 def test_nats_server_accepts_it_with_passwords_from_its_environment(tmp_path: Path) -> None:
     conf = tmp_path / "g.conf"
     conf.write_text(CONF.read_text().replace('"/data"', f'"{tmp_path / "js"}"'))
+    users = [s.bus_user() for s in SERVICES if not s.bus.per_agent]
     env = {**os.environ, **{password_var(u): "pw" for u in
-                            ("tracker", "analyzer", "validator", "planner", "api", "notifier",
-                             "agent-node0", "agent-node1")}}
+                            (*users, "agent-node0", "agent-node1")}}
     ok = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], env=env,
                         capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stderr

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,31 +14,26 @@ import pytest
 from services.common.bus.client import publish
 from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.db import repository as repo
-from services.common.embedded import EmbeddedNats
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
 from services.notifier.secretbox import SecretBox
 from services.notifier.service import Notifier, run_notifier
+from services.notifier.settings import NotifierSettings
 
 KEY = "notifier-test-key-0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def own_nats() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="gh-notifier-nats-") as d:
-        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
-        yield server.start()
-        server.stop()
 
 
 def notifier_settings(nats: str, db: str, tmp: Path, **over: object) -> Settings:
     values: dict[str, object] = {
         "nats_url": nats, "database_url": db, "data_dir": tmp / "data", "webhook_key": KEY,
-        "webhook_backoff_base_s": 0.2, "webhook_backoff_max_s": 1.0, "webhook_timeout_s": 2.0,
-        "notifier_poll_s": 0.05, "webhook_max_attempts": 12,
-        "api_public_url": "http://127.0.0.1:8000/dashboard"}
+        "webhook_timeout_s": 2.0, "api_public_url": "http://127.0.0.1:8000/dashboard"}
     values.update(over)
     return Settings(**values)
+
+
+# Quick retries and polls, so that a test sees several attempts within seconds.
+FAST = NotifierSettings(webhook_backoff_base_s=0.2, webhook_backoff_max_s=1.0,
+                        notifier_poll_s=0.05, webhook_max_attempts=12)
 
 
 @dataclass
@@ -84,7 +78,7 @@ async def running(own_nats: str, fresh_db_url: str, tmp_path: Path) -> AsyncIter
     ctx = await start_service("notifier-test", settings,
                               backends=Backends(nats_url=own_nats, database_url=fresh_db_url))
     box = SecretBox(KEY)
-    notifier = Notifier(ctx, box, rng=random.Random(7))
+    notifier = Notifier(ctx, box, FAST, rng=random.Random(7))
     stop = asyncio.Event()
     task = asyncio.create_task(run_notifier(ctx, stop, notifier=notifier))
     try:

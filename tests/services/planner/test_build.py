@@ -9,12 +9,12 @@ import pytest
 
 from greyhound.core.escalation import Strategy
 from greyhound.core.microbatch import allocate_microbatches
+from greyhound.core.plans import even_split
 from services.common.bus.contract import JobLayout
 from services.planner.build import (
     Culprit,
     JobState,
     available,
-    even_split,
     next_state,
     propose,
     restart_overhead,

@@ -1,0 +1,34 @@
+"""The REST API's knobs: where it listens, who may read it without a token, and when the fleet
+view advises draining a component.
+
+The variables keep the names they had when every process read them (``GREYHOUND_API_PORT``,
+``GREYHOUND_FLEET_WINDOW_DAYS``, ...). What the notifier and the planner read as well (the
+token and webhook keys, the dashboard's public address, a webhook's timeout for the API's test
+delivery) stays shared (services.common.settings).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ApiSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="forbid", frozen=True)
+
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=0, le=65535)
+    api_anonymous_role: Literal["viewer"] | None = Field(
+        default=None, description=(
+            "grant requests without a token this role (single-user local runs only); "
+            "unset: every /v1 route needs a token"))
+    api_metrics_public: bool = Field(
+        default=True, description="False: /metrics needs a viewer token like /v1")
+    fleet_window_days: float = Field(
+        default=7.0, gt=0, description="incidents this recent count towards a drain advice")
+    fleet_drain_incidents: int = Field(
+        default=3, ge=1, description="confirmed incidents of one GPU/node/link that advise a drain")
+    fleet_drain_jobs: int = Field(
+        default=2, ge=1, description="... spread over at least this many jobs")
