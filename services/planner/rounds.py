@@ -173,6 +173,9 @@ class PlannerRounds(PlannerBase):
             t.last_check_at = time.monotonic()
             self.tracked[t.incident_id] = t
             self._watch(t.job_id, since)
+            log.info("incident %s of job %s: escalation restored (%s, plan pending %s)",
+                     t.incident_id, t.job_id, "resolved under its plan" if t.resolved
+                     else "open", t.pending_plan)
         if rows:
             log.info("restored %d escalation(s)", len(self.tracked))
 

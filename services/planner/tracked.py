@@ -30,7 +30,9 @@ class Tracked:
     culprit: Culprit
     gpu_of_rank: tuple[int, ...] | None = None  # the layout the culprit's ranks were named in
     pending_plan: str | None = None
-    applied_count: int | None = None  # iterations seen when the newest plan took effect
+    # iterations seen when the newest plan took effect; restored, 0: the restarted planner's
+    # watch begins with the plan in force, so all it reads is under the plan
+    applied_count: int | None = None
     preplan_s: float | None = None  # the iteration time just before it
     recovered_under_plan: bool = False
     resolved: bool = False
@@ -48,6 +50,7 @@ class Tracked:
                             "slowdown": self.culprit.slowdown},
                 "gpu_of_rank": None if self.gpu_of_rank is None else list(self.gpu_of_rank),
                 "pending_plan": self.pending_plan, "preplan_s": self.preplan_s,
+                "under_plan": self.applied_count is not None,
                 "recovered_under_plan": self.recovered_under_plan, "resolved": self.resolved}
 
     @classmethod
@@ -60,6 +63,7 @@ class Tracked:
         return cls(incident_id, job_id, Escalation.from_state(state["escalation"]), culprit,
                    gpu_of_rank=None if gpus is None else tuple(int(g) for g in gpus),
                    pending_plan=state.get("pending_plan"), preplan_s=state.get("preplan_s"),
+                   applied_count=0 if state.get("under_plan") else None,
                    recovered_under_plan=bool(state.get("recovered_under_plan")),
                    resolved=bool(state.get("resolved")), dirty=False)
 
