@@ -5,9 +5,11 @@
   force, reverted once the GPU is healthy again, and the incident resolved;
 * a congested DP link: no S2 for a link; S3 proposed only once the loss reaches its overhead,
   held for an operator's approval (given here over REST with an operator token), applied with
-  its pause, and reverted when the congestion ends.
+  its pause, and reverted when the congestion ends;
+* the slow GPU again, the planner killed (SIGKILL) once S2 is in force and restarted: the same
+  end, nothing lost or done twice (issue 13's kill -9 of each service, for the planner).
 
-Both run on their own stack (embedded NATS and Postgres, small overheads from the planner's
+All run on one stack of their own (embedded NATS and Postgres, small overheads from the planner's
 settings) at 10x virtual time, under a minute each on an idle machine; the iteration times
 before, during and after mitigation and the incidents' timelines are printed (``pytest -s``).
 """
