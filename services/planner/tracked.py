@@ -42,6 +42,9 @@ class Tracked:
     last_check_at: float = 0.0
     dirty: bool = True
     fed: int = 0  # how many of the job's iterations (IterationSeries.count) it has seen
+    # the last iteration its loss counts, (rank, iteration, the batch's Unix time): a restarted
+    # planner reads the job's iterations again from there, none counted twice or lost
+    cursor: tuple[int, int, float] | None = None
 
     def state(self) -> dict[str, Any]:
         return {"escalation": self.esc.state_dict(),
@@ -51,6 +54,7 @@ class Tracked:
                 "gpu_of_rank": None if self.gpu_of_rank is None else list(self.gpu_of_rank),
                 "pending_plan": self.pending_plan, "preplan_s": self.preplan_s,
                 "under_plan": self.applied_count is not None,
+                "cursor": None if self.cursor is None else list(self.cursor),
                 "recovered_under_plan": self.recovered_under_plan, "resolved": self.resolved}
 
     @classmethod
@@ -59,11 +63,13 @@ class Tracked:
         culprit = Culprit({int(r): float(f) for r, f in c["gpu_ranks"].items()},
                           tuple((int(a), int(b)) for a, b in c["link_ranks"]),
                           float(c["slowdown"]))
-        gpus = state.get("gpu_of_rank")
+        gpus, cursor = state.get("gpu_of_rank"), state.get("cursor")
         return cls(incident_id, job_id, Escalation.from_state(state["escalation"]), culprit,
                    gpu_of_rank=None if gpus is None else tuple(int(g) for g in gpus),
                    pending_plan=state.get("pending_plan"), preplan_s=state.get("preplan_s"),
                    applied_count=0 if state.get("under_plan") else None,
+                   cursor=None if cursor is None else (int(cursor[0]), int(cursor[1]),
+                                                       float(cursor[2])),
                    recovered_under_plan=bool(state.get("recovered_under_plan")),
                    resolved=bool(state.get("resolved")), dirty=False)
 
