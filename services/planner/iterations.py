@@ -7,7 +7,9 @@ watched job gets its own short-lived ordered consumer that the server filters to
 subjects (``Subjects.job_iterations``), starting a little before the slowdown was detected:
 memory storage, no acks, removed when the watch ends or, if the planner dies, by the server after
 ``inactive_threshold``. Nothing is lost by its being ephemeral: the loss it feeds is saved with
-the escalation state, and a restarted planner reads back ``lookback_s``.
+the escalation state together with the last iteration it counted, and a restarted planner reads
+the job's iterations again from there (``IterationWatch.resume``: a little earlier in time, the
+iterations already counted skipped by number).
 
 Every rank of a synchronous job runs at the job's pace, so one rank's series is the job's: the
 lowest rank seen, each of its iterations once, in order.
@@ -128,6 +130,17 @@ class IterationWatch:
     async def _drop(self, reader: TelemetryReader | None) -> None:
         if reader is not None:
             await reader.close()
+
+    @property
+    def cursor(self) -> tuple[int, int, float] | None:
+        """The last iteration read: (reference rank, iteration, its batch's Unix time)."""
+        if self.series.rank is None or self._last_ts is None:
+            return None
+        return self.series.rank, self.series.last_iteration, self._last_ts
+
+    def resume(self, rank: int, iteration: int) -> None:
+        """Before :meth:`run`: the iterations up to ``iteration`` of ``rank`` were counted."""
+        self.series.rank, self.series.last_iteration = rank, iteration
 
     def stop(self) -> None:
         self._stopping.set()

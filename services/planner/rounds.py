@@ -19,6 +19,10 @@ from services.planner.build import STRATEGIES
 from services.planner.delivery import deliver, job_state, note
 from services.planner.tracked import Tracked
 
+# how much earlier than a saved cursor's batch a restored watch starts: the stream's clock is not
+# the agent's (the iterations before the cursor are skipped by number)
+RESUME_MARGIN_S = 30.0
+
 
 class PlannerRounds(PlannerBase):
     async def tick(self) -> None:
@@ -160,8 +164,7 @@ class PlannerRounds(PlannerBase):
         """Escalations of open incidents (or with plans still in force) from the database."""
         async with self.ctx.db()() as session:
             rows = await repo.open_escalations(session)
-        # From now on: the loss counted before the restart is in the saved state already.
-        since = datetime.now(UTC)
+        restored: list[Tracked] = []
         for row, incident in rows:
             try:
                 t = Tracked.from_state(row.incident_id, row.job_id, row.state)
@@ -172,9 +175,29 @@ class PlannerRounds(PlannerBase):
                 t.resolved, t.resolved_at = True, time.monotonic()
             t.last_check_at = time.monotonic()
             self.tracked[t.incident_id] = t
-            self._watch(t.job_id, since)
+            restored.append(t)
+            log.info("incident %s of job %s: escalation restored (%s, plan pending %s)",
+                     t.incident_id, t.job_id, "resolved under its plan" if t.resolved
+                     else "open", t.pending_plan)
+        for job in sorted({t.job_id for t in restored}):
+            self._resume(job, [t for t in restored if t.job_id == job])
         if rows:
             log.info("restored %d escalation(s)", len(self.tracked))
+
+    def _resume(self, job: str, tracked: list[Tracked]) -> None:
+        """The job's watch from the earliest iteration a restored loss did not count yet (the
+        saved loss counts up to its cursor; the iterations after it, those a killed planner had
+        read but not saved and those sent while it was down, are read again), each escalation
+        skipping the ones its own cursor passed; without a cursor, from now on."""
+        cursors = [t.cursor for t in tracked if t.cursor is not None]
+        if not cursors:
+            self._watch(job, datetime.now(UTC))
+            return
+        rank, first, ts = min(cursors, key=lambda c: (c[0], c[1]))
+        watch = self._watch(job, datetime.fromtimestamp(ts - RESUME_MARGIN_S, UTC))
+        watch.resume(rank, first)
+        for t in tracked:
+            t.fed = t.cursor[1] - first if t.cursor is not None and t.cursor[0] == rank else 0
 
     async def close(self) -> None:
         for watch in self.watches.values():

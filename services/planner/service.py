@@ -181,10 +181,13 @@ class Planner(PlannerRounds):
             return
         async with self._locks[job]:
             for t in list(self.tracked.values()):
-                if t.job_id != job or t.esc.closed or t.incident_id not in self.tracked:
+                if t.job_id != job:
+                    continue  # its cursor counts another job's iterations
+                if t.esc.closed or t.incident_id not in self.tracked:
                     t.fed = watch.series.count
                     continue
                 times, t.fed = watch.series.since(t.fed), watch.series.count
+                t.cursor = watch.cursor
                 for s in times:
                     decision = t.esc.observe(s)
                     t.dirty = True

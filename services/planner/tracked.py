@@ -30,7 +30,9 @@ class Tracked:
     culprit: Culprit
     gpu_of_rank: tuple[int, ...] | None = None  # the layout the culprit's ranks were named in
     pending_plan: str | None = None
-    applied_count: int | None = None  # iterations seen when the newest plan took effect
+    # iterations seen when the newest plan took effect; restored, 0: the restarted planner's
+    # watch begins with the plan in force, so all it reads is under the plan
+    applied_count: int | None = None
     preplan_s: float | None = None  # the iteration time just before it
     recovered_under_plan: bool = False
     resolved: bool = False
@@ -40,6 +42,9 @@ class Tracked:
     last_check_at: float = 0.0
     dirty: bool = True
     fed: int = 0  # how many of the job's iterations (IterationSeries.count) it has seen
+    # the last iteration its loss counts, (rank, iteration, the batch's Unix time): a restarted
+    # planner reads the job's iterations again from there, none counted twice or lost
+    cursor: tuple[int, int, float] | None = None
 
     def state(self) -> dict[str, Any]:
         return {"escalation": self.esc.state_dict(),
@@ -48,6 +53,8 @@ class Tracked:
                             "slowdown": self.culprit.slowdown},
                 "gpu_of_rank": None if self.gpu_of_rank is None else list(self.gpu_of_rank),
                 "pending_plan": self.pending_plan, "preplan_s": self.preplan_s,
+                "under_plan": self.applied_count is not None,
+                "cursor": None if self.cursor is None else list(self.cursor),
                 "recovered_under_plan": self.recovered_under_plan, "resolved": self.resolved}
 
     @classmethod
@@ -56,10 +63,13 @@ class Tracked:
         culprit = Culprit({int(r): float(f) for r, f in c["gpu_ranks"].items()},
                           tuple((int(a), int(b)) for a, b in c["link_ranks"]),
                           float(c["slowdown"]))
-        gpus = state.get("gpu_of_rank")
+        gpus, cursor = state.get("gpu_of_rank"), state.get("cursor")
         return cls(incident_id, job_id, Escalation.from_state(state["escalation"]), culprit,
                    gpu_of_rank=None if gpus is None else tuple(int(g) for g in gpus),
                    pending_plan=state.get("pending_plan"), preplan_s=state.get("preplan_s"),
+                   applied_count=0 if state.get("under_plan") else None,
+                   cursor=None if cursor is None else (int(cursor[0]), int(cursor[1]),
+                                                       float(cursor[2])),
                    recovered_under_plan=bool(state.get("recovered_under_plan")),
                    resolved=bool(state.get("resolved")), dirty=False)
 

@@ -5,15 +5,18 @@
   force, reverted once the GPU is healthy again, and the incident resolved;
 * a congested DP link: no S2 for a link; S3 proposed only once the loss reaches its overhead,
   held for an operator's approval (given here over REST with an operator token), applied with
-  its pause, and reverted when the congestion ends.
+  its pause, and reverted when the congestion ends;
+* the slow GPU again, the planner killed (SIGKILL) once S2 is in force and restarted: the same
+  end, nothing lost or done twice (issue 13's kill -9 of each service, for the planner).
 
-Both run on their own stack (embedded NATS and Postgres, small overheads from the planner's
+All run on one stack of their own (embedded NATS and Postgres, small overheads from the planner's
 settings) at 10x virtual time, under a minute each on an idle machine; the iteration times
 before, during and after mitigation and the incidents' timelines are printed (``pytest -s``).
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import statistics
 import tempfile
@@ -35,6 +38,7 @@ from services.common.settings import Settings
 from services.planner.settings import PlannerSettings
 from stack.sim_plans import SimPlanFollower, Step, mint_token
 from stack.up import Stack, wait_api
+from tests.e2e.faults import kill9, restart
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 SPEED = 10.0
@@ -258,3 +262,67 @@ def _in_order(stages: list[str], order: list[str]) -> bool:
     """``order`` appears in ``stages`` as a subsequence."""
     it = iter(stages)
     return all(any(s == want for s in it) for want in order)
+
+
+def test_kill9_of_the_planner_with_s2_in_force_loses_and_repeats_nothing(mstack: Stack) -> None:
+    """The planner killed (SIGKILL) once the job runs S2 and before the fault ends, restarted as
+    its supervisor would: the run ends as the undisturbed one above (one S2 plan, applied and
+    reverted once, each timeline step once, two versions each applied once by the job)."""
+    run = Run(mstack, "mitigate-gpu-16")
+    log_path = Path(mstack.settings.data_dir) / "logs" / "planner.log"
+    killed: list[tuple[int, str, float]] = []  # (log offset, plan's status, virtual s)
+
+    def kill(r: Run) -> None:
+        s2 = _plan(r, "S2")
+        if killed or s2 is None or s2["status"] != "applied":
+            return
+        offset = log_path.stat().st_size
+        kill9(mstack, "planner")
+        restart(mstack, "planner")
+        killed.append((offset, s2["status"], r.sim.virtual_s))
+
+    def done(r: Run) -> bool:
+        s2 = _plan(r, "S2")
+        return bool(killed and s2 and s2["status"] == "reverted" and r.named()
+                    and r.named()[0]["status"] == "resolved" and _ran_revert(r))
+
+    run.play(done, on_poll=kill)
+    assert killed, run.describe()
+    offset, status, at_s = killed[0]
+    assert status == "applied" and at_s < 220.0, killed  # in force, the fault still on
+    (incident,) = run.named()
+    assert incident["kind"] == "compute_slow" and incident["culprit"]["ranks"] == [2], \
+        run.describe()
+    (s2,) = run.plans
+    assert s2["strategy"] == "S2" and s2["policy"] == "automatic", run.describe()
+    assert s2["status"] == "reverted" and s2["cost_s"] == 0.5, run.describe()
+    assert [a["approver"] for a in s2["approvals"]] == ["policy"]
+    stages = [e["stage"] for e in incident["timeline"]]
+    print(f"\n  killed at {at_s:.0f} s virtual; timeline: {' '.join(stages)}")
+    # as undisturbed: re-checks add validations (and the plan's recovery a detection); every
+    # other step once, in order
+    for stage in ("localized", "plan_proposed", "plan_approved", "mitigated", "plan_reverted",
+                  "resolved"):
+        assert stages.count(stage) == 1, " ".join(stages)
+    assert _in_order(stages, ["detected", "localized", "validated", "plan_proposed",
+                              "plan_approved", "mitigated"]), " ".join(stages)
+    assert {"plan_reverted", "resolved"} <= set(stages[stages.index("mitigated"):]), stages
+    # the job ran version 1 (apply) and version 2 (revert), each once, and nothing after
+    steps = [(s.version, s.action, s.strategy) for s in run.follower.steps]
+    assert steps == [(1, "apply", "S2"), (2, "revert", "S2")], steps
+    current = run.get(f"/v1/jobs/{run.job}/plan")
+    assert current["version"] == 2 and current["microbatches"] is None, current
+    # the restarted planner took the escalation up and ended it: the revert is its doing
+    after = log_path.read_bytes()[offset:].decode(errors="replace")
+    print("  the restarted planner:\n    " + "\n    ".join(
+        line[:200] for line in after.splitlines() if run.job in line or "restored" in line))
+    assert f"incident {incident['id']} of job {run.job}: escalation restored" in after, after
+    assert f"plan {s2['id']} (S2) on job {run.job}: reverted as version 2" in after, after
+    # and it did not take the recovery S2 brought for the fault's end: a recovery it judged so
+    # left the level under the plan, not the slow one before it
+    on = next(s.virtual_s for s in run.follower.steps if s.action == "apply")
+    slow, mitigated = run.medians(65.0, on - 1.0), run.medians(on + 2.0, 218.0)
+    for m in re.finditer(rf"job {run.job}: recovery ([0-9.]+)s -> [0-9.]+s is the fault's end",
+                         after):
+        left = float(m.group(1))
+        assert abs(left - mitigated) < abs(left - slow), (m.group(0), slow, mitigated)

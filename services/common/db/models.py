@@ -104,8 +104,9 @@ class Incident(Base):
     acknowledged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     acknowledged_by: Mapped[str | None] = mapped_column(String(255))
 
+    # one transaction's entries share ``at`` (the transaction's now()): the id keeps their order
     timeline: Mapped[list[IncidentEvent]] = relationship(
-        back_populates="incident", lazy="raise", order_by="IncidentEvent.at")
+        back_populates="incident", lazy="raise", order_by="[IncidentEvent.at, IncidentEvent.id]")
 
 
 class IncidentEvent(Base):

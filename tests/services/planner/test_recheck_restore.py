@@ -77,13 +77,45 @@ async def test_a_restarted_planner_goes_on_with_the_loss_it_counted(bench: Bench
         await rig.planner.close()  # saves the state, as on shutdown
         job = rig.job
     async with bench.planner(s2_overhead_s=4.0) as again:
-        again.job = job  # the same job, a new planner process
+        again.job, again.iteration = job, rig.iteration  # the same job, a new planner process
         await again.wait(lambda: _has(again, inc), "the restored escalation")
         assert again.planner.tracked[inc].esc.loss_s == 3.0
         assert await again.plans() == []
         await again.iterations(2.0, 1)  # the 4th second of loss
         (plan,) = await again.wait(again.plans, "the S2 plan")
         assert plan.strategy == "S2" and plan.params["loss_s"] == 4.0
+
+
+async def test_a_planner_killed_between_saves_counts_again_what_it_had_not_saved(
+        bench: Bench) -> None:
+    """Killed (no shutdown save), the planner's saved loss is its last periodic save: the
+    restarted planner reads the job's iterations again from that save's last one, so neither
+    the second counted after it nor the one sent while it was down is lost, and none counts
+    twice."""
+    async with bench.planner(s2_overhead_s=4.0) as rig:
+        await rig.layout(tp=1, dp=4, pp=1, gpus_per_node=4, microbatches=16)
+        inc = await rig.incident(kind="compute_slow", before_s=1.0, after_s=2.0, gpus=[1])
+        await rig.wait(lambda: _has(rig, inc), "the escalation to start")
+        await rig.iterations(2.0, 2)
+        await rig.wait(lambda: _loss(rig, inc, 2.0), "2 s of loss")
+        rig.planner._saved_at = 0.0
+        await rig.planner._save()  # the periodic save
+        await rig.iterations(2.0, 1)
+        await rig.wait(lambda: _loss(rig, inc, 3.0), "3 s of loss")
+        for t in rig.planner.tracked.values():
+            t.dirty = False  # as a kill leaves it: the shutdown saves nothing
+        job = rig.job
+    async with bench.planner(s2_overhead_s=4.0) as down:
+        down.job, down.iteration = job, rig.iteration
+        await down.iterations(2.0, 1)  # sent while no planner reads (this one has no watch)
+    async with bench.planner(s2_overhead_s=4.0) as again:
+        again.job, again.iteration = job, down.iteration
+        await again.wait(lambda: _has(again, inc), "the restored escalation")
+        (plan,) = await again.wait(again.plans, "the S2 plan")
+        assert plan.strategy == "S2" and plan.params["loss_s"] == 4.0
+        await asyncio.sleep(0.5)  # anything read twice would show by now (the loss goes on)
+        esc = again.planner.tracked[inc].esc
+        assert esc.loss_s == 4.0 and esc.slow_iterations == 4, (esc.loss_s, esc.slow_iterations)
 
 
 async def _has(rig: Rig, inc: str) -> bool:

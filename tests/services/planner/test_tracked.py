@@ -34,3 +34,18 @@ def test_state_round_trip() -> None:
     assert again.esc.pending is Strategy.MICROBATCH and again.culprit == t.culprit
     assert not t.checkable and Tracked("i2", "j1", esc, Culprit({3: 2.0})).checkable
     assert level([1.0, float("nan"), 3.0, 2.0]) == 2.0 and level([]) is None
+
+
+def test_a_restored_escalation_under_its_plan_judges_a_recovery_as_the_plans() -> None:
+    """A planner killed while a plan is in force must not take the recovery that plan brings for
+    the fault's end (and revert it at once): restored, the plan took effect where its new watch
+    begins, and it keeps the level the job ran at before the plan."""
+    esc = Escalation("compute", 1.0, {Strategy.MICROBATCH: 2.0, Strategy.TOPOLOGY: 5.0,
+                                      Strategy.RESTART: 9.0})
+    t = Tracked("i1", "j1", esc, Culprit({2: 2.0}), applied_count=180, preplan_s=1.5)
+    again = Tracked.from_state("i1", "j1", t.state())
+    assert again.applied_count == 0 and again.preplan_s == 1.5
+    assert recovery_is_the_plans(before_s=1.5, preplan_s=again.preplan_s, under_plan_s=None,
+                                 iterations_since=3, settle=20, unconfirmed=False)
+    never = Tracked.from_state("i2", "j1", Tracked("i2", "j1", esc, Culprit({2: 2.0})).state())
+    assert never.applied_count is None
