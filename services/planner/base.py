@@ -1,6 +1,7 @@
-"""The planner's state and what its handlers and periodic rounds share: publishing after the
-commits that made the messages, the job's declared layout and learned overheads, the iteration
-watches, and taking an incident's plans back once its fault has ended (delivered like plans)."""
+"""The planner's state and what its handlers and periodic rounds share: its messages staged in the
+commits that make them (the transactional outbox) and sent after, the job's declared layout and
+learned overheads, the iteration watches, and taking an incident's plans back once its fault has
+ended (delivered like plans)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from collections import defaultdict
 from datetime import datetime
 
 from pydantic import ValidationError
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from greyhound.core.escalation import Strategy
-from services.common.bus.client import publish
 from services.common.bus.contract import JobLayout, Message, Subjects
+from services.common.bus.errors import describe
 from services.common.db import repository as repo
-from services.common.db.models import Incident, Plan
+from services.common.db.models import Incident, OutboxMessage, Plan
+from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext
 from services.planner import build
 from services.planner.build import STRATEGIES, Culprit, JobState
@@ -34,7 +37,8 @@ WATCH_GRACE_S = 600.0  # a watched job with no validated incident by then is no 
 
 
 class PlannerBase(abc.ABC):
-    def __init__(self, ctx: ServiceContext, settings: PlannerSettings | None = None) -> None:
+    def __init__(self, ctx: ServiceContext, settings: PlannerSettings | None = None, *,
+                 outbox: Outbox | None = None) -> None:
         self.ctx = ctx
         self.config = settings or PlannerSettings()
         self.tracked: dict[str, Tracked] = {}
@@ -42,18 +46,38 @@ class PlannerBase(abc.ABC):
         self._watch_tasks: dict[str, asyncio.Task[None]] = {}
         self._watch_since: dict[str, float] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._outbox: list[tuple[str, Message]] = []  # published after the commit that made them
-        self._flushing = asyncio.Lock()
+        self._outbox = outbox
         self._saved_at = time.monotonic()
 
+    @property
+    def outbox(self) -> Outbox:
+        """Made on first use: the context's connections may open after the planner is built."""
+        if self._outbox is None:
+            self._outbox = Outbox.of(self.ctx, "planner")
+        return self._outbox
+
+    async def _stage(self, session: AsyncSession, subject: str, msg: Message) -> None:
+        """``msg`` goes out only if the caller's transaction, which made what it says, commits."""
+        await self.outbox.stage(session, subject, msg)
+
     async def flush(self) -> None:
-        """Publish what committed units of work left to announce; a failure stays queued for
-        the next tick (the database already says it, a job also reads it over REST)."""
-        async with self._flushing:  # in order: the plans stream keeps each job's last message
-            while self._outbox:
-                subject, msg = self._outbox[0]
-                await publish(self.ctx.js, subject, msg)
-                self._outbox.pop(0)
+        """Send every committed planner message still unsent, oldest first; never raises (what
+        stays unsent, the relay sends). All of them, not only this unit of work's: the plans
+        stream keeps each job's last message, so a version whose first send failed (or that a
+        killed process left) must not be overtaken by the next one, which a send of only the
+        newest ids would do while the relay waits out its grace period."""
+        try:
+            async with self.ctx.db()() as session:
+                ids = (await session.scalars(
+                    select(OutboxMessage.event_id).where(
+                        OutboxMessage.producer == self.outbox.producer,
+                        OutboxMessage.sent_at.is_(None), OutboxMessage.failed_at.is_(None))
+                    .order_by(OutboxMessage.seq).limit(self.outbox.batch))).all()
+        except Exception as exc:
+            log.warning("planner: reading the unsent messages failed; the relay sends them: %s",
+                        describe(exc))
+            return
+        await self.outbox.flush(ids)
 
     async def _claimed(self, session: AsyncSession, event_id: str) -> bool:
         return await repo.claim_event(session, "planner", event_id)
@@ -116,7 +140,7 @@ class PlannerBase(abc.ABC):
             others = [p for p in await self._in_force(session, incident.job_id) if p.id != plan.id]
             cost = t.esc.overheads.get(STRATEGIES[plan.strategy]) if t is not None else None
             msg = await take_back(session, plan, layout, others_in_force=others, cost_s=cost)
-            self._outbox.append((Subjects.plan(plan.job_id), msg))
+            await self._stage(session, Subjects.plan(plan.job_id), msg)
             action, stage = ("revert", "plan_reverted") if plan.status == "applied" \
                 else ("withdraw", "plan_withdrawn")
             repo.move_plan(plan, action, reason=why)

@@ -3,8 +3,9 @@
 Each delivery is the job's next version: the state it must run from now (micro-batches per DP
 group, rank -> GPU map), absolute so that a job that missed one still ends up right, plus the GPU
 swaps from the previous version. The row is written with the plan's move (greyhound.core
-.plan_lifecycle), its timeline note and its webhook event, all in one commit; the returned
-message is published after it (a job also reads the newest row over REST).
+.plan_lifecycle), its timeline note and its webhook event, all in one commit; the caller stages the
+returned message in that commit too (the transactional outbox) and sends it after (a job also
+reads the newest row over REST).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class PlannerRounds(PlannerBase):
                     continue
                 cost = t.esc.overheads.get(STRATEGIES[plan.strategy]) if t else None
                 msg = await deliver(session, plan, layout, cost)
-                self._outbox.append((Subjects.plan(plan.job_id), msg))
+                await self._stage(session, Subjects.plan(plan.job_id), msg)
                 log.info("plan %s (%s) approved by an operator: delivered to job %s as "
                          "version %d", plan.id, plan.strategy, plan.job_id, msg.version)
             await session.commit()
@@ -107,14 +107,15 @@ class PlannerRounds(PlannerBase):
                          if p.status == "applied"]
                 layout = await self._layout(session, t.job_id)
                 state, _ = await job_state(session, t.job_id)
-            if not plans or layout is None:
-                continue
-            culprit = in_layout(t, state, layout)
-            s = Suspicion(job_id=t.job_id, incident_id=t.incident_id, kind="compute_slow",
-                          ranks=sorted(culprit.gpu_ranks), comm_ids=[],
-                          evidence={"by": "planner", "recheck": [p.id for p in plans]})
+                if not plans or layout is None:
+                    continue
+                culprit = in_layout(t, state, layout)
+                s = Suspicion(job_id=t.job_id, incident_id=t.incident_id, kind="compute_slow",
+                              ranks=sorted(culprit.gpu_ranks), comm_ids=[],
+                              evidence={"by": "planner", "recheck": [p.id for p in plans]})
+                await self._stage(session, Subjects.suspicion(t.job_id), s)
+                await session.commit()
             t.recheck_id, t.recheck_at = s.event_id, now
-            self._outbox.append((Subjects.suspicion(t.job_id), s))
             log.info("incident %s: asking the validator whether ranks %s are still slow",
                      t.incident_id, s.ranks)
 

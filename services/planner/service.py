@@ -16,8 +16,10 @@ itself explains (it took effect just before, or the level it left is the pre-pla
 an end: the plan stays, and while it does, a slow GPU is re-validated every ``recheck_s``
 (a Suspicion to the validator); a verdict that finds it healthy again reverts the plan.
 
-Every change is committed before its messages are published; consumed events are claimed in
-the processed-events ledger, so a redelivery does nothing twice.
+Every message is staged in the transaction that commits the change it announces (the
+transactional outbox, services.common.outbox) and sent after the commit; what a failed send or a
+killed process leaves, the outbox relay sends. Consumed events are claimed in the
+processed-events ledger, so a redelivery does nothing twice.
 """
 
 from __future__ import annotations
@@ -241,7 +243,7 @@ class Planner(PlannerRounds):
                 await announce(session, plan, "approved", by="policy",
                                dashboard=self.ctx.settings.api_public_url)
                 msg = await deliver(session, plan, layout, t.esc.overheads.get(d.strategy))
-                self._outbox.append((Subjects.plan(t.job_id), msg))
+                await self._stage(session, Subjects.plan(t.job_id), msg)
             await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
             t.dirty = False
             await session.commit()
@@ -285,9 +287,9 @@ class Planner(PlannerRounds):
                 stage = "plan_applied"  # localised again meanwhile, or over already
             await repo.add_timeline(session, incident, stage, detail)
             if stage == "mitigated":
-                self._outbox.append((Subjects.incident(plan.job_id), IncidentEvent(
+                await self._stage(session, Subjects.incident(plan.job_id), IncidentEvent(
                     job_id=plan.job_id, incident_id=incident.id, stage="mitigated",
-                    kind=incident.kind, severity=incident.severity, summary=incident.summary)))
+                    kind=incident.kind, severity=incident.severity, summary=incident.summary))
         await announce(session, plan, "applied", note_text=f"cost {rep.cost_s} s",
                        dashboard=self.ctx.settings.api_public_url)
         if t is not None:
@@ -313,7 +315,7 @@ class Planner(PlannerRounds):
         if layout is not None:  # the job's current version must say what it really runs
             others = [p for p in await self._in_force(session, plan.job_id) if p.id != plan.id]
             msg = await take_back(session, plan, layout, others_in_force=others, cost_s=None)
-            self._outbox.append((Subjects.plan(plan.job_id), msg))
+            await self._stage(session, Subjects.plan(plan.job_id), msg)
         if t is not None:
             strategy = STRATEGIES[plan.strategy]
             if t.esc.pending is strategy:
@@ -367,7 +369,7 @@ async def run_planner(ctx: ServiceContext, stop: asyncio.Event,
         consumer.stop()
 
     try:
-        await supervise(consumer.run(), ticker(), stopper())
+        await supervise(consumer.run(), ticker(), stopper(), planner.outbox.run(stop))
     finally:
         await planner.close()
 

@@ -163,13 +163,15 @@ class Bench:
     tmp_path: Path
 
     @asynccontextmanager
-    async def planner(self, **settings: Any) -> AsyncIterator[Rig]:
-        """A running planner (FAST settings, overridden by ``settings``) whose durable consumer
-        sees only its own job's events."""
+    async def planner(self, service: dict[str, Any] | None = None,
+                      **settings: Any) -> AsyncIterator[Rig]:
+        """A running planner (FAST settings, overridden by ``settings``; ``service``: the
+        common settings, such as the outbox relay's pace) whose durable consumer sees only its
+        own job's events."""
         config = PlannerSettings(**{**FAST, **settings})
         ctx = await start_service(
             "planner-test", Settings(nats_url=self.nats_url, database_url=self.db_url,
-                                     data_dir=self.tmp_path / "data"),
+                                     data_dir=self.tmp_path / "data", **(service or {})),
             backends=Backends(nats_url=self.nats_url, database_url=self.db_url))
         job = f"pl-{uuid.uuid4().hex[:8]}"
         spec = dataclasses.replace(PLANNER, durable=f"planner-test-{job}", filter_subjects=(
