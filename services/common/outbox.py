@@ -143,7 +143,7 @@ class Outbox:
         """One locked batch: (sent, whether a full batch went out and more may wait)."""
         async with self._lock, self._sessions() as session:
             rows = await repo.claim_unsent(session, limit=self.batch, event_ids=event_ids,
-                                           created_before=created_before)
+                                           created_before=created_before, producer=self.producer)
             done: list[int] = []
             stopped = False
             for row in rows:

@@ -13,14 +13,13 @@ from collections import defaultdict
 from datetime import datetime
 
 from pydantic import ValidationError
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from greyhound.core.escalation import Strategy
 from services.common.bus.contract import JobLayout, Message, Subjects
 from services.common.bus.errors import describe
 from services.common.db import repository as repo
-from services.common.db.models import Incident, OutboxMessage, Plan
+from services.common.db.models import Incident, Plan
 from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext
 from services.planner import build
@@ -68,11 +67,8 @@ class PlannerBase(abc.ABC):
         newest ids would do while the relay waits out its grace period."""
         try:
             async with self.ctx.db()() as session:
-                ids = (await session.scalars(
-                    select(OutboxMessage.event_id).where(
-                        OutboxMessage.producer == self.outbox.producer,
-                        OutboxMessage.sent_at.is_(None), OutboxMessage.failed_at.is_(None))
-                    .order_by(OutboxMessage.seq).limit(self.outbox.batch))).all()
+                ids = await repo.unsent_ids(session, self.outbox.producer,
+                                            limit=self.outbox.batch)
         except Exception as exc:
             log.warning("planner: reading the unsent messages failed; the relay sends them: %s",
                         describe(exc))

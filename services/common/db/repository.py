@@ -594,18 +594,31 @@ async def stage_message(session: AsyncSession, *, event_id: str, subject: str, k
 
 
 async def claim_unsent(session: AsyncSession, *, limit: int, event_ids: Sequence[str] | None = None,
-                       created_before: datetime | None = None) -> Sequence[OutboxMessage]:
+                       created_before: datetime | None = None,
+                       producer: str | None = None) -> Sequence[OutboxMessage]:
     """Unsent messages in the order they were committed, locked for this caller (SKIP LOCKED:
     another relay takes the others): the given ids, or everything older than
-    ``created_before``."""
+    ``created_before``; with ``producer``, only that service's (on an authenticated bus a
+    service may publish only its own subjects, so another's row would stall its relay)."""
     q = select(OutboxMessage).where(OutboxMessage.sent_at.is_(None),
                                     OutboxMessage.failed_at.is_(None))
+    if producer is not None:
+        q = q.where(OutboxMessage.producer == producer)
     if event_ids is not None:
         q = q.where(OutboxMessage.event_id.in_(list(event_ids)))
     if created_before is not None:
         q = q.where(OutboxMessage.created_at < created_before)
     return (await session.scalars(q.order_by(OutboxMessage.seq).limit(limit)
                                   .with_for_update(skip_locked=True))).all()
+
+
+async def unsent_ids(session: AsyncSession, producer: str, *, limit: int) -> Sequence[str]:
+    """The event ids of ``producer``'s unsent messages, oldest first."""
+    return (await session.scalars(
+        select(OutboxMessage.event_id).where(
+            OutboxMessage.producer == producer, OutboxMessage.sent_at.is_(None),
+            OutboxMessage.failed_at.is_(None))
+        .order_by(OutboxMessage.seq).limit(limit))).all()
 
 
 async def mark_sent(session: AsyncSession, seqs: Sequence[int], at: datetime) -> None:
