@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 import pytest
 from sqlalchemy import select
 
@@ -130,10 +131,20 @@ class Rig:
     async def stages(self, incident_id: str) -> list[str]:
         return [e.stage for e in (await self.incident_row(incident_id)).timeline]
 
-    async def last_plan_message(self) -> PlanMessage:
-        raw = await self.ctx.js.get_last_msg(PLANS, Subjects.plan(self.job))
-        assert raw.data is not None
-        return PlanMessage.model_validate_json(raw.data)
+    async def last_plan_message(self, min_version: int = 1) -> PlanMessage:
+        """The job's newest plan message once it has at least ``min_version``: the planner sends
+        it through the outbox just after the commit the test saw, so it may lag a moment."""
+        async def newest() -> PlanMessage | None:
+            try:
+                raw = await self.ctx.js.get_last_msg(PLANS, Subjects.plan(self.job))
+            except nats.js.errors.NotFoundError:
+                return None
+            assert raw.data is not None
+            msg = PlanMessage.model_validate_json(raw.data)
+            return msg if msg.version >= min_version else None
+
+        found: PlanMessage = await self.wait(newest, f"plan message v{min_version}")
+        return found
 
     async def wait(self, pred: Any, what: str, timeout_s: float = 30.0) -> Any:
         """Poll an async predicate until it returns something truthy."""
