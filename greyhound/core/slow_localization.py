@@ -190,6 +190,10 @@ def iteration_time_s(calls: ProfiledCalls, *, max_ranks: int = 64) -> float | No
     return float(np.median(times)) if times else None
 
 
+# A profiled period below this share of the healthy iteration is a repeat inside the iteration.
+SUBPERIOD_SHARE = 0.75
+
+
 def localize_slow(calls: ProfiledCalls, *, node_of_rank: Mapping[int, NodeLabel],
                   before_s: float, after_s: float, threshold: float = 0.10,
                   still_slow_share: float = 0.5) -> SlowLocalization:
@@ -202,6 +206,12 @@ def localize_slow(calls: ProfiledCalls, *, node_of_rank: Mapping[int, NodeLabel]
     suspicion = classify_slow(observation(calls), comm_threshold=threshold)
     groups = find_slow_groups(group_timings(calls), threshold=threshold)
     iteration = iteration_time_s(calls)
+    subperiod = None
+    if iteration is not None and iteration < SUBPERIOD_SHARE * before_s:
+        # Shorter than the healthy iteration: not the iteration but a repeat inside it (a
+        # window shorter than an iteration sees 1F1B's steady state repeat every micro-batch).
+        # The window cannot tell whether the job is still slow: it is taken to be.
+        subperiod, iteration = iteration, None
     increase = max(after_s - before_s, 0.0)
     still_slow = iteration is None or iteration >= before_s + still_slow_share * increase
     comm_set = set(suspicion.comm_ids) | {g.group_id for g in groups}
@@ -212,6 +222,7 @@ def localize_slow(calls: ProfiledCalls, *, node_of_rank: Mapping[int, NodeLabel]
         "iteration_before_s": before_s,
         "iteration_after_s": after_s,
         "iteration_profiled_s": iteration,
+        "subiteration_period_s": subperiod,
         "still_slow": still_slow,
         "late_threshold_ns": suspicion.evidence.get("late_threshold_ns"),
         "gap_jitter_ns": suspicion.evidence.get("gap_jitter_ns"),

@@ -20,9 +20,9 @@ DTYPE_BYTES = np.array([1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1])
 
 
 def window(faults: list[dict[str, Any]], *, fault_s: float = 5.0, until_s: float = 9.0,
-           from_s: float = 7.0) -> tuple[ProfiledCalls, float, float, dict[int, int]]:
+           from_s: float = 7.0, **job: Any) -> tuple[ProfiledCalls, float, float, dict[int, int]]:
     """The calls of [from_s, until_s) and the iteration times before and after the fault."""
-    sc = parse_scenario({"name": "t", "job": JOB, "duration_s": 60, "seed": 3,
+    sc = parse_scenario({"name": "t", "job": {**JOB, **job}, "duration_s": 60, "seed": 3,
                          "noise": {"jitter_cv": 0.02},
                          "faults": [{**f, "start_s": fault_s, "duration_s": 100} for f in faults]})
     model = ClusterModel(sc)
@@ -73,6 +73,19 @@ def test_fault_over_before_profiling_is_transient() -> None:
     calls, before, _, nodes = window([])
     loc = localize_slow(calls, node_of_rank=nodes, before_s=before, after_s=before * 1.3)
     assert loc.kind == "none" and loc.transient and loc.ranks == []
+
+
+def test_a_window_shorter_than_an_iteration_is_not_taken_for_a_recovery() -> None:
+    """With 32 micro-batches a window of a fraction of an iteration repeats every micro-batch
+    (1F1B's steady state): that period is no iteration time, so it cannot say the job is back
+    to healthy (it once closed host-contention incidents at 64 and 256 GPUs as transient)."""
+    _, before, _, _ = window([], microbatches=32)
+    for share in (0.3, 0.8):
+        part, _, _, nodes = window([], until_s=7.0 + share * before, microbatches=32)
+        loc = localize_slow(part, node_of_rank=nodes, before_s=before, after_s=before * 1.3)
+        assert not loc.transient, loc.evidence
+        assert loc.evidence["iteration_profiled_s"] is None
+        assert loc.evidence["subiteration_period_s"] < 0.2 * before
 
 
 def test_partial_instances_at_the_window_edge_are_dropped() -> None:
