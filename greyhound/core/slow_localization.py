@@ -190,6 +190,8 @@ def iteration_time_s(calls: ProfiledCalls, *, max_ranks: int = 64) -> float | No
     return float(np.median(times)) if times else None
 
 
+# A rank's excess time outside NCCL below this share of its communicator's largest is not named.
+WORST_SHARE = 0.5
 # A profiled period below this share of the healthy iteration is a repeat inside the iteration.
 SUBPERIOD_SHARE = 0.75
 
@@ -293,7 +295,7 @@ def _slow_outside_nccl(calls: ProfiledCalls, threshold: float, min_share: float 
     np.maximum.at(hi, rank_code, exit_)
     share = own / np.maximum(hi - lo - unknown, 1.0)
     share_of = dict(zip(rank_values.tolist(), share.tolist(), strict=True))
-    flagged: set[int] = set()
+    excess: dict[int, float] = {}  # per rank, its largest excess over a communicator's median
     for members in _members(calls).values():
         if len(members) < 3:
             continue  # two peers cannot say which of them is the odd one
@@ -301,7 +303,12 @@ def _slow_outside_nccl(calls: ProfiledCalls, threshold: float, min_share: float 
         med = float(np.median(vals))
         for r, v in zip(members, vals.tolist(), strict=True):
             if v > med * (1.0 + threshold) and v - med > min_share:
-                flagged.add(r)
+                excess[r] = max(excess.get(r, 0.0), v - med)
+    # Within a window shorter than an iteration, ranks at other pipeline phases differ from their
+    # peers by a little; a contended host stands out by far: only excesses comparable to the
+    # job's largest are named.
+    worst = max(excess.values(), default=0.0)
+    flagged = {r for r, e in excess.items() if e >= WORST_SHARE * worst}
     return sorted(flagged), {"share_by_rank": {str(r): round(v, 4) for r, v in
                                                sorted(share_of.items())[:256]}}
 

@@ -93,3 +93,33 @@ def test_partial_instances_at_the_window_edge_are_dropped() -> None:
     cut = calls.take(~((calls.rank == 3) & (calls.enter_ns == calls.enter_ns[calls.rank == 3].max())))
     keep = complete_instances(cut)
     assert keep.sum() < len(cut) and keep[cut.p2p].all()
+
+
+def _busy_outside(shares: dict[int, float], *, ranks: int = 8, calls: int = 12) -> ProfiledCalls:
+    """One communicator of ``ranks`` members, each calling it every millisecond and spending
+    ``shares[r]`` (default 0.36) of the time between calls outside NCCL."""
+    period = 1_000_000.0
+    rank = np.repeat(np.arange(ranks), calls)
+    seq = np.tile(np.arange(calls), ranks)
+    enter = seq * period
+    inside = np.array([1.0 - shares.get(int(r), 0.36) for r in rank]) * period
+    n = len(rank)
+    return ProfiledCalls(
+        rank=rank, comm_id=np.full(n, 77, np.int64), comm_rank=rank.copy(),
+        nranks=np.full(n, ranks), seq=seq.astype(np.int64), op=np.full(n, "allreduce"),
+        nbytes=np.full(n, 1 << 20, np.int64), p2p=np.zeros(n, bool),
+        enter_ns=enter.astype(np.float64), exit_ns=(enter + inside).astype(np.float64))
+
+
+def test_only_hosts_that_stand_out_like_the_worst_are_named() -> None:
+    """A contended host's ranks spend far more time outside NCCL than their peers (0.69 vs
+    0.36); peers a window catches at another pipeline phase differ by a little (0.40), which
+    alone would pass the 10% rule: named are only excesses comparable to the job's largest."""
+    from greyhound.core.slow_localization import _slow_outside_nccl
+
+    named, _ = _slow_outside_nccl(_busy_outside({3: 0.69, 5: 0.40, 6: 0.40}), 0.10)
+    assert named == [3]
+    named, _ = _slow_outside_nccl(_busy_outside({5: 0.40, 6: 0.40}), 0.10)
+    assert named == [5, 6]  # alone, the small excess is the largest: still named
+    named, _ = _slow_outside_nccl(_busy_outside({2: 0.69, 3: 0.66}), 0.10)
+    assert named == [2, 3]  # two contended hosts alike are both named
