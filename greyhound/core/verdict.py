@@ -97,8 +97,11 @@ def judge_links(
 
     Each link carries the same sequence of tests (e.g. 16/32/64 MB, 3 times each), so position j
     of every sequence is comparable: each time is divided by the median over links at j (or the
-    healthy `baseline_s[j]` when that is lower) and a link's score is the mean of its ratios,
-    which weighs small and large messages alike.
+    healthy `baseline_s[j]` when that is lower) and a link's score is the median of its ratios,
+    which weighs small and large messages alike. A median, not a mean: a congested link is slow
+    in every test, while one test delayed by something else (a process descheduled on a busy
+    host, a GPU clock ramp) must not make a healthy link slow; a mean let one sample of 9 at 10x
+    name a healthy link.
     """
     if not times_s:
         return LinkVerdict([], {}, {"links_tested": 0})
@@ -115,7 +118,7 @@ def judge_links(
         if base.shape != reference.shape:
             raise ValueError("baseline_s must have one value per test position")
         reference = np.minimum(reference, base)
-    score = (t / reference).mean(axis=1)
+    score = np.median(t / reference, axis=1)
     slow = np.flatnonzero(score > 1.0 + threshold)
     slow = slow[np.argsort(-score[slow], kind="stable")]
     slow_links = [(int(links[i][0]), int(links[i][1])) for i in slow]

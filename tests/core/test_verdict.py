@@ -63,6 +63,18 @@ def test_links_healthy_is_transient():
         assert judge_links(_links(ring, set(), seed=seed)).transient
 
 
+def test_one_delayed_test_does_not_make_a_healthy_link_slow():
+    """On a busy host one P2P test of a healthy link can take ten times its time (the demo's 4
+    ranks share 2 cores with the whole stack); a congested link is slow in every test."""
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    times = _links([*ring, (0, 2), (1, 3)], {(1, 2)}, seed=11, factor=4.0)
+    times[(0, 1)][0] *= 10
+    times[(0, 1)][4] *= 3
+    v = judge_links(times)
+    assert v.slow_links == [(1, 2)]
+    assert 3.5 < v.ratios[(1, 2)] < 4.5 and v.ratios[(0, 1)] < 1.15
+
+
 def test_links_need_comparable_sequences():
     with pytest.raises(ValueError):
         judge_links({(0, 1): [1.0, 2.0], (1, 0): [1.0]})
