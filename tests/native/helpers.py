@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from greyhound import hookabi as H
@@ -33,6 +34,21 @@ while not all(c.paused() for c in ctls):
 print("paused", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
+
+
+def hook_lib(build: Path) -> Path:
+    """The hook library of a native build."""
+    return build / "libgreyhound_hook.so"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``cond`` every 5 ms until it holds; ``TimeoutError(what)`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.005)
+    raise TimeoutError(what)
 
 
 def wait_rings(shm: Path, job: str, n: int, timeout: float = 20.0) -> list[Path]:

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,31 +14,19 @@ import pytest
 
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
-from tests.native.helpers import wait_rings
+from tests.native.helpers import hook_lib, wait_for, wait_rings
 
 DATA = (H.Op.ALLREDUCE, H.Op.SEND, H.Op.RECV)
 # These tests read the rings after the job: the hook removes them at exit unless told to keep them.
 KEEP = {"GREYHOUND_RING_KEEP": "1"}
 
 
-def _hook(build: Path) -> Path:
-    return build / "libgreyhound_hook.so"
-
-
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.005)
-    raise TimeoutError(what)
-
 
 def test_every_rank_records_its_calls_splits_and_p2p(native_build: Path, tmp_path: Path) -> None:
     spec = FakeJobSpec(world_size=4, iters=25, compute_ms=1, pp=2, bytes=4096, job_id="fields",
                        verbose=False)
     shm = tmp_path / "shm"
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm,
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm,
                  env=KEEP) as job:
         assert job.wait(60) == [0, 0, 0, 0]
     recs = {}
@@ -87,7 +74,7 @@ def test_comm_table_counters_and_overflow(native_build: Path, tmp_path: Path) ->
     spec = FakeJobSpec(world_size=2, iters=40, compute_ms=0.5, pp=2, bytes=64, job_id="ovf",
                        verbose=False)
     shm = tmp_path / "shm"
-    job = FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm,
+    job = FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm,
                   env={"GREYHOUND_RING_RECORDS": "32", **KEEP})
     with job:
         assert job.wait(60) == [0, 0]
@@ -108,7 +95,7 @@ def _single_rank_env(build: Path, shm: Path, job: str, tmp: Path) -> dict[str, s
     env = dict(os.environ)
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", GH_ITERS="5", GH_COMPUTE_MS="0.1",
                GH_BYTES="256", GH_RDZV=str(tmp / "rdzv"), GREYHOUND_JOB_ID=job,
-               GREYHOUND_SHM_DIR=str(shm), LD_PRELOAD=str(_hook(build)),
+               GREYHOUND_SHM_DIR=str(shm), LD_PRELOAD=str(hook_lib(build)),
                LD_LIBRARY_PATH=str(build / "fake"), **KEEP)
     return env
 
@@ -134,7 +121,7 @@ def test_profile_mode_gets_gpu_times_from_the_fake_cuda(native_build: Path, tmp_
     spec = FakeJobSpec(world_size=2, iters=150, compute_ms=2, bytes=4096, job_id="prof",
                        verbose=False)
     shm = tmp_path / "shm"
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         rings = wait_rings(shm, "prof", 2)
         readers = [H.RingReader(p, gpu_wait_ns=5_000_000_000) for p in rings]
         for r in readers:
@@ -157,7 +144,7 @@ def test_pause_benchmark_resume_with_the_jobs_communicators(native_build: Path,
                                                             tmp_path: Path) -> None:
     spec = FakeJobSpec(world_size=2, iters=400, compute_ms=2, bytes=4096, job_id="pause")
     shm = tmp_path / "shm"
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         rings = wait_rings(shm, "pause", 2)
         job.wait_iteration(0, 5, 30)
         readers = [H.RingReader(p) for p in rings]
@@ -168,7 +155,7 @@ def test_pause_benchmark_resume_with_the_jobs_communicators(native_build: Path,
         target = max(int(r.comms()["last_seq_entered"][0]) for r in readers) + 3
         for c in ctls:
             c.pause(comm_id=world, seq=target)
-        _wait(lambda: all(c.paused() for c in ctls), 20, "ranks did not pause")
+        wait_for(lambda: all(c.paused() for c in ctls), 20, "ranks did not pause")
         for r in readers:
             assert int(r.comms()["last_seq_completed"][0]) == target - 1
         before = [len(job.iterations(r)) for r in range(2)]
@@ -185,7 +172,7 @@ def test_pause_benchmark_resume_with_the_jobs_communicators(native_build: Path,
                     results[key] = res
             return len(results) == 3
 
-        _wait(done, 30, "benchmarks did not finish")
+        wait_for(done, 30, "benchmarks did not finish")
         time.sleep(0.1)
         assert [len(job.iterations(r)) for r in range(2)] == before  # training really stopped
         for c in ctls:

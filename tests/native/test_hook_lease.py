@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,23 +20,11 @@ from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
 from greyhound.hookabi.layout import BENCH_MAX_GEMM_N, BENCH_MAX_P2P_BYTES
 from greyhound.hookabi.mapping import RingMapping
-from tests.native.helpers import pause_then_die, wait_rings
+from tests.native.helpers import hook_lib, pause_then_die, wait_for, wait_rings
 
 LEASE_S = 3.0
 INVALID_ARGUMENT = 4  # ncclInvalidArgument: what the hook answers a request beyond the bounds
 
-
-def _hook(build: Path) -> Path:
-    return build / "libgreyhound_hook.so"
-
-
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.005)
-    raise TimeoutError(what)
 
 
 def _world(reader: H.RingReader) -> int:
@@ -54,7 +41,7 @@ def test_a_job_paused_by_a_killed_requester_resumes_when_its_lease_ends(native_b
     # Long enough for the pausing process to start up and park it on a loaded machine.
     spec = FakeJobSpec(world_size=2, iters=3000, compute_ms=1, bytes=4096, job_id="orphan")
     shm = tmp_path / "shm"
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         rings = wait_rings(shm, "orphan", 2)
         job.wait_iteration(0, 5, 30)
         readers = [H.RingReader(p) for p in rings]
@@ -64,7 +51,7 @@ def test_a_job_paused_by_a_killed_requester_resumes_when_its_lease_ends(native_b
         assert p.returncode == -signal.SIGKILL and b"paused" in p.stdout, p.stderr
         assert all(c.paused() for c in ctls)  # parked, and the requester is gone
         ctl = [RingMapping(r.path).ctl for r in readers]
-        _wait(lambda: all(int(c["lease_expired"]) == 1 for c in ctl), LEASE_S + 30, "no resume")
+        wait_for(lambda: all(int(c["lease_expired"]) == 1 for c in ctl), LEASE_S + 30, "no resume")
         resumed = time.monotonic()
         assert job.wait(120) == [0, 0]  # the job finished normally
     assert LEASE_S - 0.2 <= resumed - asked <= LEASE_S + 30  # at the lease's end, not before
@@ -102,7 +89,7 @@ def test_validation_scratch_is_given_back_and_sizes_beyond_the_bounds_are_refuse
     spec = FakeJobSpec(world_size=2, iters=150, compute_ms=2, bytes=4096, job_id="scratch")
     shm, work = tmp_path / "shm", tmp_path / "w"
     gemm_n = 96
-    with FakeJob(spec, workdir=work, hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=work, hook=hook_lib(native_build), shm_dir=shm) as job:
         rings = wait_rings(shm, "scratch", 2)
         job.wait_iteration(0, 5, 30)
         readers = [H.RingReader(p) for p in rings]
@@ -110,7 +97,7 @@ def test_validation_scratch_is_given_back_and_sizes_beyond_the_bounds_are_refuse
         world, target = _world(readers[0]), _target(readers)
         for c in ctls:
             c.pause(comm_id=world, seq=target, lease_s=60)
-        _wait(lambda: all(c.paused() for c in ctls), 30, "ranks did not pause")
+        wait_for(lambda: all(c.paused() for c in ctls), 30, "ranks did not pause")
         paused_at = len(job.iterations(0))
         raw = RingMapping(readers[0].path).ctl
         huge = [_raw_submit(raw, 1000, H.BenchKind.GEMM, BENCH_MAX_GEMM_N + 1),
@@ -122,7 +109,7 @@ def test_validation_scratch_is_given_back_and_sizes_beyond_the_bounds_are_refuse
                                              comm_id=world, peer=1)),
                ctls[1].submit(H.BenchRequest(kind=H.BenchKind.RECV, size=1 << 16, repeat=2,
                                              comm_id=world, peer=0))]
-        _wait(lambda: all(int(raw["slots"][i]["state"]) >= H.BenchState.DONE for i in huge), 30,
+        wait_for(lambda: all(int(raw["slots"][i]["state"]) >= H.BenchState.DONE for i in huge), 30,
               "the hook did not answer the requests beyond the bounds")
         results: dict[int, H.BenchResult] = {}
 
@@ -132,7 +119,7 @@ def test_validation_scratch_is_given_back_and_sizes_beyond_the_bounds_are_refuse
                     results[k] = res
             return len(results) == 3
 
-        _wait(done, 60, "benchmarks did not finish")
+        wait_for(done, 60, "benchmarks did not finish")
         for i in huge:
             assert int(raw["slots"][i]["state"]) == H.BenchState.FAILED
             assert int(raw["slots"][i]["result"]) == INVALID_ARGUMENT

@@ -17,20 +17,7 @@ import pytest
 
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
-from tests.native.helpers import wait_rings
-
-
-def _hook(build: Path) -> Path:
-    return build / "libgreyhound_hook.so"
-
-
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.005)
-    raise TimeoutError(what)
+from tests.native.helpers import hook_lib, wait_for, wait_rings
 
 
 def _world(reader: H.RingReader) -> np.void:
@@ -50,7 +37,7 @@ def test_marks_follow_the_device_not_the_host(native_build: Path, tmp_path: Path
     spec = FakeJobSpec(world_size=2, iters=60, compute_ms=40, compute_busy=0.0, job_id="follow")
     shm = tmp_path / "shm"
     samples: list[dict[str, int]] = []
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         readers = [H.RingReader(p) for p in wait_rings(shm, "follow", 2)]
         job.wait_iteration(0, 5, 30)
         recs = readers[0].poll()
@@ -94,12 +81,12 @@ def test_collective_hung_on_the_gpu_is_pending_while_the_host_waits(native_build
                                                                     tmp_path: Path) -> None:
     spec = FakeJobSpec(world_size=2, iters=200, compute_ms=5, compute_busy=0.0, job_id="hang")
     shm = tmp_path / "shm"
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         readers = [H.RingReader(p) for p in wait_rings(shm, "hang", 2)]
         job.wait_iteration(1, 10, 30)
         hung = int(_world(readers[1])["last_seq_entered"]) + 15  # the hook's seq, from 1
         job.faults.set(f"never_complete 1 {hung - 1}")  # the fake numbers collectives from 0
-        _wait(lambda: int(_world(readers[1])["gpu_pending_seq"]) == hung, 30, "no pending call")
+        wait_for(lambda: int(_world(readers[1])["gpu_pending_seq"]) == hung, 30, "no pending call")
         time.sleep(0.3)
         first = _world(readers[1])
         time.sleep(0.5)
@@ -119,7 +106,7 @@ def test_collective_hung_on_the_gpu_is_pending_while_the_host_waits(native_build
         # Its peer finished that collective on its GPU (rank 1 reached it) and hangs one later.
         assert int(_world(readers[0])["gpu_seq_done"]) >= hung
         job.faults.clear()
-        _wait(lambda: int(_world(readers[1])["gpu_seq_done"]) > hung, 30, "did not recover")
+        wait_for(lambda: int(_world(readers[1])["gpu_seq_done"]) > hung, 30, "did not recover")
         assert job.wait(60) == [0, 0]
 
 
@@ -131,12 +118,12 @@ def test_h1_and_h2_as_the_comm_tables_show_them(native_build: Path, tmp_path: Pa
     spec = FakeJobSpec(world_size=2, iters=200, compute_ms=5, compute_busy=0.0, job_id=kind,
                        verbose=False)
     shm = tmp_path / "shm"
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         readers = [H.RingReader(p) for p in wait_rings(shm, kind, 2)]
-        _wait(lambda: int(_world(readers[1])["last_seq_entered"]) >= 5, 30, "job did not start")
+        wait_for(lambda: int(_world(readers[1])["last_seq_entered"]) >= 5, 30, "job did not start")
         at = int(_world(readers[1])["last_seq_entered"]) + 10  # workload iteration = fake seq
         job.faults.set(fault.format(at))
-        _wait(lambda: int(_world(readers[0])["gpu_pending_seq"]) == at + 1, 30, "no pending call")
+        wait_for(lambda: int(_world(readers[0])["gpu_pending_seq"]) == at + 1, 30, "no pending call")
         time.sleep(0.3)
         rows = [_world(r) for r in readers]
     count = spec.bytes // 4
@@ -154,9 +141,9 @@ def test_marks_of_groups_and_the_pipeline_communicator(native_build: Path, tmp_p
     spec = FakeJobSpec(world_size=4, iters=80, compute_ms=4, compute_busy=0.0, tp=2, pp=2,
                        job_id="groups", verbose=False)
     shm = tmp_path / "shm"
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         readers = [H.RingReader(p) for p in wait_rings(shm, "groups", 4)]
-        _wait(lambda: all(int(r.comms()["gpu_calls_done"].max()) > 40 for r in readers), 60,
+        wait_for(lambda: all(int(r.comms()["gpu_calls_done"].max()) > 40 for r in readers), 60,
               "marks did not advance")
         snaps = [r.comms() for r in readers]
         assert job.wait(60) == [0] * 4
@@ -176,7 +163,7 @@ def test_profile_gpu_times_are_the_device_timeline(native_build: Path, tmp_path:
     spec = FakeJobSpec(world_size=2, iters=80, compute_ms=20, compute_busy=0.0, job_id="ptime",
                        verbose=False)
     shm = tmp_path / "shm"
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         readers = [H.RingReader(p, gpu_wait_ns=5_000_000_000) for p in wait_rings(shm, "ptime", 2)]
         job.faults.set("slow_rank 1 3.0")  # rank 1's GPU computes 60 ms, rank 0's 20 ms
         for r in readers:
@@ -214,7 +201,7 @@ def _pause_both(readers: list[H.RingReader], ctls: list[H.Control]) -> None:
     target = max(int(_world(r)["last_seq_entered"]) for r in readers) + 2
     for c in ctls:
         c.pause(comm_id=world, seq=target)
-    _wait(lambda: all(c.paused() for c in ctls), 30, "ranks did not pause")
+    wait_for(lambda: all(c.paused() for c in ctls), 30, "ranks did not pause")
 
 
 def _result(ctl: H.Control, req: int, timeout: float = 30.0) -> H.BenchResult:
@@ -226,7 +213,7 @@ def _result(ctl: H.Control, req: int, timeout: float = 30.0) -> H.BenchResult:
             out.append(res)
         return bool(out)
 
-    _wait(done, timeout, "benchmark did not finish")
+    wait_for(done, timeout, "benchmark did not finish")
     return out[0]
 
 
@@ -237,10 +224,10 @@ def test_validation_drains_queued_gpu_work_before_its_gemm(native_build: Path, t
     spec = FakeJobSpec(world_size=2, iters=40, compute_ms=300, compute_busy=0.0, kernels=2,
                        job_id="drain", verbose=False)
     shm = tmp_path / "shm"
-    with FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm) as job:
+    with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         readers = [H.RingReader(p) for p in wait_rings(shm, "drain", 2)]
         ctls = [r.control() for r in readers]
-        _wait(lambda: int(_world(readers[0])["last_seq_entered"]) >= 2, 30, "job did not start")
+        wait_for(lambda: int(_world(readers[0])["last_seq_entered"]) >= 2, 30, "job did not start")
         _pause_both(readers, ctls)
         queued = int(_world(readers[0])["gpu_pending_ns"])
         assert queued == 0  # the parked call is not enqueued; the compute before it is queued
@@ -261,12 +248,12 @@ def test_p2p_benchmark_whose_peer_never_posts_fails_in_bounded_time(native_build
     spec = FakeJobSpec(world_size=2, iters=400, compute_ms=5, compute_busy=0.0, job_id="p2pto",
                        verbose=False)
     shm = tmp_path / "shm"
-    job = FakeJob(spec, workdir=tmp_path / "w", hook=_hook(native_build), shm_dir=shm,
+    job = FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm,
                   env={"GREYHOUND_BENCH_TIMEOUT_MS": "400"})
     with job:
         readers = [H.RingReader(p) for p in wait_rings(shm, "p2pto", 2)]
         ctls = [r.control() for r in readers]
-        _wait(lambda: int(_world(readers[0])["last_seq_entered"]) >= 2, 30, "job did not start")
+        wait_for(lambda: int(_world(readers[0])["last_seq_entered"]) >= 2, 30, "job did not start")
         _pause_both(readers, ctls)
         world = int(_world(readers[0])["comm_id"])
         t0 = time.monotonic()
