@@ -10,14 +10,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.analyzer.profiling import CollectiveFeed, WindowRule
 from services.analyzer.service import Analyzer
-from services.analyzer.slow import SlowLocalizer
 from services.common.bus.contract import DetectionEvent, Subjects
-from services.common.bus.streams import TELEMETRY, ConsumerSpec
 from services.common.db import repository as repo
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
+from tests.services.analyzer.helpers import fed_localizer
 from tests.services.common.pipeline import AGENTS, SLOW_RANK, StandInJob
 
 
@@ -59,10 +57,7 @@ async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext) -> N
 
     agents = StandInJob(ctx, job)
     await agents.start()
-    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
-    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
-        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
-    feeding = asyncio.create_task(feed.run())
+    localizer, feed, feeding = fed_localizer(ctx, job)
     analyzer = Analyzer(ctx, localizer)
     try:
         assert await analyzer.resume() == 1  # this job only

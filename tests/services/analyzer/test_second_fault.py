@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 from nats.aio.msg import Msg
 
-from services.analyzer.profiling import CollectiveFeed, WindowRule
 from services.analyzer.service import Analyzer
-from services.analyzer.slow import SlowLocalizer
 from services.common.bus.client import publish
 from services.common.bus.contract import (
     CollectiveBatch,
@@ -26,13 +24,12 @@ from services.common.bus.contract import (
     DetectionKind,
     Subjects,
 )
-from services.common.bus.streams import TELEMETRY, ConsumerSpec
 from services.common.db import repository as repo
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
+from tests.services.analyzer.helpers import AGENTS, fed_localizer, register_ranks
 
 COMM = (1 << 64) - 777
-AGENTS = ("node-a", "node-b")
 
 
 def collectives(job: str, agent: str, ranks: list[int], late: dict[int, float],
@@ -93,18 +90,9 @@ def _det(job: str, kind: DetectionKind, change: str, first: int, before: float, 
 async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
         ctx: ServiceContext) -> None:
     job = f"second{uuid.uuid4().hex[:8]}"
-    async with ctx.db()() as session:
-        await repo.touch_job(session, job)
-        for i, agent in enumerate(AGENTS):
-            await repo.upsert_ranks(session, job, agent, [
-                {"rank": r, "host": f"host{i}", "node": None, "device": r % 2, "pid": 100 + r}
-                for r in (2 * i, 2 * i + 1)])
-        await session.commit()
+    await register_ranks(ctx, job)
     await _agents(ctx, job)
-    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
-    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
-        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
-    feeding = asyncio.create_task(feed.run())
+    localizer, feed, feeding = fed_localizer(ctx, job)
     analyzer = Analyzer(ctx, localizer)
 
     async def settle() -> None:
@@ -150,13 +138,7 @@ async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
         ctx: ServiceContext) -> None:
     """Rank 2 just gets later: the new incident finds only the known culprit and closes."""
     job = f"worse{uuid.uuid4().hex[:8]}"
-    async with ctx.db()() as session:
-        await repo.touch_job(session, job)
-        for i, agent in enumerate(AGENTS):
-            await repo.upsert_ranks(session, job, agent, [
-                {"rank": r, "host": f"host{i}", "node": None, "device": r % 2, "pid": 100 + r}
-                for r in (2 * i, 2 * i + 1)])
-        await session.commit()
+    await register_ranks(ctx, job)
     for i, agent in enumerate(AGENTS):
         async def answer(msg: Msg, agent: str = agent, i: int = i) -> None:
             req = ControlRequest.model_validate_json(msg.data)
@@ -165,10 +147,7 @@ async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
                 await publish(ctx.js, Subjects.collectives(job, agent),
                               collectives(job, agent, [2 * i, 2 * i + 1], {2: 35.0}, seed=3))
         await ctx.nc.subscribe(Subjects.control(job, agent), cb=answer)
-    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
-    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
-        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
-    feeding = asyncio.create_task(feed.run())
+    localizer, feed, feeding = fed_localizer(ctx, job)
     analyzer = Analyzer(ctx, localizer)
     try:
         await analyzer.handle("", _det(job, "slowdown", "onset", 100, 0.031, 0.056))

@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 from nats.aio.msg import Msg
 
-from services.analyzer.profiling import CollectiveFeed, WindowRule
 from services.analyzer.service import Analyzer
-from services.analyzer.slow import SlowLocalizer
 from services.common.bus.client import publish
 from services.common.bus.contract import (
     CollectiveBatch,
@@ -28,13 +26,13 @@ from services.common.bus.contract import (
     Subjects,
     Suspicion,
 )
-from services.common.bus.streams import EVENTS, TELEMETRY, ConsumerSpec
+from services.common.bus.streams import EVENTS
 from services.common.db import repository as repo
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
+from tests.services.analyzer.helpers import AGENTS, fed_localizer, register_ranks
 
 COMM = (1 << 64) - 12345  # an unsigned hash above 2^63: must survive the int64 cores
-AGENTS = ("node-a", "node-b")
 
 
 def collectives(job: str, agent: str, ranks: list[int], *, iters: int, iter_ms: float,
@@ -106,19 +104,10 @@ async def ctx(nats_url: str, fresh_db_url: str) -> AsyncIterator[ServiceContext]
 async def run_case(ctx: ServiceContext, *, before_s: float, after_s: float,
                    **profile: Any) -> tuple[dict[str, Any], list[Suspicion], list[str]]:
     job = f"loc{uuid.uuid4().hex[:8]}"
-    async with ctx.db()() as session:
-        await repo.touch_job(session, job)
-        for i, agent in enumerate(AGENTS):
-            await repo.upsert_ranks(session, job, agent, [
-                {"rank": r, "host": f"host{i}", "node": None, "device": r % 2, "pid": 100 + r}
-                for r in (2 * i, 2 * i + 1)])
-        await session.commit()
+    await register_ranks(ctx, job)
     agents = StandInAgents(ctx, job, **profile)
     await agents.start()
-    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
-    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
-        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
-    feeding = asyncio.create_task(feed.run())
+    localizer, feed, feeding = fed_localizer(ctx, job)
     det = DetectionEvent(job_id=job, kind="slowdown", ranks=[0, 1, 2, 3], first_iteration=100,
                          detected_iteration=104, before_s=before_s, after_s=after_s,
                          detected_ns=0)

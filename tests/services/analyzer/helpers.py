@@ -1,0 +1,36 @@
+"""What the analyzer's service tests share: the stand-in job's two agents registered in Postgres,
+and a slow localizer fed from the telemetry stream as the analyzer process feeds it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.analyzer.profiling import CollectiveFeed, WindowRule
+from services.analyzer.slow import SlowLocalizer
+from services.common.bus.contract import Subjects
+from services.common.bus.streams import TELEMETRY, ConsumerSpec
+from services.common.db import repository as repo
+from services.common.runtime import ServiceContext
+
+AGENTS = ("node-a", "node-b")
+
+
+async def register_ranks(ctx: ServiceContext, job: str) -> None:
+    """Ranks 0-3 of ``job``: two per agent, agent i on host i."""
+    async with ctx.db()() as session:
+        await repo.touch_job(session, job)
+        for i, agent in enumerate(AGENTS):
+            await repo.upsert_ranks(session, job, agent, [
+                {"rank": r, "host": f"host{i}", "node": None, "device": r % 2, "pid": 100 + r}
+                for r in (2 * i, 2 * i + 1)])
+        await session.commit()
+
+
+def fed_localizer(ctx: ServiceContext, job: str
+                  ) -> tuple[SlowLocalizer, CollectiveFeed, asyncio.Task[None]]:
+    """A localizer whose windows fill from ``job``'s collectives (a durable of its own); stop the
+    feed and await the task when done."""
+    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
+    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
+        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
+    return localizer, feed, asyncio.create_task(feed.run())
