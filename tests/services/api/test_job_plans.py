@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from nats.js.api import ConsumerConfig, DeliverPolicy
-
 from services.common.bus.contract import PlanReport, Subjects
 from services.common.bus.streams import EVENTS
 from services.common.db import repository as repo
 from services.common.db.models import Plan
 from tests.services.api.conftest import Api
+from tests.services.common.support import stored
 
 
 async def test_layout_is_declared_by_the_job_and_checked(api: Api) -> None:
@@ -88,13 +87,5 @@ async def test_an_expired_proposal_cannot_be_decided_and_decisions_reach_the_tim
 
 
 async def _reports(api: Api, job: str) -> list[PlanReport]:
-    sub = await api.ctx.js.pull_subscribe(
-        Subjects.plan_report(job), durable=None, stream=EVENTS,
-        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-    try:
-        msgs = await sub.fetch(16, timeout=1.0)
-    except TimeoutError:
-        msgs = []
-    finally:
-        await sub.unsubscribe()
-    return [PlanReport.model_validate_json(m.data) for m in msgs]
+    return [PlanReport.model_validate_json(d)
+            for d in await stored(api.ctx.js, EVENTS, Subjects.plan_report(job))]

@@ -3,36 +3,23 @@ keeps its URL and stages, and is disabled since its plain secret cannot be encry
 
 from __future__ import annotations
 
-import asyncio
-
-import asyncpg
 from alembic import command
 
 from services.common.db.migrate import alembic_config, upgrade
-
-
-def _q(url: str, sql: str) -> list[asyncpg.Record]:
-    async def run() -> list[asyncpg.Record]:
-        conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://", 1))
-        try:
-            return list(await conn.fetch(sql))
-        finally:
-            await conn.close()
-
-    return asyncio.run(run())
+from tests.services.common.support import query
 
 
 def test_old_webhooks_survive_disabled_and_downgrade_restores_them(fresh_db_url: str) -> None:
     upgrade(fresh_db_url, "0001")
-    _q(fresh_db_url, "insert into webhooks (id, url, secret, stages, enabled) values "
+    query(fresh_db_url, "insert into webhooks (id, url, secret, stages, enabled) values "
                      "('w1', 'http://x.test/', 'plain', '[\"resolved\"]'::jsonb, true)")
     upgrade(fresh_db_url)
-    (row,) = _q(fresh_db_url, "select url, events::text, enabled, secret_enc, format from webhooks")
+    (row,) = query(fresh_db_url, "select url, events::text, enabled, secret_enc, format from webhooks")
     assert (row["url"], row["events"], row["enabled"], row["secret_enc"], row["format"]) == (
         "http://x.test/", '["resolved"]', False, "", "json")
     command.downgrade(alembic_config(fresh_db_url), "0001")
-    (row,) = _q(fresh_db_url, "select url, stages::text from webhooks")
+    (row,) = query(fresh_db_url, "select url, stages::text from webhooks")
     assert (row["url"], row["stages"]) == ("http://x.test/", '["resolved"]')
-    tables = {r["tablename"] for r in _q(fresh_db_url, "select tablename from pg_tables "
+    tables = {r["tablename"] for r in query(fresh_db_url, "select tablename from pg_tables "
                                                        "where schemaname='public'")}
     assert not tables & {"api_tokens", "audit_log", "webhook_attempts"}

@@ -1,4 +1,5 @@
-"""Helpers for the consumer tests: bounded waiting, a JetStream connection, the DLQ's letters."""
+"""Helpers for the consumer tests: bounded waiting, a JetStream connection, what a stream holds,
+the DLQ's letters."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import asyncpg
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -37,6 +39,19 @@ def batch(job: str, iteration: int = 1) -> IterationBatch:
                           duration_s=[0.1])
 
 
+async def stored(js: JetStreamContext, stream: str, subject: str, limit: int = 32) -> list[bytes]:
+    """The messages ``stream`` holds on ``subject``, oldest first (at most ``limit``)."""
+    sub = await js.pull_subscribe(subject, durable=None, stream=stream,
+                                  config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+    try:
+        msgs = await sub.fetch(limit, timeout=1.0)
+    except TimeoutError:
+        msgs = []
+    finally:
+        await sub.unsubscribe()
+    return [m.data for m in msgs]
+
+
 async def letters_for(js: JetStreamContext, stream: str, subject: str) -> list[DeadLetter]:
     """Every dead letter of ``stream`` recorded for messages on ``subject``."""
     sub = await js.pull_subscribe(
@@ -57,3 +72,15 @@ async def letters_for(js: JetStreamContext, stream: str, subject: str) -> list[D
     finally:
         await sub.unsubscribe()
     return found
+
+
+def query(url: str, sql: str) -> list[asyncpg.Record]:
+    """``sql``'s rows, straight from Postgres (a SQLAlchemy asyncpg URL), outside any event loop."""
+    async def run() -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://", 1))
+        try:
+            return list(await conn.fetch(sql))
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())

@@ -13,13 +13,13 @@ from typing import Any
 
 import nats.errors
 import pytest
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from services.common import outbox as outbox_module
 from services.common.bus.contract import IncidentEvent, PlanMessage, Subjects
 from services.common.bus.streams import EVENTS, PLANS
 from services.common.db import repository as repo
 from services.planner.base import PlannerBase
+from tests.services.common.support import stored
 from tests.services.planner.conftest import Bench, Rig
 
 LAYOUT = {"tp": 1, "dp": 4, "pp": 1, "gpus_per_node": 4, "microbatches": 16}
@@ -27,15 +27,7 @@ LAYOUT = {"tp": 1, "dp": 4, "pp": 1, "gpus_per_node": 4, "microbatches": 16}
 
 async def _stored(rig: Rig, stream: str, subject: str) -> list[bytes]:
     """Every message the stream holds on ``subject``, oldest first."""
-    sub = await rig.ctx.js.pull_subscribe(subject, durable=None, stream=stream,
-                                          config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-    try:
-        msgs = await sub.fetch(32, timeout=1.0)
-    except TimeoutError:
-        msgs = []
-    finally:
-        await sub.unsubscribe()
-    return [m.data for m in msgs]
+    return await stored(rig.ctx.js, stream, subject)
 
 
 async def _mitigated(rig: Rig, inc: str) -> list[IncidentEvent]:

@@ -5,26 +5,17 @@ from __future__ import annotations
 
 import asyncio
 
-from nats.js.api import ConsumerConfig, DeliverPolicy
-
 from services.common.bus.client import publish
 from services.common.bus.contract import IncidentEvent, Subjects, Suspicion
 from services.common.bus.streams import EVENTS
 from services.common.db import repository as repo
+from tests.services.common.support import stored
 from tests.services.planner.conftest import Bench, Rig
 
 
 async def _suspicions(rig: Rig) -> list[Suspicion]:
-    sub = await rig.ctx.js.pull_subscribe(
-        Subjects.suspicion(rig.job), durable=None, stream=EVENTS,
-        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-    try:
-        msgs = await sub.fetch(16, timeout=1.0)
-    except TimeoutError:
-        msgs = []
-    finally:
-        await sub.unsubscribe()
-    return [Suspicion.model_validate_json(m.data) for m in msgs]
+    return [Suspicion.model_validate_json(d)
+            for d in await stored(rig.ctx.js, EVENTS, Subjects.suspicion(rig.job))]
 
 
 async def _validate(rig: Rig, inc: str, s: Suspicion, verdict: str) -> None:
