@@ -17,25 +17,14 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects import postgresql
+
+from services.common.migrations.column_ops import JSONB, add_filled_column
 
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-JSONB = postgresql.JSONB(astext_type=sa.Text())
-
-
-def _add(table: str, column: sa.Column[object], default: str | None) -> None:
-    """A NOT NULL column on a table that may hold rows: filled once, then no server default
-    (the models supply values, as for every other column)."""
-    if default is None:
-        op.add_column(table, column)
-        return
-    column.server_default = sa.DefaultClause(sa.text(default))
-    op.add_column(table, column)
-    op.alter_column(table, column.name, server_default=None)
 
 
 def upgrade() -> None:
@@ -92,8 +81,8 @@ def upgrade() -> None:
                                          nullable=True))
     op.add_column("incidents", sa.Column("acknowledged_by", sa.String(length=255), nullable=True))
 
-    _add("webhook_deliveries", sa.Column("event", sa.String(length=64), nullable=False), "''")
-    _add("webhook_deliveries", sa.Column("payload", JSONB, nullable=False), "'{}'::jsonb")
+    add_filled_column("webhook_deliveries", sa.Column("event", sa.String(length=64), nullable=False), "''")
+    add_filled_column("webhook_deliveries", sa.Column("payload", JSONB, nullable=False), "'{}'::jsonb")
     op.add_column("webhook_deliveries", sa.Column(
         "created_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False))
     op.add_column("webhook_deliveries", sa.Column("delivered_at", sa.DateTime(timezone=True),
@@ -101,18 +90,18 @@ def upgrade() -> None:
     op.create_index("ix_webhook_deliveries_due", "webhook_deliveries", ["status", "next_attempt_at"],
                     unique=False)
 
-    _add("webhooks", sa.Column("name", sa.String(length=255), nullable=False), "''")
-    _add("webhooks", sa.Column("secret_enc", sa.Text(), nullable=False), "''")
-    _add("webhooks", sa.Column("events", JSONB, nullable=False), "'[]'::jsonb")
-    _add("webhooks", sa.Column("format", sa.String(length=16), nullable=False), "'json'")
-    _add("webhooks", sa.Column("created_by", sa.String(length=255), nullable=False), "''")
+    add_filled_column("webhooks", sa.Column("name", sa.String(length=255), nullable=False), "''")
+    add_filled_column("webhooks", sa.Column("secret_enc", sa.Text(), nullable=False), "''")
+    add_filled_column("webhooks", sa.Column("events", JSONB, nullable=False), "'[]'::jsonb")
+    add_filled_column("webhooks", sa.Column("format", sa.String(length=16), nullable=False), "'json'")
+    add_filled_column("webhooks", sa.Column("created_by", sa.String(length=255), nullable=False), "''")
     op.execute("UPDATE webhooks SET events = stages, enabled = false")
     op.drop_column("webhooks", "secret")
     op.drop_column("webhooks", "stages")
 
 
 def downgrade() -> None:
-    _add("webhooks", sa.Column("stages", JSONB, nullable=False), "'[]'::jsonb")
+    add_filled_column("webhooks", sa.Column("stages", JSONB, nullable=False), "'[]'::jsonb")
     op.add_column("webhooks", sa.Column("secret", sa.String(length=255), nullable=True))
     op.execute("UPDATE webhooks SET stages = events")
     for column in ("created_by", "format", "events", "secret_enc", "name"):

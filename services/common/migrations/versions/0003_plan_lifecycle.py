@@ -15,35 +15,24 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects import postgresql
+
+from services.common.migrations.column_ops import JSONB, add_filled_column
 
 revision: str = "0003"
 down_revision: str | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-JSONB = postgresql.JSONB(astext_type=sa.Text())
-
-
-def _add(table: str, column: sa.Column[object], default: str | None) -> None:
-    """A NOT NULL column on a table that may hold rows: filled once, then no server default
-    (the models supply values, as for every other column)."""
-    if default is None:
-        op.add_column(table, column)
-        return
-    column.server_default = sa.DefaultClause(sa.text(default))
-    op.add_column(table, column)
-    op.alter_column(table, column.name, server_default=None)
 
 
 def upgrade() -> None:
-    _add("plans", sa.Column("params_version", sa.Integer(), nullable=False), "1")
-    _add("plans", sa.Column("policy", sa.String(length=16), nullable=False), "'approval'")
+    add_filled_column("plans", sa.Column("params_version", sa.Integer(), nullable=False), "1")
+    add_filled_column("plans", sa.Column("policy", sa.String(length=16), nullable=False), "'approval'")
     op.add_column("plans", sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True))
     op.add_column("plans", sa.Column("version", sa.Integer(), nullable=True))
     op.add_column("plans", sa.Column("cost_s", sa.Float(), nullable=True))
     op.add_column("plans", sa.Column("reverted_at", sa.DateTime(timezone=True), nullable=True))
-    _add("plans", sa.Column("reason", sa.Text(), nullable=False), "''")
+    add_filled_column("plans", sa.Column("reason", sa.Text(), nullable=False), "''")
     op.create_index("ix_plans_job_status", "plans", ["job_id", "status"], unique=False)
     op.create_table(
         "plan_deliveries",
