@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
 from services.agent.service import run_agent
 from services.agent.settings import AgentSettings
-from services.common.bus.client import connect
+from services.common.bus.client import connect, ensure_streams
 from services.common.bus.contract import ControlRequest, GpuHealth, Subjects
 from services.common.bus.control import request
 from services.common.runtime import Backends, start_service
@@ -53,6 +53,7 @@ async def running(nats_url: str, root: Path, job_id: str, nvml_lib: str,
         ctx = await start_service("agent", settings, need_db=False,
                                   backends=Backends(nats_url=nats_url, database_url=""))
         nc = await connect(nats_url, name="gpu-test")
+        await ensure_streams(nc.jetstream(), settings)  # the central services' part, not the agent's
         health: asyncio.Queue[GpuHealth] = asyncio.Queue()
         iterations: list[int] = []
 
