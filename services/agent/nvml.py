@@ -28,9 +28,11 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from services.agent.collector import Collector
+from services.agent.visible_devices import nvml_index, read_visible
 from services.common.bus.contract import MAX_GPUS, GpuHealth, GpuSample, Message, Subjects, XidEvent
 
 with warnings.catch_warnings():  # the pynvml shim warns that nvidia-ml-py is the real package
@@ -146,6 +148,10 @@ class NvmlSampler:
         gpu.uuid = self._call(gpu, "uuid", lambda: _text(pynvml.nvmlDeviceGetUUID(handle)))
         gpu.name = self._call(gpu, "name", lambda: _text(pynvml.nvmlDeviceGetName(handle)))
         self.gpus[index] = gpu
+
+    def uuids(self) -> dict[str, int]:
+        """Each GPU's UUID -> its NVML index (GPUs whose UUID NVML did not give are left out)."""
+        return {g.uuid: g.index for g in list(self.gpus.values()) if g.uuid}
 
     def _register_events(self) -> None:
         try:
@@ -329,13 +335,15 @@ class JobGpu:
 
 
 def job_gpus(collector: Collector, ranks: Iterable[int] | None = None, *,
-             host: str | None = None) -> dict[int, JobGpu]:
+             host: str | None = None, uuids: Mapping[str, int] | None = None,
+             proc: Path = Path("/proc")) -> dict[int, JobGpu]:
     """NVML index -> the job's ranks on it: rings written on this ``host`` (default: this
     machine's name; the simulator's rings come from other hosts, whose GPUs are not ours), by
     their device field (-1, no GPU, is left out).
 
-    The hook records the CUDA device ordinal, which is the NVML index unless the process's
-    CUDA_VISIBLE_DEVICES reorders the devices."""
+    The hook records the CUDA device ordinal; the rank's CUDA_VISIBLE_DEVICES (read from its
+    process, ``uuids`` resolving GPU UUIDs to NVML indices) turns it into the NVML index
+    (:mod:`services.agent.visible_devices`)."""
     here = host if host is not None else socket.gethostname()
     wanted = None if ranks is None else set(ranks)
     out: dict[int, JobGpu] = {}
@@ -347,8 +355,11 @@ def job_gpus(collector: Collector, ranks: Iterable[int] | None = None, *,
             header = stream.reader.refresh_header()
         if header.device < 0 or header.host != here:
             continue
+        index = nvml_index(header.device, read_visible(header.pid, proc), uuids or {})
+        if index is None:
+            continue
         since = header.wall_anchor_ns / 1e9
-        got = out.setdefault(header.device, JobGpu([], since))
+        got = out.setdefault(index, JobGpu([], since))
         got.ranks.append(stream.rank)
         got.since_s = min(got.since_s, since)
     for g in out.values():
@@ -376,7 +387,7 @@ class GpuMonitor:
                       ) -> list[GpuSample]:
         """A fresh sample of the GPUs of ``collector``'s job (only those of ``ranks`` if given),
         each with the ranks on it; [] without NVML."""
-        gpus = job_gpus(collector, ranks)
+        gpus = job_gpus(collector, ranks, uuids=self.sampler.uuids())
         if not gpus or not self.sampler.available:
             return []
         await asyncio.to_thread(self.sampler.poll_xids)

@@ -5,7 +5,9 @@ driver, a call a GPU does not support), none of which may raise."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -170,6 +172,7 @@ class _Stream:
     anchor_s: float
     ended: bool = False
     host: str = socket.gethostname()
+    pid: int = 0  # no process: the device ordinal is the NVML index
 
     @property
     def reader(self) -> _Stream:
@@ -177,7 +180,7 @@ class _Stream:
 
     @property
     def header(self) -> SimpleNamespace:
-        return SimpleNamespace(device=self.device, host=self.host,
+        return SimpleNamespace(device=self.device, host=self.host, pid=self.pid,
                                wall_anchor_ns=int(self.anchor_s * 1e9))
 
     def refresh_header(self) -> SimpleNamespace:
@@ -205,3 +208,26 @@ async def test_monitor_maps_gpus_to_ranks_and_blames_no_xid_from_before_the_job(
     # a job whose ranks started after the Xid was seen: not its GPU's fault
     new_job = _collector(_Stream(0, 1, time.time() + 1))
     assert [(g.index, g.xids) for g in await monitor.samples(new_job)] == [(1, [])]
+
+
+async def test_ranks_bound_to_one_gpu_each_are_mapped_through_their_visible_devices(
+        sampler: NvmlSampler) -> None:
+    """Under a scheduler that gives each rank one GPU, every rank is CUDA device 0: each rank's
+    health is its own GPU's, found through the CUDA_VISIBLE_DEVICES of its process (an index, a
+    UUID or a UUID prefix), never NVML GPU 0 for all."""
+    monitor = GpuMonitor(sampler, agent_id="a")
+    assert await monitor.open()
+    uuid2 = next(u for u, i in sampler.uuids().items() if i == 2)
+    env = [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": uuid2},
+           {"CUDA_VISIBLE_DEVICES": "1,0"}, {"CUDA_VISIBLE_DEVICES": "MIG-2d0c1a7e"}]
+    procs = [subprocess.Popen(["sleep", "30"], env={**os.environ, **e}) for e in env]
+    try:
+        now = time.time()
+        job = _collector(*(_Stream(r, 0, now - 10, pid=p.pid) for r, p in enumerate(procs)))
+        got = await monitor.samples(job)
+        # rank 3's MIG instance is not a GPU NVML samples: no health rather than GPU 0's
+        assert [(g.index, g.ranks) for g in got] == [(1, [2]), (2, [1]), (3, [0])]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
