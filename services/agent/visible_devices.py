@@ -16,10 +16,14 @@ throughout the node, or ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 VAR = b"CUDA_VISIBLE_DEVICES="
+_warned: set[str] = set()
 
 
 def read_visible(pid: int, proc: Path = Path("/proc")) -> list[str] | None:
@@ -29,6 +33,13 @@ def read_visible(pid: int, proc: Path = Path("/proc")) -> list[str] | None:
         return None
     try:
         env = (proc / str(pid) / "environ").read_bytes()
+    except PermissionError:
+        if "permission" not in _warned:
+            _warned.add("permission")
+            log.warning("cannot read the environment of rank process %d: GPU health is mapped by "
+                        "CUDA device ordinal, as if CUDA_VISIBLE_DEVICES were unset (give the agent "
+                        "the job's user, or CAP_SYS_PTRACE)", pid)
+        return None
     except OSError:
         return None
     for entry in env.split(b"\0"):
