@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from services.common.db.migrate import upgrade_async
+from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
 
 
@@ -63,3 +66,11 @@ def fresh_db_url(pg_url: str) -> Iterator[str]:
     yield f"{prefix}/{name}" + (f"?{query}" if query else "")
     asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
+
+@pytest.fixture()
+async def sessions(fresh_db_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    """Sessions on a fresh database with every migration applied."""
+    await upgrade_async(fresh_db_url)
+    engine = make_engine(fresh_db_url)
+    yield make_sessionmaker(engine)
+    await engine.dispose()

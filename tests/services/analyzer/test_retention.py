@@ -3,16 +3,13 @@ claims outlive the events stream's retention, and one pass runs at a time."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
-import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.analyzer.retention import RETENTION_LOCK, retention_pass
 from services.analyzer.settings import AnalyzerSettings
-from services.common.db.migrate import upgrade_async
 from services.common.db.models import (
     AuditEntry,
     Incident,
@@ -26,7 +23,6 @@ from services.common.db.models import (
     WebhookAttempt,
     WebhookDelivery,
 )
-from services.common.db.session import make_engine, make_sessionmaker
 
 NOW = datetime(2027, 6, 1, tzinfo=UTC)
 DAY = 86400.0
@@ -34,14 +30,6 @@ DAY = 86400.0
 
 def ago(days: float) -> datetime:
     return NOW - timedelta(days=days)
-
-
-@pytest.fixture()
-async def sessions(fresh_db_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
-    await upgrade_async(fresh_db_url)
-    engine = make_engine(fresh_db_url)
-    yield make_sessionmaker(engine)
-    await engine.dispose()
 
 
 async def seed(s: async_sessionmaker[AsyncSession]) -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
 from services.common.db import repository as repo
-from services.common.db.migrate import upgrade_async
-from services.common.db.session import make_engine, make_sessionmaker
 from services.common.outbox import Outbox
 
 
@@ -22,24 +22,18 @@ class RecordingJs:
         return SimpleNamespace(duplicate=False)
 
 
-async def test_a_relay_claims_only_its_producers_rows(fresh_db_url: str) -> None:
-    await upgrade_async(fresh_db_url)
-    engine = make_engine(fresh_db_url)
-    sessions = make_sessionmaker(engine)
-    try:
-        async with sessions() as session:
-            for i, producer in enumerate(["tracker", "planner", "tracker", "analyzer"]):
-                await repo.stage_message(session, event_id=f"e{i}", subject=f"{producer}.{i}",
-                                         kind="K", payload="{}", producer=producer,
-                                         incident_id=None)
-            await session.commit()
-        js = RecordingJs()
-        relay = Outbox(sessions, js, producer="tracker", grace_s=0.0)
-        assert await relay.relay_once() == 2
-        assert js.subjects == ["tracker.0", "tracker.2"]
-        async with sessions() as session:
-            assert list(await repo.unsent_ids(session, "planner", limit=10)) == ["e1"]
-            assert list(await repo.unsent_ids(session, "analyzer", limit=10)) == ["e3"]
-            assert list(await repo.unsent_ids(session, "tracker", limit=10)) == []
-    finally:
-        await engine.dispose()
+async def test_a_relay_claims_only_its_producers_rows(sessions: async_sessionmaker[AsyncSession]) -> None:
+    async with sessions() as session:
+        for i, producer in enumerate(["tracker", "planner", "tracker", "analyzer"]):
+            await repo.stage_message(session, event_id=f"e{i}", subject=f"{producer}.{i}",
+                                     kind="K", payload="{}", producer=producer,
+                                     incident_id=None)
+        await session.commit()
+    js = RecordingJs()
+    relay = Outbox(sessions, js, producer="tracker", grace_s=0.0)
+    assert await relay.relay_once() == 2
+    assert js.subjects == ["tracker.0", "tracker.2"]
+    async with sessions() as session:
+        assert list(await repo.unsent_ids(session, "planner", limit=10)) == ["e1"]
+        assert list(await repo.unsent_ids(session, "analyzer", limit=10)) == ["e3"]
+        assert list(await repo.unsent_ids(session, "tracker", limit=10)) == []

@@ -4,41 +4,34 @@ each entry is kept, resolved_at is set once, and an illegal entry changes nothin
 from __future__ import annotations
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from greyhound.core.lifecycle import IllegalTransition
 from services.common.db import repository as repo
-from services.common.db.migrate import upgrade_async
-from services.common.db.session import make_engine, make_sessionmaker
 
 
-async def test_timeline_follows_the_lifecycle(fresh_db_url: str) -> None:
-    await upgrade_async(fresh_db_url)
-    engine = make_engine(fresh_db_url)
-    sessions = make_sessionmaker(engine)
-    try:
-        async with sessions() as session:
-            await repo.touch_job(session, "life")
-            incident = await repo.open_incident(
-                session, job_id="life", kind="slowdown", dedup_key="slowdown", severity=1.5,
-                summary="s", culprit={}, evidence={}, stage_detail={"n": 0})
-            statuses = [incident.status]
-            for stage in ("localized", "detected", "validated", "localized", "resolved"):
-                statuses.append(await repo.add_timeline(session, incident, stage, {}))
-            closed_at = incident.resolved_at
-            assert statuses == ["detected", "localized", "localized", "validated", "localized",
-                                "resolved"]
-            assert closed_at is not None
-            assert await repo.add_timeline(session, incident, "validated", {}) == "resolved"
-            assert incident.resolved_at == closed_at  # closed once
-            with pytest.raises(IllegalTransition):
-                await repo.add_timeline(session, incident, "resolved", {})
-            await session.commit()
-            incident_id = incident.id
-        async with sessions() as session:
-            stored = await repo.get_incident(session, incident_id)
-            assert stored is not None and stored.status == "resolved"
-            assert [e.stage for e in sorted(stored.timeline, key=lambda e: e.id)] == [
-                "detected", "localized", "detected", "validated", "localized", "resolved",
-                "validated"]  # the refused entry was never added
-    finally:
-        await engine.dispose()
+async def test_timeline_follows_the_lifecycle(sessions: async_sessionmaker[AsyncSession]) -> None:
+    async with sessions() as session:
+        await repo.touch_job(session, "life")
+        incident = await repo.open_incident(
+            session, job_id="life", kind="slowdown", dedup_key="slowdown", severity=1.5,
+            summary="s", culprit={}, evidence={}, stage_detail={"n": 0})
+        statuses = [incident.status]
+        for stage in ("localized", "detected", "validated", "localized", "resolved"):
+            statuses.append(await repo.add_timeline(session, incident, stage, {}))
+        closed_at = incident.resolved_at
+        assert statuses == ["detected", "localized", "localized", "validated", "localized",
+                            "resolved"]
+        assert closed_at is not None
+        assert await repo.add_timeline(session, incident, "validated", {}) == "resolved"
+        assert incident.resolved_at == closed_at  # closed once
+        with pytest.raises(IllegalTransition):
+            await repo.add_timeline(session, incident, "resolved", {})
+        await session.commit()
+        incident_id = incident.id
+    async with sessions() as session:
+        stored = await repo.get_incident(session, incident_id)
+        assert stored is not None and stored.status == "resolved"
+        assert [e.stage for e in sorted(stored.timeline, key=lambda e: e.id)] == [
+            "detected", "localized", "detected", "validated", "localized", "resolved",
+            "validated"]  # the refused entry was never added
