@@ -4,11 +4,12 @@ The API process observes little itself (its own requests), so most series are co
 scrape time from where the truth lives:
 
 * Postgres: incidents by kind and state; detection latency (onset to detection, estimated as in
-  ``cost.py``), localisation latency (opening to first localisation) and validation pauses
-  (the validator's measured ``pause_s``) as histograms over the incidents of the last
-  ``WINDOW`` (a sliding window: read them with ``histogram_quantile`` on the current value,
-  not with ``rate``); GPU-hours lost by kind over the same window; webhook attempts by outcome
-  and deliveries by state (counts of the attempt log, so they only grow).
+  greyhound.core.incident_cost), localisation latency (opening to first localisation) and
+  validation pauses (the validator's measured ``pause_s``) as histograms over the incidents of
+  the last ``WINDOW`` (a sliding window: read them with ``histogram_quantile`` on the current
+  value, not with ``rate``); GPU-hours lost, and saved by plans, by kind over the same window;
+  webhook attempts by outcome and deliveries by state (counts of the attempt log, so they only
+  grow).
 * JetStream: messages ingested per stream (the stream's last sequence, a counter that survives
   restarts of every service), messages dead-lettered per source stream (the dead-letter
   stream's per-subject counts) and each durable consumer's backlog.
@@ -34,7 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.cost import TimelinePoint, incident_cost, localization_latency_s, validation_pause_s
+from services.api.cost import cost_of, localization_latency_s, timeline_of, validation_pause_s
 from services.common.bus.contract import DLQ_PREFIX
 from services.common.bus.streams import DEAD_LETTERS, EVENTS, TELEMETRY
 from services.common.db import repository as repo
@@ -60,6 +61,7 @@ class Snapshot:
     localization_latency: list[float] = field(default_factory=list)
     pauses: list[float] = field(default_factory=list)
     gpu_hours: dict[str, float] = field(default_factory=dict)
+    gpu_hours_saved: dict[str, float] = field(default_factory=dict)
     attempts: list[tuple[str, int]] = field(default_factory=list)
     deliveries: list[tuple[str, int]] = field(default_factory=list)
     stream_messages: dict[str, int] = field(default_factory=dict)
@@ -76,12 +78,11 @@ async def from_database(session: AsyncSession, snap: Snapshot, now: datetime) ->
     jobs = await repo.jobs_by_id(session, sorted({i.job_id for i in incidents}))
     ranks = await repo.rank_counts(session, sorted({i.job_id for i in incidents}))
     for inc in incidents:
-        timeline = [TimelinePoint(e.stage, e.at, e.detail) for e in inc.timeline]
+        timeline = timeline_of(inc)
         job = jobs.get(inc.job_id)
         gpus = (job.world_size if job is not None and job.world_size else None) \
             or ranks.get(inc.job_id)
-        cost = incident_cost(kind=inc.kind, opened_at=inc.opened_at, resolved_at=inc.resolved_at,
-                             timeline=timeline, gpus=gpus, now=now)
+        cost = cost_of(inc, gpus=gpus, now=now)
         if cost.detection_latency_s is not None:
             snap.detection_latency.append(cost.detection_latency_s)
         loc = localization_latency_s(timeline, inc.opened_at)
@@ -92,6 +93,9 @@ async def from_database(session: AsyncSession, snap: Snapshot, now: datetime) ->
             snap.pauses.append(pause)
         if cost.gpu_hours_lost is not None:
             snap.gpu_hours[inc.kind] = snap.gpu_hours.get(inc.kind, 0.0) + cost.gpu_hours_lost
+        if cost.gpu_hours_saved is not None:
+            snap.gpu_hours_saved[inc.kind] = (snap.gpu_hours_saved.get(inc.kind, 0.0)
+                                              + cost.gpu_hours_saved)
 
 
 async def from_jetstream(js: JetStreamContext, snap: Snapshot) -> None:
@@ -147,6 +151,13 @@ class SnapshotCollector(Collector):
             for kind, hours in sorted(s.gpu_hours.items()):
                 cost.add_metric([kind], hours)
             yield cost
+            saved = GaugeMetricFamily("greyhound_gpu_hours_saved",
+                                      "GPU-hours mitigation plans saved on incidents opened in "
+                                      "the last 30 days (against the level each plan found)",
+                                      labels=["kind"])
+            for kind, hours in sorted(s.gpu_hours_saved.items()):
+                saved.add_metric([kind], hours)
+            yield saved
             att = CounterMetricFamily("greyhound_webhook_attempts",
                                       "webhook delivery attempts by outcome", labels=["outcome"])
             for outcome, n in s.attempts:

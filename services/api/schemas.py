@@ -24,17 +24,30 @@ class TimelineEntry(BaseModel):
 
 
 class CostOut(BaseModel):
-    """GPU-hours lost = lost_fraction x gpus x duration_s / 3600 (see the API description)."""
+    """GPU-hours lost = lost_fraction x gpus x duration_s / 3600, the loss integrated over the
+    job's iteration-time levels during the incident (greyhound.core.incident_cost)."""
+
+    model_config = ConfigDict(from_attributes=True)
 
     gpus: int | None = Field(examples=[256])
-    slowdown: float | None = Field(description="iteration time after / before", examples=[1.5])
-    lost_fraction: float | None = Field(description="1 - before/after; 1 for a hang",
-                                        examples=[0.333])
+    slowdown: float | None = Field(description="the job's iteration time now (its newest level) "
+                                   "over its healthy one", examples=[1.5])
+    peak_slowdown: float | None = Field(default=None, description="the worst level over healthy",
+                                        examples=[3.06])
+    lost_fraction: float | None = Field(description=(
+        "the share of the GPUs' time lost over the incident: the mean of 1 - healthy/level "
+        "over its duration; 1 for a hang"), examples=[0.333])
     onset_at: datetime
     duration_s: float = Field(examples=[1800.0])
     ongoing: bool
     detection_latency_s: float | None = Field(examples=[4.2])
     gpu_hours_lost: float | None = Field(examples=[42.7])
+    mitigated_at: datetime | None = Field(default=None,
+                                          description="when the first plan took effect")
+    gpu_hours_saved: float | None = Field(default=None, description=(
+        "what the plans saved: the loss at the level each found, from the first taking effect "
+        "to the last taken back, minus the loss measured then and their application cost; null "
+        "without a plan"), examples=[12.5])
 
 
 class IncidentOut(BaseModel):

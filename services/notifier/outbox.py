@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.cost import TimelinePoint, incident_cost
+from services.api.cost import cost_of
 from services.common.db import repository as repo
 from services.common.db.models import Incident
 from services.notifier.payload import IncidentFacts, for_format, wants
@@ -46,10 +46,7 @@ async def job_gpus(session: AsyncSession, job_id: str) -> int | None:
 async def incident_facts(session: AsyncSession, inc: Incident,
                          now: datetime | None = None) -> IncidentFacts:
     """The incident as a message shows it, with its cost so far (the timeline must be loaded)."""
-    cost = incident_cost(
-        kind=inc.kind, opened_at=inc.opened_at, resolved_at=inc.resolved_at,
-        timeline=[TimelinePoint(e.stage, e.at, e.detail) for e in inc.timeline],
-        gpus=await job_gpus(session, inc.job_id), now=now or datetime.now(UTC))
+    cost = cost_of(inc, gpus=await job_gpus(session, inc.job_id), now=now or datetime.now(UTC))
     return IncidentFacts(id=inc.id, job_id=inc.job_id, kind=inc.kind, status=inc.status,
                          severity=inc.severity, summary=inc.summary, culprit=inc.culprit,
                          opened_at=inc.opened_at, resolved_at=inc.resolved_at,

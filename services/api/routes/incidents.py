@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Response
 
 from greyhound.core import lifecycle
 from services.api.auth import Operator, Viewer
-from services.api.cost import TimelinePoint, incident_cost
+from services.api.cost import cost_of
 from services.api.deps import BusDep, Session, problems
 from services.api.errors import Conflict, Invalid, NotFound
 from services.api.schemas import (
@@ -37,12 +37,8 @@ StatusFilter = Literal["open", lifecycle.Status]
 async def _cost(session: Session, inc: Incident, gpus: dict[str, int | None]) -> CostOut:
     if inc.job_id not in gpus:
         gpus[inc.job_id] = await job_gpus(session, inc.job_id)
-    c = incident_cost(kind=inc.kind, opened_at=inc.opened_at, resolved_at=inc.resolved_at,
-                      timeline=[TimelinePoint(e.stage, e.at, e.detail) for e in inc.timeline],
-                      gpus=gpus[inc.job_id], now=datetime.now(UTC))
-    return CostOut(gpus=c.gpus, slowdown=c.slowdown, lost_fraction=c.lost_fraction,
-                   onset_at=c.onset_at, duration_s=c.duration_s, ongoing=c.ongoing,
-                   detection_latency_s=c.detection_latency_s, gpu_hours_lost=c.gpu_hours_lost)
+    c = cost_of(inc, gpus=gpus[inc.job_id], now=datetime.now(UTC))
+    return CostOut.model_validate(c)
 
 
 async def incident_out(session: Session, inc: Incident,

@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from services.api.auth import Viewer
-from services.api.cost import TimelinePoint, incident_cost
+from services.api.cost import cost_of
 from services.api.deps import BusDep, Session, problems
 from services.api.errors import NotFound
 from services.api.schemas import (
@@ -133,10 +133,7 @@ async def job_timeline_route(job_id: str, session: Session, bus: BusDep, _: View
                               label=f"{i.kind}: {i.summary}"[:200], status=i.status)
                for i in await repo.list_incidents(session, job_id=job.id, limit=200,
                                                   opened_after=since)
-               if (c := incident_cost(kind=i.kind, opened_at=i.opened_at,
-                                      resolved_at=i.resolved_at,
-                                      timeline=[TimelinePoint(e.stage, e.at, e.detail)
-                                                for e in i.timeline], gpus=None, now=now))]
+               if (c := cost_of(i, gpus=None, now=now))]
     markers += [TimelineMarker(at=p.created_at, kind="plan", id=p.id,
                                label=f"plan {p.strategy}", status=p.status)
                 for p in await repo.list_plans(session, job_id=job.id, limit=200)

@@ -224,7 +224,8 @@ async function incidentView(id) {
       <dt>Culprit</dt><dd>${esc(culprit(i.culprit, i.status))}</dd>${i.explanation ? `
       <dt>Why</dt><dd>${esc(i.explanation)}</dd>` : ""}
       <dt>Cost</dt><dd><b>${esc(hours(c))} GPU-hours</b> <span class="muted">= ${c.lost_fraction == null ? "?" : (c.lost_fraction * 100).toFixed(0) + "%"}
-        × ${esc(c.gpus ?? "?")} GPUs × ${((c.duration_s || 0) / 60).toFixed(1)} min${c.ongoing ? " (ongoing)" : ""}</span></dd>
+        × ${esc(c.gpus ?? "?")} GPUs × ${((c.duration_s || 0) / 60).toFixed(1)} min${c.ongoing ? " (ongoing)" : ""}</span></dd>${c.gpu_hours_saved == null ? "" : `
+      <dt>Saved by plans</dt><dd id="saved">${esc(c.gpu_hours_saved.toFixed(Math.abs(c.gpu_hours_saved) < 10 ? 2 : 1))} GPU-hours <span class="muted">(against the level the plan found; now ${c.slowdown == null ? "?" : c.slowdown.toFixed(2) + "x"}, worst ${c.peak_slowdown == null ? "?" : c.peak_slowdown.toFixed(2) + "x"})</span></dd>`}
       <dt>Detected after</dt><dd>${c.detection_latency_s == null ? "n/a" : c.detection_latency_s.toFixed(1) + " s"}</dd></dl>
       <p>${i.status !== "resolved" ? `<button id="ack" ${op && !i.acknowledged_at ? "" : "disabled"}>Acknowledge</button>
         <button id="close" ${op ? "" : "disabled"}>Close…</button>` : ""}</p></section>

@@ -6,6 +6,7 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 
 from services.common.bus.contract import IncidentEvent, Subjects
+from services.common.db import repository as repo
 from tests.services.api.conftest import Api
 
 
@@ -61,6 +62,40 @@ async def test_detail_has_timeline_evidence_and_cost(api: Api) -> None:
     assert missing.json() == {"type": "urn:greyhound:problem:not-found", "title": "Not Found",
                               "status": 404, "detail": "incident 'nope' not found",
                               "instance": "/v1/incidents/nope"}
+
+
+async def test_a_mitigated_incident_keeps_its_cost(api: Api) -> None:
+    """After a plan, the tracker's newest detection is the speed-up the plan brought (after_s <
+    before_s): the incident's cost, and the metric, must still count the slow time before it."""
+    await api.job("job-p", world_size=16)
+    inc = await api.incident("job-p", kind="comm_slow", before_s=0.4, after_s=1.2,
+                             stages=("localized", "validated"))
+    async with api.ctx.db()() as session:
+        row = await repo.get_incident_for_update(session, inc)
+        assert row is not None
+        await repo.add_timeline(session, row, "mitigated", {"plan_id": "p1", "cost_s": 0.5})
+        await session.commit()
+    await asyncio.sleep(0.2)
+    async with api.ctx.db()() as session:
+        row = await repo.get_incident_for_update(session, inc)
+        assert row is not None
+        await repo.add_timeline(session, row, "detected", {
+            "before_s": 1.2, "after_s": 0.5, "first_iteration": 300, "detected_iteration": 300,
+            "change": "partial"})
+        await session.commit()
+    await asyncio.sleep(0.2)
+    r = await api.client.get(f"/v1/incidents/{inc}", headers=api.auth("viewer"))
+    cost = r.json()["cost"]
+    # at least the 4 congested iterations of 1.2 s before the detection: 2/3 of 16 GPUs lost
+    floor = 16 * (1 - 0.4 / 1.2) * 4 * 1.2 / 3600
+    assert cost["gpu_hours_lost"] > floor and cost["lost_fraction"] > 0.1
+    assert abs(cost["slowdown"] - 0.5 / 0.4) < 1e-9 and abs(cost["peak_slowdown"] - 3.0) < 1e-9
+    assert cost["mitigated_at"] is not None and cost["gpu_hours_saved"] is not None
+    m = await api.client.get("/metrics")
+    lost = [line for line in m.text.splitlines()
+            if line.startswith('greyhound_gpu_hours_lost{kind="comm_slow"}')]
+    assert lost and float(lost[0].split()[-1]) > floor
+    assert 'greyhound_gpu_hours_saved{kind="comm_slow"}' in m.text
 
 
 async def test_acknowledge_then_close_with_notes(api: Api) -> None:
