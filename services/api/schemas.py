@@ -13,6 +13,8 @@ from services.api.tokens import Role
 from services.notifier.payload import EVENTS, Format
 
 JobState = Literal["healthy", "slow", "hung"]
+# What audit entries are about (every ``repo.audit(target_type=...)`` names one of these).
+AuditTarget = Literal["incident", "job", "plan", "token", "webhook"]
 
 
 class TimelineEntry(BaseModel):

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
 
-from greyhound.core import lifecycle
+from greyhound.core import incident_kinds, lifecycle
 from services.api.auth import Operator, Viewer
 from services.api.cost import cost_of
 from services.api.deps import BusDep, Session, problems
@@ -50,7 +50,8 @@ async def incident_out(session: Session, inc: Incident,
 
 @router.get("", response_model=list[IncidentOut], summary="Incidents, newest first",
             description="Filters: job, kind (a trailing `*` matches a prefix, e.g. `hang*`), "
-                        "status (a stage, or `open` for every unresolved one) and the opening "
+                        "status (a stage, or `open` for every unresolved one; an unknown kind or "
+                        "status is a 422 that lists the valid values) and the opening "
                         "time range [opened_after, opened_before). Paged with limit/offset; the "
                         "total is in the X-Total-Count header. Each incident carries its cost "
                         "in GPU-hours.", responses=problems(422))
@@ -67,6 +68,9 @@ async def list_incidents(
     for t in (opened_after, opened_before):
         if t is not None and t.tzinfo is None:
             raise Invalid("opened_after/opened_before need a time zone (e.g. ...Z)")
+    if kind is not None and not incident_kinds.matching(kind):
+        raise Invalid(f"kind {kind!r} matches no incident kind; the kinds are "
+                      f"{', '.join(incident_kinds.KINDS)} (a trailing * matches a prefix: hang*)")
     rows = await repo.list_incidents(session, job_id=job_id, status=status, kind=kind,
                                      opened_after=opened_after, opened_before=opened_before,
                                      limit=limit, offset=offset)

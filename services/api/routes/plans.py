@@ -16,6 +16,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from greyhound.core.plan_lifecycle import PlanStatus
 from services.api.auth import Operator, Viewer
 from services.api.deps import Session, SettingsDep, problems
 from services.api.errors import Conflict, NotFound
@@ -29,11 +30,12 @@ router = APIRouter(prefix="/v1/plans", tags=["plans"])
 
 
 @router.get("", response_model=list[PlanOut], summary="Mitigation plans, newest first",
-            responses=problems(422))
+            description="Filters: job, incident and status (an unknown status is a 422 that "
+                        "lists the statuses).", responses=problems(422))
 async def list_plans(session: Session, _: Viewer,
                      job_id: Annotated[str | None, Query(max_length=128)] = None,
                      incident_id: Annotated[str | None, Query(max_length=32)] = None,
-                     status: Annotated[str | None, Query(max_length=32)] = None,
+                     status: PlanStatus | None = None,
                      limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                      offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> list[PlanOut]:
     rows = await repo.list_plans(session, job_id=job_id, incident_id=incident_id, status=status,

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Response
 from services.api.auth import Admin, Viewer, token_key
 from services.api.deps import Session, SettingsDep, problems
 from services.api.errors import Conflict, NotFound
-from services.api.schemas import AuditOut, Me, TokenCreated, TokenIn, TokenOut
+from services.api.schemas import AuditOut, AuditTarget, Me, TokenCreated, TokenIn, TokenOut
 from services.api.tokens import display_prefix, hash_token, new_token
 from services.common.db import repository as repo
 
@@ -68,7 +68,7 @@ async def revoke_token(token_id: str, session: Session, who: Admin) -> Response:
 @router.get("/v1/audit", response_model=list[AuditOut],
             summary="Every state-changing call, newest first", responses=problems(422))
 async def audit_log(session: Session, _: Admin,
-                    target_type: Annotated[str | None, Query(max_length=32)] = None,
+                    target_type: AuditTarget | None = None,
                     target_id: Annotated[str | None, Query(max_length=128)] = None,
                     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> list[AuditOut]:
