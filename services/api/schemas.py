@@ -3,7 +3,7 @@ never hand-built dicts), with the examples the OpenAPI shows."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -113,6 +113,18 @@ class PlanOut(BaseModel):
     reverted_at: datetime | None = None
     reason: str = ""
     approvals: list[ApprovalOut]
+    decided_by: str | None = Field(default=None, examples=["alice"], description=(
+        "who approved or rejected it (an operator, or `policy` for an automatic plan)"))
+    expires_in_s: float | None = Field(default=None, examples=[612.4], description=(
+        "a proposal's seconds left to decide, as of this answer (null once decided)"))
+
+    @model_validator(mode="after")
+    def _decision(self) -> PlanOut:
+        if self.decided_by is None and self.approvals:
+            self.decided_by = self.approvals[-1].approver
+        if self.status == "proposed" and self.expires_at is not None:
+            self.expires_in_s = max((self.expires_at - datetime.now(UTC)).total_seconds(), 0.0)
+        return self
 
 
 class AuditOut(BaseModel):

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.cost import cost_of
 from services.common.db import repository as repo
-from services.common.db.models import Incident
+from services.common.db.models import Incident, Plan
 from services.notifier.payload import IncidentFacts, for_format, wants
 
 
@@ -33,6 +33,12 @@ async def enqueue(session: AsyncSession, *, event: str, key: str, payload: Mappi
             payload=for_format(payload, hook.format), due=now)
         made += row is not None
     return made
+
+
+def decided_by(plan: Plan) -> str | None:
+    """Who decided ``plan`` (an operator's token name, or ``policy`` for an automatic one), for
+    the events that follow the decision (applied, reverted); its approvals must be loaded."""
+    return plan.approvals[-1].approver if plan.approvals else None
 
 
 async def job_gpus(session: AsyncSession, job_id: str) -> int | None:

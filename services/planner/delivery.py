@@ -19,7 +19,7 @@ from greyhound.core.plans import even_split
 from services.common.bus.contract import JobLayout, PlanMessage
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan
-from services.notifier.outbox import enqueue
+from services.notifier.outbox import decided_by, enqueue
 from services.notifier.payload import PlanFacts, plan_payload
 from services.planner.build import JobState, next_state, undo_swaps
 
@@ -99,8 +99,11 @@ async def note(session: AsyncSession, incident: Incident | None, stage: str, pla
 
 async def announce(session: AsyncSession, plan: Plan, what: str, *, by: str | None = None,
                    note_text: str = "", dashboard: str | None = None) -> None:
-    """A plan.<what> webhook event, committed with the change (services.notifier.outbox)."""
+    """A plan.<what> webhook event, committed with the change (services.notifier.outbox);
+    an applied or reverted plan names who decided it."""
     now = datetime.now(UTC)
+    if by is None and what in ("applied", "reverted"):
+        by = decided_by(plan)
     event = f"plan.{what}"
     key = f"{plan.id}.{what}" if what != "applied" else f"{plan.id}.applied.{plan.version}"
     facts = PlanFacts(id=plan.id, incident_id=plan.incident_id, job_id=plan.job_id,

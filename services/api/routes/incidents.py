@@ -95,7 +95,7 @@ async def get_incident(incident_id: str, session: Session, _: Viewer) -> Inciden
     inc = await _get(session, incident_id)
     base = await incident_out(session, inc)
     plans = await repo.list_plans(session, incident_id=inc.id)
-    audit = await repo.list_audit(session, target_type="incident", target_id=inc.id)
+    audit = await repo.incident_audit(session, inc.id, [p.id for p in plans])
     return IncidentDetailOut(**base.model_dump(),
                              plans=[PlanOut.model_validate(p) for p in plans],
                              audit=[AuditOut.model_validate(a) for a in audit])

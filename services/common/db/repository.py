@@ -444,6 +444,17 @@ async def list_audit(session: AsyncSession, *, limit: int = 100, offset: int = 0
                                   .limit(limit).offset(offset))).all()
 
 
+async def incident_audit(session: AsyncSession, incident_id: str, plan_ids: Sequence[str], *,
+                         limit: int = 200) -> Sequence[AuditEntry]:
+    """What was done to an incident and to its plans (decisions, the job's reports), newest
+    first."""
+    about = or_(and_(AuditEntry.target_type == "incident", AuditEntry.target_id == incident_id),
+                and_(AuditEntry.target_type == "plan", AuditEntry.target_id.in_(plan_ids)))
+    return (await session.scalars(select(AuditEntry).where(about)
+                                  .order_by(AuditEntry.at.desc(), AuditEntry.id.desc())
+                                  .limit(limit))).all()
+
+
 # ---- webhooks and deliveries ------------------------------------------------------------------
 
 async def create_webhook(session: AsyncSession, *, name: str, url: str, secret_enc: str,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 
-from services.common.db.models import WebhookDelivery
+from services.common.db.models import Plan, WebhookDelivery
 from tests.services.api.conftest import Api
 
 
@@ -52,3 +53,33 @@ async def test_two_operators_at_once_get_one_decision(api: Api) -> None:
                              headers={"Authorization": f"Bearer {second}"}, json={})]
     codes = sorted(r.status_code for r in await asyncio.gather(*calls))
     assert codes == [200, 409]
+
+
+async def test_the_decision_is_on_the_plan_and_on_its_incidents_audit_trail(api: Api) -> None:
+    await api.job("job-r")
+    inc = await api.incident("job-r")
+    plan = await api.plan(inc, "job-r", strategy="S3")
+    async with api.ctx.db()() as session:
+        row = await session.get(Plan, plan)
+        assert row is not None
+        row.expires_at = datetime.now(UTC) + timedelta(minutes=15)
+        await session.commit()
+    v = api.auth("viewer")
+    proposed = (await api.client.get(f"/v1/plans/{plan}", headers=v)).json()
+    assert proposed["decided_by"] is None and 800 < proposed["expires_in_s"] <= 900
+    r = await api.client.post(f"/v1/plans/{plan}/approve", headers=api.auth("operator"),
+                              json={"note": "swap them"})
+    assert r.status_code == 200 and r.json()["decided_by"] == "operator-user"
+    assert r.json()["expires_in_s"] is None
+    listed = (await api.client.get("/v1/plans", headers=v, params={"job_id": "job-r"})).json()
+    assert [p["decided_by"] for p in listed] == ["operator-user"]
+    await api.deliver(plan, "job-r")
+    applied = await api.client.post("/v1/jobs/job-r/plan/applied", headers=api.auth("job"),
+                                    json={"version": 1, "cost_s": 0.5})
+    assert applied.status_code == 202, applied.text
+    await api.client.post(f"/v1/incidents/{inc}/ack", headers=api.auth("operator"), json={})
+    detail = (await api.client.get(f"/v1/incidents/{inc}", headers=v)).json()
+    assert [(a["action"], a["target_type"], a["actor"]) for a in detail["audit"]] == [
+        ("incident.ack", "incident", "operator-user"), ("plan.report", "plan", "job-user"),
+        ("plan.approve", "plan", "operator-user")]
+    assert detail["plans"][0]["decided_by"] == "operator-user"

@@ -20,6 +20,15 @@ async def _events(rig: Rig) -> list[str]:
     return list(rows)
 
 
+async def _deciders(rig: Rig) -> list[str | None]:
+    """Each plan event's ``decided_by``, in order."""
+    from sqlalchemy import select
+
+    async with rig.ctx.db()() as session:
+        rows = (await session.scalars(select(WebhookDelivery).order_by(WebhookDelivery.id))).all()
+    return [d.payload["plan"]["decided_by"] for d in rows if d.payload.get("plan")]
+
+
 async def test_compute_s2_automatic_applied_learned_and_reverted(bench: Bench) -> None:
     async with bench.planner() as rig:
         await rig.webhook()
@@ -68,6 +77,8 @@ async def test_compute_s2_automatic_applied_learned_and_reverted(bench: Bench) -
         await rig.wait(lambda: _has_events(rig, 4), "webhook events")
         assert await _events(rig) == ["plan.proposed", "plan.approved", "plan.applied",
                                       "plan.reverted"]
+        # who decided it goes with every event after the decision
+        assert await _deciders(rig) == [None, "policy", "policy", "policy"]
         # A second incident of the job starts from what the job taught: 2 s, not 3 s.
         async with rig.ctx.db()() as session:
             assert await repo.learned_costs(session, rig.job) == [("S2", 1.0)]
