@@ -1,7 +1,9 @@
 """The ``greyhound`` command.
 
 One subcommand per service of the registry (services.registry), ``up`` (all of them), ``db``,
-``demo``, and the library's offline ``detect``, ``sim`` and ``plan``.
+``demo``, and the library's offline ``detect``, ``sim`` and ``plan``. The services and the
+registry are imported only by the subcommands that need them: ``token`` (made while a plan
+waits for an operator) and the offline commands load neither the bus nor the services.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from services.common.runtime import resolve_backends, start_service
 from services.common.settings import Settings, get_settings
-from services.registry import SERVICES, Service
 
 if TYPE_CHECKING:
     from greyhound.sim.scenario import Scenario
+    from services.registry import Service
 
 
 def _install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
@@ -31,6 +32,8 @@ def _install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
 
 
 async def _serve(service: Service, options: dict[str, Any]) -> None:
+    from services.common.runtime import start_service
+
     stop = asyncio.Event()
     _install_stop(asyncio.get_running_loop(), stop)
     ctx = await start_service(service.name, get_settings(), need_db=service.postgres,
@@ -50,6 +53,7 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 def cmd_db_upgrade(_: argparse.Namespace) -> int:
     from services.common.db.migrate import upgrade
+    from services.common.runtime import resolve_backends
 
     backends = resolve_backends(get_settings())
     try:
@@ -100,6 +104,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from services.registry import SERVICES
+
     p = argparse.ArgumentParser(prog="greyhound", description=__doc__.split("\n\n")[0])
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default from settings)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -175,7 +181,20 @@ def _passthrough(argv: Sequence[str]) -> int | None:
         from greyhound.plan_cli import main as plan_main
 
         return plan_main(list(argv[1:]))
+    if argv and argv[0] == "token":
+        from services.api.token_cli import main as token_main
+
+        settings = get_settings()
+        _logging(settings.log_level)
+        return token_main(list(argv[1:]), settings)
     return None
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("pgserver", "alembic", "httpx"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,10 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     args = build_parser().parse_args(argv)
     settings: Settings = get_settings()
-    logging.basicConfig(level=(args.log_level or settings.log_level).upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for chatty in ("pgserver", "alembic", "httpx"):
-        logging.getLogger(chatty).setLevel(logging.WARNING)
+    _logging(args.log_level or settings.log_level)
     if getattr(args, "host", "unset") is None or getattr(args, "port", "unset") is None:
         from services.api.settings import ApiSettings
 

@@ -1,8 +1,13 @@
 """``greyhound token create|list|revoke``: tokens made on the server, straight in the database.
 
 This is how a fresh install gets its first admin token (the REST routes for tokens need one):
-the command reads the same settings as the services, migrates the schema if needed, and prints
-the secret once. Every change is audited as ``cli:<os user>``.
+the command reads the same settings as the services, migrates the schema if its tables are not
+there yet, and prints the secret once. Every change is audited as ``cli:<os user>``.
+
+It needs the database only: no NATS is started or reached, and neither the bus client nor
+Alembic is loaded unless the schema must be made. An operator makes tokens while a plan waits
+for approval, so the command must be quick (the embedded Postgres of the data directory is
+reused when it runs).
 """
 
 from __future__ import annotations
@@ -11,19 +16,28 @@ import argparse
 import asyncio
 import getpass
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TextIO
 
+import sqlalchemy.exc as sa
+
 from services.api.tokens import ROLES, display_prefix, hash_token, new_token, parse_duration, usable
 from services.common.db import repository as repo
-from services.common.db.migrate import upgrade_async
 from services.common.db.session import make_engine, make_sessionmaker
-from services.common.runtime import resolve_backends
+from services.common.embedded import EmbeddedPostgres
 from services.common.settings import Settings
+
+HELP = "API tokens (made and revoked in the database directly)"
+# Postgres's codes for a table or a column that is not there: the schema is older than the code.
+SCHEMA_MISSING = frozenset({"42P01", "42703"})
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    tok = sub.add_parser("token", help="API tokens (made and revoked in the database directly)")
+    build_parser(sub.add_parser("token", help=HELP))
+
+
+def build_parser(tok: argparse.ArgumentParser) -> argparse.ArgumentParser:
     tsub = tok.add_subparsers(dest="token_command", required=True)
     create = tsub.add_parser("create", help="make a token; its secret is printed once")
     create.add_argument("--role", required=True, choices=ROLES)
@@ -33,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     tsub.add_parser("list", help="tokens that are not revoked")
     revoke = tsub.add_parser("revoke", help="revoke a token by id, id prefix or name")
     revoke.add_argument("token", help="id, id prefix (8+ characters) or name")
+    return tok
 
 
 def _actor() -> str:
@@ -42,8 +57,26 @@ def _actor() -> str:
         return "cli"
 
 
+def _schema_missing(exc: sa.DBAPIError) -> bool:
+    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    return code in SCHEMA_MISSING
+
+
 async def _run(settings: Settings, url: str, args: argparse.Namespace, out: TextIO) -> int:
+    """The command, on the schema as it is; on a database without it (a fresh install), the
+    schema is made first and the command runs again (nothing was written or printed)."""
+    try:
+        return await _command(settings, url, args, out)
+    except sa.ProgrammingError as exc:
+        if not _schema_missing(exc):
+            raise
+    from services.common.db.migrate import upgrade_async
+
     await upgrade_async(url)
+    return await _command(settings, url, args, out)
+
+
+async def _command(settings: Settings, url: str, args: argparse.Namespace, out: TextIO) -> int:
     engine = make_engine(url)
     key = None if settings.token_key is None else settings.token_key.get_secret_value().encode()
     try:
@@ -101,8 +134,24 @@ def run(settings: Settings, args: argparse.Namespace, out: TextIO = sys.stdout) 
         except ValueError as exc:
             print(f"greyhound token create: {exc}", file=sys.stderr)
             return 2
-    backends = resolve_backends(settings, need_db=True)
+    url, stop = database(settings)
     try:
-        return asyncio.run(_run(settings, backends.database_url, args, out))
+        return asyncio.run(_run(settings, url, args, out))
     finally:
-        backends.stop()
+        stop()
+
+
+def database(settings: Settings) -> tuple[str, Callable[[], None]]:
+    """The configured database, else the data directory's embedded Postgres (started, or
+    reused while it runs), and what to call when done with it."""
+    if settings.database_url:
+        return settings.database_url, lambda: None
+    pg = EmbeddedPostgres(settings.data_dir)
+    return pg.start(), pg.stop
+
+
+def main(argv: list[str], settings: Settings) -> int:
+    """``greyhound token ...`` on its own, without the services' command line (quicker)."""
+    args = build_parser(argparse.ArgumentParser(prog="greyhound token", description=HELP)
+                        ).parse_args(argv)
+    return run(settings, args)

@@ -15,10 +15,21 @@ from services.common.db.session import make_engine, make_sessionmaker
 from tests.services.api.conftest import TOKEN_KEY, api_settings
 
 
-def _cli(db_url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "GREYHOUND_DATABASE_URL": db_url, "GREYHOUND_TOKEN_KEY": TOKEN_KEY,
-           "GREYHOUND_DATA_DIR": str(tmp / "data"), "GREYHOUND_NATS_URL": "nats://127.0.0.1:1"}
-    return subprocess.run([sys.executable, "-m", "stack.cli", "token", *args], env=env,
+# What the command loaded, printed after it ran (the bus client, the services, Alembic).
+_LOADED = ("import sys, runpy; sys.argv = ['greyhound', 'token', *sys.argv[1:]]\n"
+           "try:\n    runpy.run_module('stack.cli', run_name='__main__')\n"
+           "finally:\n    print('loaded:', sorted(m for m in ('nats', 'alembic', "
+           "'services.registry', 'services.common.runtime') if m in sys.modules), "
+           "file=sys.stderr)")
+
+
+def _cli(db_url: str, tmp: Path, *args: str, nats: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "GREYHOUND_NATS_URL"}
+    env |= {"GREYHOUND_DATABASE_URL": db_url, "GREYHOUND_TOKEN_KEY": TOKEN_KEY,
+            "GREYHOUND_DATA_DIR": str(tmp / "data")}
+    if nats:
+        env["GREYHOUND_NATS_URL"] = "nats://127.0.0.1:1"
+    return subprocess.run([sys.executable, "-c", _LOADED, *args], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -52,3 +63,18 @@ async def test_first_admin_token_from_the_cli(fresh_db_url: str, tmp_path: Path)
     assert again.returncode == 1 and "no live token" in again.stderr
     bad = _cli(fresh_db_url, tmp_path, "create", "--role", "viewer", "--expires", "soon")
     assert bad.returncode == 2 and "expiry must look like" in bad.stderr
+
+
+def test_token_create_needs_the_database_only(fresh_db_url: str, tmp_path: Path) -> None:
+    """No NATS configured: the command must not start the data directory's embedded NATS (it
+    did, which made it take seconds while an operator waited to approve a plan), and once the
+    schema is there it loads neither the bus client nor Alembic."""
+    first = _cli(fresh_db_url, tmp_path, "create", "--role", "operator", nats=False)
+    assert first.returncode == 0, first.stderr
+    assert "loaded: ['alembic']" in first.stderr  # a fresh database: the schema was made
+    again = _cli(fresh_db_url, tmp_path, "create", "--role", "viewer", "--name", "v", nats=False)
+    assert again.returncode == 0, again.stderr
+    assert "loaded: []" in again.stderr
+    assert not (tmp_path / "data" / "nats").exists()
+    listed = _cli(fresh_db_url, tmp_path, "list", nats=False)
+    assert "operator" in listed.stdout and " v " in listed.stdout
