@@ -38,6 +38,23 @@ function ago(iso) {
   if (s < 172800) return (s / 3600).toFixed(1) + " h ago";
   return Math.round(s / 86400) + " d ago";
 }
+// A proposal's time left to decide: the server says how many seconds were left when it answered
+// (expires_in_s), so a browser whose clock is off still counts down right.
+function deadline(p) {
+  if (p.status !== "proposed" || p.expires_in_s == null) return "";
+  const at = Date.now() + p.expires_in_s * 1000;
+  return `<span class="deadline" data-deadline="${at}" title="expires ${esc(new Date(p.expires_at).toLocaleString())}">${esc(left(at))}</span>`;
+}
+function left(at) {
+  const s = Math.round((at - Date.now()) / 1000);
+  if (s <= 0) return "expired: the planner proposes again if the loss still pays for it";
+  const m = Math.floor(s / 60), sec = String(s % 60).padStart(2, "0");
+  return `${m}:${sec} left to decide (until ${new Date(at).toLocaleTimeString()})`;
+}
+setInterval(() => document.querySelectorAll("[data-deadline]").forEach(e => {
+  e.textContent = left(Number(e.dataset.deadline));
+  e.classList.toggle("urgent", Number(e.dataset.deadline) - Date.now() < 120000);
+}), 1000);
 function hours(cost) {
   if (!cost || cost.gpu_hours_lost == null) return "n/a";
   const h = cost.gpu_hours_lost;
@@ -67,9 +84,12 @@ async function signIn() {
 // ---- overview --------------------------------------------------------------------------------
 
 async function overview() {
-  const [inc, fleet, jobs] = await Promise.all([
-    api("/v1/incidents?status=open&limit=200"), api("/v1/fleet"), api("/v1/jobs?limit=50")]);
+  const [inc, fleet, jobs, waiting] = await Promise.all([
+    api("/v1/incidents?status=open&limit=200"), api("/v1/fleet"), api("/v1/jobs?limit=50"),
+    api("/v1/plans?status=proposed&limit=50")]);
   if (!inc.ok) return denied(inc);
+  const waitingRows = (waiting.ok ? waiting.body : []).map(p => `<tr class="click" data-href="#/incidents/${esc(p.incident_id)}" data-waiting="${esc(p.id)}">
+      <td>${esc(p.strategy)}</td><td>${esc(p.job_id)}</td><td>${deadline(p)}</td></tr>`).join("");
   const rows = inc.body.map(i => `
     <tr class="click" data-href="#/incidents/${esc(i.id)}" data-incident="${esc(i.id)}">
       <td><span class="pill ${kindClass(i.kind)}">${esc(i.kind)}</span></td>
@@ -92,7 +112,9 @@ async function overview() {
         <table><thead><tr><th>Kind</th><th>Job</th><th>Culprit</th><th class="num">GPU-h lost</th>
         <th>Status</th><th>Opened</th></tr></thead><tbody>${rows ||
         '<tr><td colspan="6" class="muted">Nothing open.</td></tr>'}</tbody></table></section>
-      <div>
+      <div>${waitingRows ? `
+        <section class="card" id="awaiting"><h2>Plans awaiting a decision</h2>
+          <table><tbody>${waitingRows}</tbody></table></section>` : ""}
         <section class="card" id="fleet"><h2>Fleet: drain and watch</h2>
           <table><tbody>${fleetRows || '<tr><td class="muted">No repeat offenders.</td></tr>'}</tbody></table>
           <p class="legend">${esc(fleet.ok ? "Drain rule: " + fleet.body.drain_rule : "")}</p></section>
@@ -212,6 +234,7 @@ async function incidentView(id) {
   const plans = i.plans.map(p => `<tr data-plan="${esc(p.id)}"><td>${esc(p.strategy)}</td>
       <td><span class="pill ${esc(p.status)} plan-status">${esc(p.status)}</span></td>
       <td class="num">${p.expected_gain == null ? "n/a" : p.expected_gain.toFixed(2) + "x"}</td>
+      <td>${deadline(p)}</td>
       <td>${p.status === "proposed" ? `<button class="approve" data-action="approve" ${op ? "" : "disabled title='needs operator'"}>Approve</button>
         <button class="reject" data-action="reject" ${op ? "" : "disabled title='needs operator'"}>Reject</button>`
         : esc(p.approvals.map(a => `${a.decision} by ${a.approver}`).join(", "))}</td></tr>`).join("");
@@ -230,8 +253,8 @@ async function incidentView(id) {
       <p>${i.status !== "resolved" ? `<button id="ack" ${op && !i.acknowledged_at ? "" : "disabled"}>Acknowledge</button>
         <button id="close" ${op ? "" : "disabled"}>Close…</button>` : ""}</p></section>
     <section class="card" id="plans"><h2>Mitigation plans</h2><table><thead><tr><th>Strategy</th><th>Status</th>
-      <th class="num">Expected gain</th><th></th></tr></thead><tbody>${plans ||
-      '<tr><td colspan="4" class="muted">No plan proposed.</td></tr>'}</tbody></table></section>
+      <th class="num">Expected gain</th><th>Decide by</th><th></th></tr></thead><tbody>${plans ||
+      '<tr><td colspan="5" class="muted">No plan proposed.</td></tr>'}</tbody></table></section>
     <div id="charts"></div>
     <section class="card"><h2>Timeline</h2><table><tbody>${timeline}</tbody></table></section>
     <section class="card"><h2>Evidence</h2><pre>${esc(JSON.stringify(i.evidence, null, 2))}</pre></section>`;

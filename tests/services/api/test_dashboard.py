@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +89,8 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
         assert inc.kind == "slowdown" and inc.status == "detected"
         async with ctx.db()() as session:  # what the planner would propose
             plan = Plan(incident_id=inc.id, job_id=job.job_id, strategy="S2",
-                        params={"micro_batches": [9, 9, 5, 9]}, expected_gain=1.28)
+                        params={"micro_batches": [9, 9, 5, 9]}, expected_gain=1.28,
+                        expires_at=datetime.now(UTC) + timedelta(minutes=15))
             session.add(plan)
             await session.commit()
             plan_id = plan.id
@@ -110,16 +113,24 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
                         lambda d: "node-a:2" in d.find_element(By.ID, "fleet").text)
                     WebDriverWait(driver, 10).until(
                         lambda d: "alice" in d.find_element(By.ID, "who").text)
+                    waiting = driver.find_element(By.CSS_SELECTOR,
+                                                  f"#awaiting tr[data-waiting='{plan_id}']")
+                    first = waiting.text
+                    WebDriverWait(driver, 10).until(lambda d: waiting.text != first)  # it ticks
                     driver.save_screenshot(str(tmp_path / "dashboard-overview.png"))
-                    return str(row.text), driver.find_element(By.ID, "fleet").text
+                    return str(row.text), driver.find_element(By.ID, "fleet").text, first
 
                 try:
-                    row_text, fleet = await asyncio.to_thread(load_overview)
+                    row_text, fleet, waiting = await asyncio.to_thread(load_overview)
                 except Exception:
                     await asyncio.to_thread(_dump, driver, tmp_path)
                     raise
                 assert "slowdown" in row_text and job.job_id in row_text and "rank" in row_text
                 assert "gpu node-a:2 drain 3 confirmed of 3, 2 jobs" in fleet
+                # the proposal's time left, counted down (15 minutes when it was made)
+                assert "S2" in waiting and job.job_id in waiting
+                left = re.search(r"(\d+):(\d\d) left to decide", waiting)
+                assert left is not None and 13 * 60 < int(left[1]) * 60 + int(left[2]) <= 15 * 60
 
                 def open_incident_and_approve() -> tuple[str, str]:
                     driver.find_element(By.CSS_SELECTOR, f"tr[data-incident='{inc.id}'] td").click()
@@ -129,6 +140,8 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
                         (By.CSS_SELECTOR, "#timeline .marker.incident")))
                     driver.save_screenshot(str(tmp_path / "dashboard-incident.png"))
                     heat = driver.find_element(By.ID, "heatmap").text
+                    assert "left to decide" in driver.find_element(
+                        By.CSS_SELECTOR, f"tr[data-plan='{plan_id}']").text
                     button = driver.find_element(
                         By.CSS_SELECTOR, f"tr[data-plan='{plan_id}'] button[data-action='approve']")
                     button.click()
