@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
-import time
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -71,27 +71,23 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from stack.claims import Collision, claim
+    from stack.serve import serve_until_stopped, stop_signals
     from stack.up import Stack
 
     settings = get_settings()
-    stop = False
-
-    def _stop(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    with Stack(settings, host=args.host, port=args.port) as stack:
-        print(f"greyhound is up: REST API on http://{args.host}:{args.port} "
-              f"(data in {settings.data_dir}); Ctrl-C stops it", flush=True)
-        while not stop:
-            dead = stack.dead()
-            if dead:
-                print(f"service(s) {', '.join(dead)} exited; stopping (see "
-                      f"{settings.data_dir}/logs)", file=sys.stderr)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(claim(shm_dir=settings.shm_dir, data_dir=settings.data_dir,
+                                     host=args.host, port=args.port))
+        except Collision as exc:
+            print(f"greyhound up: {exc}", file=sys.stderr)
+            return 2
+        with stop_signals() as stopped, Stack(settings, host=args.host, port=args.port) as stack:
+            print(f"greyhound is up: REST API on http://{args.host}:{args.port} "
+                  f"(data in {settings.data_dir}); Ctrl-C stops it", flush=True)
+            if serve_until_stopped(stack, settings.data_dir, stopped):
                 return 1
-            time.sleep(0.5)
     print("greyhound stopped")
     return 0
 

@@ -6,12 +6,15 @@ The services (agent, tracker, analyzer, API; embedded NATS and Postgres when no 
 run as in production and know nothing of the fault list; the simulator only writes rings. At
 the end the incidents come from the REST API, their times mapped back to virtual seconds. A
 scenario with a ``mitigation`` section also follows the planner's plans (stack.sim_plans) with
-a job token made for the run.
+a job token made for the run. The services stop with the run unless ``--serve`` keeps them
+serving (the API and the dashboard) until Ctrl-C; the data stays in the data directory either
+way. A second run on the same port or ring directory is refused (stack.claims).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -30,6 +33,8 @@ from greyhound.sim.live import LiveProgress, LiveSimulation
 from greyhound.sim.scenario import Scenario
 from services.api.settings import ApiSettings
 from services.common.settings import Settings, get_settings
+from stack.claims import Collision, claim
+from stack.serve import serve_until_stopped, stop_signals
 from stack.sim_plans import SimPlanFollower, mint_token
 from stack.up import Stack, wait_api
 
@@ -85,58 +90,101 @@ class _Reporter:
               f"{p.speed:6.1f}x{'  (hung)' if p.hung else ''}", file=self.err, flush=True)
 
 
+# What runs after the report while the stack still serves (``--serve``): given the stack and the
+# API's address, it returns the command's exit code.
+AfterRun = Callable[[Stack, str], int]
+
+
 def run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float | None,
-             as_json: bool, out: TextIO, err: TextIO, settle_s: float = 5.0) -> int:
+             as_json: bool, out: TextIO, err: TextIO, settle_s: float = 5.0,
+             after: AfterRun | None = None) -> int:
     base = f"http://127.0.0.1:{port}"
     job = job_id_for(scenario)
-    print(f"starting the services (data in {settings.data_dir}) ...", file=err, flush=True)
-    # The incidents are read back over REST on loopback without a token.
-    with Stack(settings, port=port,
-               service_settings=(ApiSettings(api_anonymous_role="viewer"),)) as stack:
-        wait_api(base)
-        sim = LiveSimulation(scenario, Path(settings.shm_dir), job, speed=speed)
-        report = _Reporter(err)
-        dead: list[str] = []
-        follower = _follower(scenario, sim, stack, base, job)
-
-        def should_stop() -> bool:
-            if follower is not None:
-                follower.poll()
-            if time.monotonic() >= report.next:
-                dead.extend(stack.dead())
-            return bool(dead)
-
+    with contextlib.ExitStack() as held:
         try:
-            print(f"job {job}: {scenario.job.world} simulated GPUs, {scenario.duration_s:g} "
-                  "virtual seconds", file=err, flush=True)
-            final = sim.run(on_progress=report, should_stop=should_stop)
-            report(final, force=True)
-            if dead:
-                print(f"service(s) {', '.join(dead)} exited; see {settings.data_dir}/logs",
-                      file=err)
-                return 1
-            _drain(sim, stack, settle_s)
-            r = httpx.get(f"{base}/v1/incidents", params={"job_id": job, "limit": 1000},
-                          timeout=10.0)
-            r.raise_for_status()
-            lines = [incident_line(i, sim.virtual_at) for i in r.json()]
-        finally:
-            sim.close(remove=True)
-    lines.sort(key=lambda x: x["detected_s"])
-    if follower is not None:
-        for step in follower.steps:
-            print(f"plan version {step.version}: {step.action} {step.strategy} from "
-                  f"{step.virtual_s:.1f} s virtual (cost {step.cost_s:.2f} s)"
-                  f"{'; failed: ' + step.error if step.error else ''}", file=err)
-    if as_json:
-        for line in lines:
-            out.write(json.dumps(line) + "\n")
-    else:
-        out.write(f"{len(lines)} incident(s) for job {job} (virtual seconds):\n")
-        for x in lines:
-            out.write(f"  {x['kind']:10} detected at {x['detected_s']:9.1f} s  ranks "
-                      f"{x['ranks'][:8]}{' ...' if len(x['ranks']) > 8 else ''}\n")
+            held.enter_context(claim(shm_dir=settings.shm_dir, data_dir=settings.data_dir,
+                                     host="127.0.0.1", port=port))
+        except Collision as exc:
+            print(f"greyhound sim run: {exc}", file=err)
+            return 2
+        print(f"starting the services (data in {settings.data_dir}) ...", file=err, flush=True)
+        # The incidents are read back over REST on loopback without a token.
+        with Stack(settings, port=port,
+                   service_settings=(ApiSettings(api_anonymous_role="viewer"),)) as stack:
+            wait_api(base)
+            sim = LiveSimulation(scenario, Path(settings.shm_dir), job, speed=speed)
+            report = _Reporter(err)
+            dead: list[str] = []
+            follower = _follower(scenario, sim, stack, base, job)
+
+            def should_stop() -> bool:
+                if follower is not None:
+                    follower.poll()
+                if time.monotonic() >= report.next:
+                    dead.extend(stack.dead())
+                return bool(dead)
+
+            try:
+                print(f"job {job}: {scenario.job.world} simulated GPUs, "
+                      f"{scenario.duration_s:g} virtual seconds", file=err, flush=True)
+                final = sim.run(on_progress=report, should_stop=should_stop)
+                report(final, force=True)
+                if dead:
+                    print(f"service(s) {', '.join(dead)} exited; see {settings.data_dir}/logs",
+                          file=err)
+                    return 1
+                _drain(sim, stack, settle_s)
+                r = httpx.get(f"{base}/v1/incidents", params={"job_id": job, "limit": 1000},
+                              timeout=10.0)
+                r.raise_for_status()
+                found = sorted(((incident_line(i, sim.virtual_at), i) for i in r.json()),
+                               key=lambda x: x[0]["detected_s"])
+            finally:
+                sim.close(remove=True)
+            if follower is not None:
+                for step in follower.steps:
+                    print(f"plan version {step.version}: {step.action} {step.strategy} from "
+                          f"{step.virtual_s:.1f} s virtual (cost {step.cost_s:.2f} s)"
+                          f"{'; failed: ' + step.error if step.error else ''}", file=err)
+            if as_json:
+                for line, _ in found:
+                    out.write(json.dumps(line) + "\n")
+            else:
+                out.write(text_report(job, found))
+            if after is not None:
+                return after(stack, base)
+    print(f"the services stopped with the run; its data stays in {settings.data_dir}: "
+          f"`greyhound up --port {port}` with the same settings serves it again (GET "
+          f"/v1/incidents?job_id={job} with a token from `greyhound token create --role "
+          "viewer`), or run with --serve to keep serving when the run ends", file=err)
     return 0
+
+
+def text_report(job: str, found: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    """The incidents for a person: kind, when, what they name (a link by its nodes, GPUs, else
+    ranks), how they ended and what they cost."""
+    rows = [f"{len(found)} incident(s) for job {job} (virtual seconds):\n"]
+    for x, incident in found:
+        cost = incident.get("cost") or {}
+        lost, saved = cost.get("gpu_hours_lost"), cost.get("gpu_hours_saved")
+        money = "" if lost is None else f"; {lost:.3f} GPU-h lost" + (
+            "" if saved is None else f", {saved:.3f} saved by plans")
+        rows.append(f"  {x['kind']:10} detected at {x['detected_s']:9.1f} s  {culprit_words(x, incident)}"
+                    f"  ({incident.get('status', '?')}{money})\n")
+    return "".join(rows)
+
+
+def culprit_words(line: dict[str, Any], incident: dict[str, Any]) -> str:
+    gpus = [g for g in (incident.get("culprit") or {}).get("gpus") or [] if isinstance(g, dict)]
+    if line["links"]:
+        return "link " + ", ".join("-".join(map(str, pair)) for pair in line["links"][:4])
+    if gpus:
+        return "GPU " + ", ".join(f"{sim_node(g.get('host'))}:{g.get('device')} (rank "
+                                  f"{g.get('rank')})" for g in gpus[:4])
+    if line["nodes"]:
+        return f"nodes {line['nodes'][:8]}"
+    ranks = line["ranks"]
+    return f"ranks {ranks[:8]}{' ...' if len(ranks) > 8 else ''}"
 
 
 def _follower(scenario: Scenario, sim: LiveSimulation, stack: Stack, base: str,
@@ -165,5 +213,14 @@ def _drain(sim: LiveSimulation, stack: Stack, settle_s: float, timeout_s: float 
 def run_from_args(scenario: Scenario, args: argparse.Namespace) -> int:
     """greyhound.sim.cli's live runner: its arguments, the process's settings."""
     settings = get_settings()
+
+    def serve(stack: Stack, base: str) -> int:
+        print(f"serving the REST API and the dashboard ({base}/dashboard/; reads need no "
+              "token on loopback, approving needs one: greyhound token create --role "
+              "operator); Ctrl-C stops it", file=sys.stderr, flush=True)
+        with stop_signals() as stopped:
+            return serve_until_stopped(stack, settings.data_dir, stopped)
+
     return run_live(scenario, settings, port=args.port or ApiSettings().api_port, speed=args.speed,
-                    as_json=args.json, out=sys.stdout, err=sys.stderr, settle_s=args.settle)
+                    as_json=args.json, out=sys.stdout, err=sys.stderr, settle_s=args.settle,
+                    after=serve if args.serve else None)

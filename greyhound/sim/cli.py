@@ -1,4 +1,4 @@
-"""``greyhound sim run SCENARIO.yaml [--offline] [--speed X] [--json] [--port P]``.
+"""``greyhound sim run SCENARIO.yaml [--offline] [--speed X] [--json] [--port P] [--serve]``.
 
 ``--offline`` prints one iteration time in seconds per line (the input of ``greyhound detect``).
 Without it the scenario runs live through the whole stack, which the library does not know:
@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=int, default=None, help="REST API port (default: settings)")
     run.add_argument("--settle", type=float, default=5.0,
                      help="seconds to let the services finish after the run")
+    run.add_argument("--serve", action="store_true",
+                     help="live: keep the services (REST API, dashboard) serving after the run "
+                     "until Ctrl-C")
     return parser
 
 
@@ -43,6 +46,10 @@ def main(argv: Sequence[str], live: LiveRunner | None = None) -> int:
     if args.json and args.offline:
         print("greyhound sim: --json reports incidents, which only a live run produces",
               file=sys.stderr)
+        return 2
+    if args.serve and args.offline:
+        print("greyhound sim: --serve keeps a live run's services serving; an offline run has "
+              "none", file=sys.stderr)
         return 2
     if args.speed is not None and args.speed <= 0:
         print("greyhound sim: --speed must be positive", file=sys.stderr)

@@ -1,6 +1,6 @@
 """A short live run through the real stack: a slow GPU becomes an incident in the API, localised
 to its rank and reported in virtual seconds after the fault began; the services never see the
-fault list."""
+fault list; with ``--serve`` the services still answer after the run."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import io
 import json
 import socket
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from services.common.settings import Settings
 from stack.sim_live import run_live
+from stack.up import Stack
 from tests.sim.helpers import job, scenario
 
 
@@ -29,9 +33,21 @@ def test_gpu_slow_becomes_a_localized_incident(nats_url: str, pg_url: str, tmp_p
     settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=tmp_path / "data",
                         shm_dir=tmp_path / "shm")
     out, err = io.StringIO(), io.StringIO()
+    served: list[Any] = []
+
+    def after(stack: Stack, base: str) -> int:
+        """``--serve``: the services still answer once the run has been reported."""
+        assert not stack.dead()
+        (j,) = httpx.get(f"{base}/v1/jobs", timeout=10).json()
+        served.append(httpx.get(f"{base}/v1/incidents", params={"job_id": j["id"]},
+                                timeout=10).json())
+        served.append(httpx.get(f"{base}/dashboard/", timeout=10).status_code)
+        return 7
+
     rc = run_live(sc, settings, port=_free_port(), speed=None, as_json=True, out=out, err=err,
-                  settle_s=4.0)
-    assert rc == 0, err.getvalue()
+                  settle_s=4.0, after=after)
+    assert rc == 7, err.getvalue()
+    assert len(served[0]) == len(out.getvalue().splitlines()) and served[1] == 200
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     slow = [x for x in lines if x["kind"] in ("slowdown", "compute_slow", "mixed_slow")]
     assert slow, (out.getvalue(), err.getvalue())
