@@ -110,7 +110,13 @@ def install_handlers(app: FastAPI) -> None:
         errors = _jsonable_errors(exc)
         first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
         where = ".".join(str(p) for p in first["loc"])
-        return problem_response(422, Invalid.title, f"{where}: {first['msg']}", slug=Invalid.slug,
+        detail = f"{where}: {first['msg']}"
+        sent = request.headers.get("content-type", "")
+        if first["loc"][:1] == ["body"] and "json" not in sent.lower():
+            # curl -d without -H sends a form, which reads as "not a dictionary"
+            detail = (f"the body must be JSON, sent with Content-Type: application/json (this "
+                      f"request's is {sent or 'not set'}); {detail}")
+        return problem_response(422, Invalid.title, detail, slug=Invalid.slug,
                                 instance=request.url.path, errors=errors)
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:

@@ -103,7 +103,7 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
         async with serve_api(ctx, free_port()) as base:
             driver = await asyncio.to_thread(chrome, 1400, 1700)
             try:
-                def load_overview() -> tuple[str, str]:
+                def load_overview() -> tuple[str, str, str]:
                     driver.get(f"{base}/dashboard/")
                     driver.execute_script(f"localStorage.setItem('greyhound.token', '{token}')")
                     driver.refresh()
@@ -118,7 +118,7 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
                     first = waiting.text
                     WebDriverWait(driver, 10).until(lambda d: waiting.text != first)  # it ticks
                     driver.save_screenshot(str(tmp_path / "dashboard-overview.png"))
-                    return str(row.text), driver.find_element(By.ID, "fleet").text, first
+                    return str(row.text), str(driver.find_element(By.ID, "fleet").text), str(first)
 
                 try:
                     row_text, fleet, waiting = await asyncio.to_thread(load_overview)

@@ -83,3 +83,15 @@ async def test_the_decision_is_on_the_plan_and_on_its_incidents_audit_trail(api:
         ("incident.ack", "incident", "operator-user"), ("plan.report", "plan", "job-user"),
         ("plan.approve", "plan", "operator-user")]
     assert detail["plans"][0]["decided_by"] == "operator-user"
+
+
+async def test_a_form_body_is_a_422_that_names_the_content_type(api: Api) -> None:
+    """What curl -d sends without -H 'Content-Type: application/json'."""
+    await api.job("job-s")
+    plan = await api.plan(await api.incident("job-s"), "job-s")
+    r = await api.client.post(f"/v1/plans/{plan}/approve", headers={
+        **api.auth("operator"), "Content-Type": "application/x-www-form-urlencoded"},
+        content=b'{"note": "go"}')
+    assert r.status_code == 422
+    assert "Content-Type: application/json" in r.json()["detail"]
+    assert "application/x-www-form-urlencoded" in r.json()["detail"]

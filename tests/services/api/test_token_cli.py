@@ -14,7 +14,6 @@ from services.api.app import create_app
 from services.common.db.session import make_engine, make_sessionmaker
 from tests.services.api.conftest import TOKEN_KEY, api_settings
 
-
 # What the command loaded, printed after it ran (the bus client, the services, Alembic).
 _LOADED = ("import sys, runpy; sys.argv = ['greyhound', 'token', *sys.argv[1:]]\n"
            "try:\n    runpy.run_module('stack.cli', run_name='__main__')\n"
