@@ -14,7 +14,6 @@ way. A second run on the same port or ring directory is refused (stack.claims).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import sys
@@ -98,66 +97,78 @@ AfterRun = Callable[[Stack, str], int]
 def run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float | None,
              as_json: bool, out: TextIO, err: TextIO, settle_s: float = 5.0,
              after: AfterRun | None = None) -> int:
+    try:
+        with claim(shm_dir=settings.shm_dir, data_dir=settings.data_dir, host="127.0.0.1",
+                   port=port):
+            return _run_live(scenario, settings, port=port, speed=speed, as_json=as_json,
+                             out=out, err=err, settle_s=settle_s, after=after)
+    except Collision as exc:
+        print(f"greyhound sim run: {exc}", file=err)
+        return 2
+
+
+def _run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float | None,
+              as_json: bool, out: TextIO, err: TextIO, settle_s: float,
+              after: AfterRun | None) -> int:
     base = f"http://127.0.0.1:{port}"
     job = job_id_for(scenario)
-    with contextlib.ExitStack() as held:
-        try:
-            held.enter_context(claim(shm_dir=settings.shm_dir, data_dir=settings.data_dir,
-                                     host="127.0.0.1", port=port))
-        except Collision as exc:
-            print(f"greyhound sim run: {exc}", file=err)
-            return 2
-        print(f"starting the services (data in {settings.data_dir}) ...", file=err, flush=True)
-        # The incidents are read back over REST on loopback without a token.
-        with Stack(settings, port=port,
-                   service_settings=(ApiSettings(api_anonymous_role="viewer"),)) as stack:
-            wait_api(base)
-            sim = LiveSimulation(scenario, Path(settings.shm_dir), job, speed=speed)
-            report = _Reporter(err)
-            dead: list[str] = []
-            follower = _follower(scenario, sim, stack, base, job)
+    print(f"starting the services (data in {settings.data_dir}) ...", file=err, flush=True)
+    # The incidents are read back over REST on loopback without a token.
+    with Stack(settings, port=port,
+               service_settings=(ApiSettings(api_anonymous_role="viewer"),)) as stack:
+        wait_api(base)
+        sim = LiveSimulation(scenario, Path(settings.shm_dir), job, speed=speed)
+        report = _Reporter(err)
+        dead: list[str] = []
+        follower = _follower(scenario, sim, stack, base, job)
 
-            def should_stop() -> bool:
-                if follower is not None:
-                    follower.poll()
-                if time.monotonic() >= report.next:
-                    dead.extend(stack.dead())
-                return bool(dead)
-
-            try:
-                print(f"job {job}: {scenario.job.world} simulated GPUs, "
-                      f"{scenario.duration_s:g} virtual seconds", file=err, flush=True)
-                final = sim.run(on_progress=report, should_stop=should_stop)
-                report(final, force=True)
-                if dead:
-                    print(f"service(s) {', '.join(dead)} exited; see {settings.data_dir}/logs",
-                          file=err)
-                    return 1
-                _drain(sim, stack, settle_s)
-                r = httpx.get(f"{base}/v1/incidents", params={"job_id": job, "limit": 1000},
-                              timeout=10.0)
-                r.raise_for_status()
-                found = sorted(((incident_line(i, sim.virtual_at), i) for i in r.json()),
-                               key=lambda x: x[0]["detected_s"])
-            finally:
-                sim.close(remove=True)
+        def should_stop() -> bool:
             if follower is not None:
-                for step in follower.steps:
-                    print(f"plan version {step.version}: {step.action} {step.strategy} from "
-                          f"{step.virtual_s:.1f} s virtual (cost {step.cost_s:.2f} s)"
-                          f"{'; failed: ' + step.error if step.error else ''}", file=err)
-            if as_json:
-                for line, _ in found:
-                    out.write(json.dumps(line) + "\n")
-            else:
-                out.write(text_report(job, found))
-            if after is not None:
-                return after(stack, base)
+                follower.poll()
+            if time.monotonic() >= report.next:
+                dead.extend(stack.dead())
+            return bool(dead)
+
+        try:
+            print(f"job {job}: {scenario.job.world} simulated GPUs, {scenario.duration_s:g} "
+                  "virtual seconds", file=err, flush=True)
+            final = sim.run(on_progress=report, should_stop=should_stop)
+            report(final, force=True)
+            if dead:
+                print(f"service(s) {', '.join(dead)} exited; see {settings.data_dir}/logs",
+                      file=err)
+                return 1
+            _drain(sim, stack, settle_s)
+            r = httpx.get(f"{base}/v1/incidents", params={"job_id": job, "limit": 1000},
+                          timeout=10.0)
+            r.raise_for_status()
+            found = sorted(((incident_line(i, sim.virtual_at), i) for i in r.json()),
+                           key=lambda x: x[0]["detected_s"])
+        finally:
+            sim.close(remove=True)
+        _print_report(job, found, follower, as_json=as_json, out=out, err=err)
+        if after is not None:
+            return after(stack, base)
     print(f"the services stopped with the run; its data stays in {settings.data_dir}: "
           f"`greyhound up --port {port}` with the same settings serves it again (GET "
           f"/v1/incidents?job_id={job} with a token from `greyhound token create --role "
           "viewer`), or run with --serve to keep serving when the run ends", file=err)
     return 0
+
+
+def _print_report(job: str, found: list[tuple[dict[str, Any], dict[str, Any]]],
+                  follower: SimPlanFollower | None, *, as_json: bool, out: TextIO,
+                  err: TextIO) -> None:
+    if follower is not None:
+        for step in follower.steps:
+            print(f"plan version {step.version}: {step.action} {step.strategy} from "
+                  f"{step.virtual_s:.1f} s virtual (cost {step.cost_s:.2f} s)"
+                  f"{'; failed: ' + step.error if step.error else ''}", file=err)
+    if as_json:
+        for line, _ in found:
+            out.write(json.dumps(line) + "\n")
+    else:
+        out.write(text_report(job, found))
 
 
 def text_report(job: str, found: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
