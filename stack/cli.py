@@ -93,10 +93,19 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from stack.claims import Collision, claim
     from stack.demo import run_demo
 
-    return run_demo(get_settings(), fault=args.fault, ranks=args.ranks, rank=args.rank,
-                    factor=args.factor, at=args.at, port=args.port, timeout_s=args.timeout)
+    settings = get_settings()
+    try:
+        with claim(shm_dir=settings.shm_dir, data_dir=settings.data_dir, host="127.0.0.1",
+                   port=args.port):
+            return run_demo(settings, fault=args.fault, ranks=args.ranks, rank=args.rank,
+                            factor=args.factor, at=args.at, port=args.port,
+                            timeout_s=args.timeout)
+    except Collision as exc:
+        print(f"greyhound demo: {exc}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
