@@ -76,3 +76,21 @@ def test_from_env_names_what_is_missing() -> None:
     c = PlanClient.from_env({"GREYHOUND_API_URL": "http://x", "GREYHOUND_JOB_ID": "j",
                              "GREYHOUND_API_TOKEN": "t"})
     assert c.job_id == "j"
+
+
+def test_the_whole_delivery_reaches_a_layout_follower_and_its_outcomes_are_reported() -> None:
+    from greyhound.integrations.topology import Delivery, LayoutOutcome
+
+    api = FakeApi()
+    api.plans = [{"version": 0, "microbatches": None, "gpu_of_rank": None},
+                 {"version": 4, "strategy": "S3", "action": "apply", "microbatches": None,
+                  "gpu_of_rank": [0, 2, 1, 3], "swaps": [[1, 2]], "cost_s": 60.0}]
+    client = _client(api)
+    assert client.fetch_delivery() is None
+    assert client.fetch_delivery() == Delivery(4, None, (0, 2, 1, 3), ((1, 2),), "S3", "apply")
+    client.on_outcome(LayoutOutcome(4, True, 0.12, None, 6, True, (1, 2), 5328))
+    client.on_outcome(LayoutOutcome(5, False, 0.3, "process 1: out of memory", 7, False, (), 0))
+    posts = [b for m, _, b in api.calls if m == "POST"]
+    assert posts == [{"version": 4, "outcome": "applied", "cost_s": 0.12},
+                     {"version": 5, "outcome": "failed", "cost_s": 0.3,
+                      "error": "process 1: out of memory"}]
