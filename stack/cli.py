@@ -1,7 +1,8 @@
 """The ``greyhound`` command.
 
 One subcommand per service of the registry (services.registry), ``up`` (all of them), ``db``,
-``demo``, and the library's offline ``detect``, ``sim`` and ``plan``.
+``demo``, ``run`` (a training command with the hook and a plan client), and the library's
+offline ``detect``, ``sim`` and ``plan``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from stack.run import run
+
+    return run(args, get_settings())
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from stack.demo import run_demo
 
@@ -125,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_token_parser(sub)
     sub.choices["token"].set_defaults(func=cmd_token)
+
+    from stack.run import add_parser as add_run_parser
+
+    add_run_parser(sub)
+    sub.choices["run"].set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="a small fake-NCCL job with one fault, found end to end")
     demo.add_argument("--fault", choices=("slow", "link", "hang"), default="slow",
