@@ -34,6 +34,8 @@ class PlanClient:
         self._http = client or httpx.Client(timeout=timeout_s)
         self._headers = {"Authorization": f"Bearer {token}"}
         self.last: dict[str, Any] | None = None
+        self._refused: set[int] = set()  # versions that move ranks, refused by fetch()
+        self._micro: MicrobatchPlan | None = None  # the last micro-batch plan fetch() handed
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PlanClient:
@@ -59,13 +61,27 @@ class PlanClient:
 
     def fetch(self) -> MicrobatchPlan | None:
         """A :class:`PlanFollower` source: the current micro-batch split, None before any plan
-        (empty counts: back to the job's even split)."""
+        (empty counts: back to the job's even split). Such a follower cannot move ranks: a
+        version that does (``gpu_of_rank`` set) is reported ``failed`` once and the previous
+        split stands, so the planner takes the plan back."""
         body = self.current()
         version = int(body.get("version") or 0)
         if version == 0:
             return None
+        if body.get("gpu_of_rank") is not None:
+            if version not in self._refused:
+                try:
+                    self.report(version, applied=False, error=(
+                        "this job follows micro-batch plans only (TorchPlanFollower); moving ranks "
+                        "needs greyhound.integrations.torch_layout.TorchLayoutFollower"))
+                except httpx.HTTPStatusError as exc:
+                    if exc.response.status_code not in (404, 409):  # 409: reported already
+                        raise
+                self._refused.add(version)
+            return self._micro
         counts = body.get("microbatches")
-        return MicrobatchPlan(version, tuple(int(c) for c in counts) if counts else ())
+        self._micro = MicrobatchPlan(version, tuple(int(c) for c in counts) if counts else ())
+        return self._micro
 
     def fetch_delivery(self) -> Delivery | None:
         """A :class:`~greyhound.integrations.torch_layout.TorchLayoutFollower` source: the whole
