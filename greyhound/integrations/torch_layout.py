@@ -22,7 +22,8 @@ reported as ``cost_s`` with ``applied``: the planner learns S3's overhead from i
 (docs/mitigation.md). Reports go from global rank 0 only, to ``on_report``
 (``PlanClient.on_outcome`` posts them); a report that fails is a warning, never an exception
 in the loop. Micro-batch counts (S2) are followed too, over the current DP group, through the
-embedded :class:`~greyhound.integrations.torch.TorchPlanFollower` (:attr:`s2`).
+embedded :class:`~greyhound.integrations.torch.TorchPlanFollower` (:attr:`s2`: its slices, loss
+scale and reduction; this follower fetches and adopts, so its own ``next_iteration`` is not called).
 
 Use (a stage-building function gives each rank its module and optimizer)::
 
@@ -182,7 +183,7 @@ class TorchLayoutFollower:
         cost = self._max(time.perf_counter() - start)
         if error is not None:
             log.warning("greyhound plan v%d failed, the job keeps its layout: %s", d.version, error)
-        return LayoutOutcome(d.version, error is None, cost, error, self.iteration + 1,
+        return LayoutOutcome(d.version, error is None, cost, error, self.iteration,
                              changed and error is None, moved, nbytes)
 
     def _counts(self, d: Delivery) -> tuple[int, ...]:

@@ -62,8 +62,9 @@ def test_the_swapped_processes_run_each_others_stage(check: tuple[dict[str, Any]
     assert stages[1] == [0] * SWAP_AT + [1] * (10 - SWAP_AT)
     assert stages[2] == [1] * SWAP_AT + [0] * (10 - SWAP_AT)
     assert stages[0] == [0] * 10 and stages[3] == [1] * 10
-    outcome = full["figures"]["role_swap"]["outcomes"][0]
+    outcome = full["runs"]["role_swap"]["outcomes"][0]
     assert outcome["applied"] and sorted(outcome["moved"]) == [1, 2]
+    assert outcome["iteration"] == SWAP_AT and outcome["layout_changed"] is True
     # The pause is measured and reported to the planner as the version's cost.
     assert 0 < result["pause_s"] < 60
     report = full["runs"]["role_swap"]["reports"][0]
