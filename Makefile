@@ -13,9 +13,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
-# The tests also need the optional PyTorch integration (a CPU build, pinned in pyproject.toml).
+# The tests also need the optional PyTorch and Megatron integrations (a CPU build of torch and
+# megatron-core, pinned in pyproject.toml).
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[dev,torch]'
+	$(BIN)/python -m pip install -q -e '.[dev,torch,megatron]'
 	touch $@
 
 venv: $(STAMP)

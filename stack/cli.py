@@ -1,9 +1,10 @@
 """The ``greyhound`` command.
 
 One subcommand per service of the registry (services.registry), ``up`` (all of them), ``db``,
-``demo``, and the library's offline ``detect``, ``sim`` and ``plan``. The services and the
-registry are imported only by the subcommands that need them: ``token`` (made while a plan
-waits for an operator) and the offline commands load neither the bus nor the services.
+``demo``, ``run`` (a training command with the hook and a plan client), and the library's
+offline ``detect``, ``sim`` and ``plan``. The services and the registry are imported only by the
+subcommands that need them: ``token`` (made while a plan waits for an operator) and the offline
+commands load neither the bus nor the services.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from stack.run import run
+
+    return run(args, get_settings())
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from stack.claims import Collision, claim
     from stack.demo import run_demo
@@ -136,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_token_parser(sub)
     sub.choices["token"].set_defaults(func=cmd_token)
+
+    from stack.run import add_parser as add_run_parser
+
+    add_run_parser(sub)
+    sub.choices["run"].set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="a small fake-NCCL job with one fault, found end to end")
     demo.add_argument("--fault", choices=("slow", "link", "hang"), default="slow",

@@ -40,7 +40,8 @@ def layout_of(job: JobSpec) -> dict[str, Any]:
             "pp_activation_bytes": job.pp_activation_bytes}
 
 
-def mint_token(database_url: str, *, role: str, name: str, token_key: bytes | None) -> str:
+def mint_token(database_url: str, *, role: str, name: str, token_key: bytes | None,
+               created_by: str = "sim") -> str:
     """A token made straight in the database, as ``greyhound token create`` does."""
     async def make() -> str:
         engine = make_engine(database_url)
@@ -49,7 +50,7 @@ def mint_token(database_url: str, *, role: str, name: str, token_key: bytes | No
                 secret = new_token()
                 await repo.create_token(session, name=name, role=role,
                                         token_hash=hash_token(secret, token_key),
-                                        prefix=display_prefix(secret), created_by="sim",
+                                        prefix=display_prefix(secret), created_by=created_by,
                                         expires_at=None)
                 await session.commit()
                 return secret

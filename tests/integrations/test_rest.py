@@ -76,3 +76,37 @@ def test_from_env_names_what_is_missing() -> None:
     c = PlanClient.from_env({"GREYHOUND_API_URL": "http://x", "GREYHOUND_JOB_ID": "j",
                              "GREYHOUND_API_TOKEN": "t"})
     assert c.job_id == "j"
+
+
+def test_the_whole_delivery_reaches_a_layout_follower_and_its_outcomes_are_reported() -> None:
+    from greyhound.integrations.topology import Delivery, LayoutOutcome
+
+    api = FakeApi()
+    api.plans = [{"version": 0, "microbatches": None, "gpu_of_rank": None},
+                 {"version": 4, "strategy": "S3", "action": "apply", "microbatches": None,
+                  "gpu_of_rank": [0, 2, 1, 3], "swaps": [[1, 2]], "cost_s": 60.0}]
+    client = _client(api)
+    assert client.fetch_delivery() is None
+    assert client.fetch_delivery() == Delivery(4, None, (0, 2, 1, 3), ((1, 2),), "S3", "apply")
+    client.on_outcome(LayoutOutcome(4, True, 0.12, None, 6, True, (1, 2), 5328))
+    client.on_outcome(LayoutOutcome(5, False, 0.3, "process 1: out of memory", 7, False, (), 0))
+    posts = [b for m, _, b in api.calls if m == "POST"]
+    assert posts == [{"version": 4, "outcome": "applied", "cost_s": 0.12},
+                     {"version": 5, "outcome": "failed", "cost_s": 0.3,
+                      "error": "process 1: out of memory"}]
+
+
+def test_a_micro_batch_follower_refuses_a_version_that_moves_ranks_once() -> None:
+    api = FakeApi()
+    s3 = {"version": 2, "strategy": "S3", "microbatches": [5, 3, 4, 4], "gpu_of_rank": [0, 2, 1, 3]}
+    api.plans = [{"version": 1, "microbatches": [5, 3, 4, 4]}, s3, s3,
+                 {"version": 3, "microbatches": [5, 3, 4, 4], "gpu_of_rank": None}]
+    client = _client(api)
+    f = PlanFollower(dp_rank=0, dp_size=4, microbatches=16, source=client.fetch,
+                     on_applied=client.on_applied)
+    assert [f.next_iteration() for _ in range(4)] == [5, 5, 5, 5]
+    assert f.version == 3
+    posts = [b for m, _, b in api.calls if m == "POST"]
+    assert [(b["version"], b["outcome"]) for b in posts] == [(1, "applied"), (2, "failed"),
+                                                              (3, "applied")]
+    assert "micro-batch plans only" in posts[1]["error"]

@@ -5,44 +5,19 @@ Needs PyTorch (``pip install -e '.[torch]'``, pinned to a CPU build); skipped wh
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e '.[torch]')")
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integrations.gloo import run_ranks
+
 WORLD = 4
 
 
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
-    tmp = tmp_path_factory.mktemp("gloo")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.integrations.torch_worker", "--rank", str(r), "--world",
-             str(WORLD), "--store", str(tmp / "store"), "--out", str(tmp / f"rank{r}.json")],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=150)
-            logs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r]}"
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks("tests.integrations.torch_worker", WORLD, tmp_path_factory.mktemp("gloo"),
+                     timeout_s=150)
 
 
 def test_uneven_allocation_gives_the_even_allocations_gradients(gloo_run: list[dict[str, object]]) -> None:

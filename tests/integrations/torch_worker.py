@@ -7,12 +7,10 @@ micro-batch), and re-balanced by the S2 allocator from the measured per-micro-ba
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,6 +18,7 @@ import torch.distributed as dist
 from greyhound.core.microbatch import allocate_microbatches
 from greyhound.integrations.plan_follower import AppliedPlan, MicrobatchPlan
 from greyhound.integrations.torch import TorchPlanFollower
+from tests.integrations.gloo import worker_args
 
 M, SAMPLES, SLEEP_S, SLOW_RANK, ITERS = 16, 4, 0.06, 1, 7
 
@@ -52,14 +51,7 @@ def full_batch_gradient() -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--store", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world)
+    a = worker_args()
     rank, world = a.rank, a.world
     out: dict[str, object] = {}
 
