@@ -15,6 +15,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.runtime import resolve_backends, start_service
@@ -93,6 +94,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.fault is not None and args.scenario is not None:
+        raise SystemExit("greyhound demo: --scenario plays a scenario three ways; --fault runs "
+                         "one small fault: choose one")
+    if args.fault is None:  # the main job: the paper's experiment (stack.paper_demo)
+        from stack.paper_demo import run_paper_demo
+
+        return run_paper_demo(get_settings(), scenario=args.scenario, port=args.port,
+                              chart=args.chart)
     from stack.demo import run_demo
 
     return run_demo(get_settings(), fault=args.fault, ranks=args.ranks, rank=args.rank,
@@ -126,10 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_token_parser(sub)
     sub.choices["token"].set_defaults(func=cmd_token)
 
-    demo = sub.add_parser("demo", help="a small fake-NCCL job with one fault, found end to end")
-    demo.add_argument("--fault", choices=("slow", "link", "hang"), default="slow",
-                      help="a slow GPU (default), a slow link between two ranks, or a collective "
-                      "that never completes on one rank's GPU")
+    demo = sub.add_parser("demo", help="the paper's 256-GPU experiment with and without "
+                          "Greyhound; --fault: a small fake-NCCL job with one fault")
+    demo.add_argument("--scenario", type=Path, default=None,
+                      help="play this scenario three ways (default: scenarios/paper-256.yaml)")
+    demo.add_argument("--chart", type=Path, default=None,
+                      help="where the chart goes (default: <data dir>/demo/<scenario>.png)")
+    demo.add_argument("--fault", choices=("slow", "link", "hang"), default=None,
+                      help="instead: one fault in a small fake-NCCL job: a slow GPU, a slow link "
+                      "between two ranks, or a collective that never completes on one rank's GPU")
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--rank", "--slow-rank", dest="rank", type=int, default=None,
                       help="the slow GPU, the hung rank, or the slow link's first end (the other "
