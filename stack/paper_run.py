@@ -37,7 +37,7 @@ from stack.sim_plans import SimPlanFollower, Step, mint_token
 from stack.up import Stack
 
 log = logging.getLogger(__name__)
-POLL_S = 1.0  # wall seconds between two reads of the incidents and plans
+POLL_S = 2.0  # wall seconds between two reads of the incidents and plans
 SETTLE_AFTER_NAMED_S = 20.0  # virtual seconds of real time kept after a fault is named, for
 # its validation, when no validation comes first
 
@@ -99,11 +99,6 @@ class Operator:
         self.http.close()
 
 
-def _busy(sim: LiveSimulation) -> bool:
-    """The services work on the job: a rank profiled or asked to pause."""
-    return any(r.control.mode == "profile" or r.control.pause_requested() for r in sim.rings)
-
-
 def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
               on_progress: Callable[[LiveProgress, str, list[Found], list[Step]], None]
               | None = None, err: TextIO | None = None) -> WithResult:
@@ -151,7 +146,7 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
                         if f.validate_s is not None or \
                                 sim.virtual_s > named_at + SETTLE_AFTER_NAMED_S:
                             pacer.settle(f.fault)
-                sim.speed = pacer.speed(sim.virtual_s, now - t0, busy=_busy(sim),
+                sim.speed = pacer.speed(sim.virtual_s, now - t0, busy=sim.attended,
                                         lag=lag.pending)
                 return bool(dead)
 
