@@ -20,6 +20,7 @@ is 0 when the live run completed and the services kept up with it.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ from greyhound.sim.scenario import Scenario, ScenarioError, load_scenario
 from greyhound.sim.score import Found
 from greyhound.sim.throughput import offline_iterations, per_minute
 from services.common.settings import Settings
+from services.planner.settings import PlannerSettings
 from stack.paper_run import WithResult, play_with
 from stack.sim_plans import Step
 from stack.up import Stack, wait_api
@@ -40,6 +42,7 @@ SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "paper-256.yaml"
 PAPER = {"injected": 12, "detected": 12, "correct": 12, "mean_detect_s": 3.7,
          "mean_localize_s": 10.56, "throughput_healthy": 37.4, "throughput_without": 18.9,
          "throughput_with": 29.8, "speedup": 1.58}
+RECHECK_S = 30.0  # the planner's re-check of a mitigated GPU (its default: 300 s)
 SEVERITY = ((1.75, "weak"), (2.5, "medium"), (float("inf"), "strong"))
 
 
@@ -195,7 +198,13 @@ def run_paper_demo(settings: Settings, *, scenario: Path | None = None, port: in
     print(f"  [2/4] starting embedded NATS + Postgres and every service (data and logs in "
           f"{settings.data_dir}) ...", file=out, flush=True)
     policy = PacePolicy(fast=fast)
-    with Stack(settings, port=port) as stack:
+    planner = PlannerSettings()
+    if "GREYHOUND_PLANNER_RECHECK_S" not in os.environ:
+        print(f"        the planner re-checks a GPU under an S2 plan every {RECHECK_S:g} s "
+              f"instead of {planner.recheck_s:g} s (the faults here last minutes, not tens of "
+              f"minutes); every other setting is the default", file=out, flush=True)
+        planner = planner.model_copy(update={"recheck_s": RECHECK_S})
+    with Stack(settings, port=port, service_settings=(planner,)) as stack:
         wait_api(f"http://127.0.0.1:{port}")
         print(f"  [3/4] with Greyhound, live: the simulated job follows its plans; S2 automatic, "
               f"S3 approved by a scripted operator over REST; pace 1x around each onset and "

@@ -120,6 +120,7 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
     incidents: list[dict[str, Any]] = []
     plans: list[dict[str, Any]] = []
     found: list[Found] = []
+    layouts = Layouts(sim)
     next_poll = [0.0]
     t0 = time.monotonic()
     dead: list[str] = []
@@ -129,6 +130,7 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
             def should_stop() -> bool:
                 nonlocal incidents, plans, found
                 follower.poll()
+                layouts.note(follower.steps)
                 now = time.monotonic()
                 if now >= next_poll[0]:
                     next_poll[0] = now + POLL_S
@@ -138,7 +140,7 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
                         operator.approve_waiting(plans)
                     except httpx.HTTPError as exc:
                         log.warning("the API did not answer: %s", exc)
-                    found = score_faults(sc, incidents, _clock(sim))
+                    found = score_faults(sc, incidents, _clock(sim), rank_of_gpu=layouts.at)
                     for f in found:
                         if f.localize_s is None:
                             continue
@@ -162,13 +164,34 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
             backlog = _settle(sim, stack, lag)
         incidents, plans = operator.incidents(), operator.plans()
         virtual_at = _clock(sim)
-        found = score_faults(sc, incidents, virtual_at)
+        found = score_faults(sc, incidents, virtual_at, rank_of_gpu=layouts.at)
         return WithResult(job, sim.iteration_times(), list(follower.steps), incidents, plans,
                           found, pacer.report(), list(operator.approved), sim.virtual_s,
                           time.monotonic() - t0, backlog == 0, backlog, virtual_at)
     finally:
         operator.close()
         sim.close(remove=True)
+
+
+class Layouts:
+    """Which rank each GPU ran, over virtual time: a topology plan moves ranks, and a fault
+    strikes a GPU, so scoring asks who ran there at the fault's onset."""
+
+    def __init__(self, sim: LiveSimulation) -> None:
+        self.sim = sim
+        self.version = sim.model.layout.version
+        self.history: list[tuple[float, list[int]]] = [
+            (0.0, sim.model.layout.rank_of_gpu().tolist())]
+
+    def note(self, steps: list[Step]) -> None:
+        layout = self.sim.model.layout
+        if layout.version != self.version:
+            self.version = layout.version
+            since = steps[-1].virtual_s if steps else self.sim.virtual_s
+            self.history.append((since, layout.rank_of_gpu().tolist()))
+
+    def at(self, t: float) -> list[int]:
+        return next(r for since, r in reversed(self.history) if since <= t)
 
 
 def _clock(sim: LiveSimulation) -> Callable[[int], float]:

@@ -147,12 +147,17 @@ class Found:
 
 
 def score_faults(sc: Scenario, incidents: Sequence[dict[str, Any]],
-                 virtual_at: Callable[[int], float], *,
-                 compound: Compound = "either") -> list[Found]:
+                 virtual_at: Callable[[int], float], *, compound: Compound = "either",
+                 rank_of_gpu: Callable[[float], Sequence[int]] | None = None) -> list[Found]:
     """Per fault, the first localisation (in any incident, from ``EARLY_S`` before its onset
     on) that names it with the right kind; failing that, the best partial match. An incident
-    that names two faults (a second slowdown noted into an open incident) counts for both."""
+    that names two faults (a second slowdown noted into an open incident) counts for both.
+
+    A fault strikes a GPU; incidents name ranks. ``rank_of_gpu(t)`` says which rank each GPU
+    ran at virtual time ``t`` (a topology plan moves them); by default rank g runs on GPU g."""
     exp = expectations(sc, compound=compound)
+    if rank_of_gpu is not None:
+        _to_ranks(exp, rank_of_gpu)
     entries = []  # (virtual s, incident, index in its timeline, line)
     for inc in incidents:
         for i, entry in enumerate(inc.get("timeline") or []):
@@ -183,6 +188,18 @@ def score_faults(sc: Scenario, incidents: Sequence[dict[str, Any]],
                          _detected(inc, i, e.start_s, virtual_at) - e.start_s, at - e.start_s,
                          _validated(inc, i, virtual_at, e.start_s)))
     return out
+
+
+def _to_ranks(exp: list[Expect], rank_of_gpu: Callable[[float], Sequence[int]]) -> None:
+    """The GPUs each compute fault struck, as the ranks they ran at its onset."""
+    for e in exp:
+        if e.taxonomy in ("compute_slow", "mixed_slow") and e.link is None:
+            ranks = rank_of_gpu(e.start_s)
+            e.ranks = {int(ranks[g]) for g in e.ranks}
+    compute = {r for e in exp if e.link is None and e.fault in ("gpu_slow", "cpu_contention")
+               for r in e.ranks}
+    for e in exp:
+        e.allowed = compute
 
 
 def _detected(inc: dict[str, Any], upto: int, onset: float,

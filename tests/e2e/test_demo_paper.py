@@ -27,14 +27,14 @@ name: demo-paper-16
 job: {tp: 2, dp: 4, pp: 2, gpus_per_node: 4, microbatches: 16, microbatch_compute_s: 0.05,
       dp_allreduce_bytes: 4.0e9, pp_activation_bytes: 1.0e8, link_gbps: 400, nvlink_gbps: 3600,
       optimizer_s: 0.01}
-duration_s: 300
+duration_s: 280
 seed: 5
 noise: {jitter_cv: 0.01, gc_prob: 0.0}
 costs: {microbatch_s: 0.5, reconfigure_s: 10.0, restart_s: 1800.0}
 mitigation: {follow_plans: true, poll_s: 0.5}
 faults:
-  - {kind: gpu_slow, rank: 2, start_s: 30, duration_s: 100, factor: 3.0}
-  - {kind: link_congestion, nodes: [0, 1], start_s: 150, duration_s: 150, factor: 8.0}
+  - {kind: gpu_slow, rank: 2, start_s: 30, duration_s: 70, factor: 3.0}
+  - {kind: link_congestion, nodes: [0, 1], start_s: 110, duration_s: 170, factor: 8.0}
 """
 KEYS = {"injected", "detected", "correct", "throughput_healthy", "throughput_without",
         "throughput_with", "speedup", "mean_detect_s", "mean_localize_s", "chart", "wall_s"}

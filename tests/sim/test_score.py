@@ -85,3 +85,20 @@ def test_the_localisation_reports_rule_asks_mixed_for_both_sides_of_a_compound()
     either = expectations(SC, compound="either")
     assert [e.kinds for e in either] == [{"compute_slow", "mixed_slow"},
                                          {"comm_slow", "mixed_slow"}, {"compute_slow"}]
+
+
+def test_a_gpu_that_a_topology_plan_moved_is_named_by_the_rank_it_runs() -> None:
+    """From 60 s on GPU 9 runs rank 13 (an S3 swap of GPUs 9 and 13): the third fault, on GPU 9
+    at 80 s, is named right as rank 13, and wrong as rank 9."""
+    def rank_of_gpu(t: float) -> list[int]:
+        ranks = list(range(16))
+        if t >= 60.0:
+            ranks[9], ranks[13] = 13, 9
+        return ranks
+
+    def third(rank: int) -> bool:
+        incidents = [incident("c", 84.0, [("detected", 84.0, {}), ("localized", 86.0, localized(
+            "compute_slow", [rank]))])]
+        return score_faults(SC, incidents, virtual_at, rank_of_gpu=rank_of_gpu)[2].correct
+
+    assert third(13) and not third(9)
