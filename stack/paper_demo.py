@@ -20,6 +20,7 @@ is 0 when the live run completed and the services kept up with it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import sys
@@ -175,6 +176,9 @@ def run_paper_demo(settings: Settings, *, scenario: Path | None = None, port: in
                    out: TextIO | None = None) -> int:
     out = out or sys.stdout
     t0 = time.monotonic()
+    # the progress line shows what the follower and the stack would log line by line
+    for chatty in ("stack.sim_plans", "stack.up"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     path = scenario or SCENARIO
     try:
         sc = load_scenario(path)

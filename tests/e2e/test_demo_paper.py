@@ -1,13 +1,14 @@
 """``greyhound demo --scenario FILE``: the paper demo's three runs on a scaled-down job, through
 embedded NATS (with its users) and Postgres and every service, as a user runs it.
 
-The full experiment (scenarios/paper-256.yaml, 256 GPUs) is the demo itself, minutes long; here
-16 GPUs (TP2 DP4 PP2, 4 a node) carry one fault of each strategy: GPU 2 three times slower
-(S2, automatic) and the link between nodes 0 and 1, which carries stage 0's DP all-reduce,
-congested 8x (S3, held for the scripted operator, who approves it over REST with an operator
-token). Judged from the RESULT line: both faults named with kind and culprit, both plans
-followed, the operator's approval, the job faster with Greyhound than without, the pace
-reported, and the chart written when matplotlib (the demo extra) is there.
+The full experiment (scenarios/paper-256.yaml, 256 GPUs) is the demo itself, minutes long;
+here scenarios/paper-16.yaml: 16 GPUs (TP2 DP4 PP2, 4 a node) carry one fault of each
+strategy: GPU 2 three times slower (S2, automatic) and the link between nodes 0 and 1, which
+carries stage 0's DP all-reduce, congested 8x (S3, held for the scripted operator, who
+approves it over REST with an operator token). Judged from the RESULT line: both faults named
+with kind and culprit, both plans followed, the operator's approval, the job faster with
+Greyhound than without, the pace reported, and the chart written when matplotlib (the demo
+extra) is there.
 """
 
 from __future__ import annotations
@@ -22,20 +23,7 @@ from typing import Any
 from services.common.settings import Settings
 from stack.paper_demo import run_paper_demo
 
-SCENARIO = """\
-name: demo-paper-16
-job: {tp: 2, dp: 4, pp: 2, gpus_per_node: 4, microbatches: 16, microbatch_compute_s: 0.05,
-      dp_allreduce_bytes: 4.0e9, pp_activation_bytes: 1.0e8, link_gbps: 400, nvlink_gbps: 3600,
-      optimizer_s: 0.01}
-duration_s: 280
-seed: 5
-noise: {jitter_cv: 0.01, gc_prob: 0.0}
-costs: {microbatch_s: 0.5, reconfigure_s: 10.0, restart_s: 1800.0}
-mitigation: {follow_plans: true, poll_s: 0.5}
-faults:
-  - {kind: gpu_slow, rank: 2, start_s: 30, duration_s: 70, factor: 3.0}
-  - {kind: link_congestion, nodes: [0, 1], start_s: 110, duration_s: 170, factor: 8.0}
-"""
+SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "paper-16.yaml"
 KEYS = {"injected", "detected", "correct", "throughput_healthy", "throughput_without",
         "throughput_with", "speedup", "mean_detect_s", "mean_localize_s", "chart", "wall_s"}
 
@@ -48,11 +36,9 @@ def _free_port() -> int:
 
 def test_paper_demo_on_a_small_job_names_both_faults_and_follows_both_plans(
         tmp_path: Path) -> None:
-    path = tmp_path / "demo-paper-16.yaml"
-    path.write_text(SCENARIO)
     out = io.StringIO()
     settings = Settings(data_dir=tmp_path / "data", shm_dir=tmp_path / "shm")
-    rc = run_paper_demo(settings, scenario=path, port=_free_port(), chart=tmp_path / "c.png",
+    rc = run_paper_demo(settings, scenario=SCENARIO, port=_free_port(), chart=tmp_path / "c.png",
                         out=out)
     text = out.getvalue()
     print(text)
