@@ -22,8 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -171,11 +173,19 @@ def print_table(sc: Scenario, res: WithResult, summary: dict[str, Any], out: Tex
     print(f"  paced: {s['pace']}", file=out)
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_paper_demo(settings: Settings, *, scenario: Path | None = None, port: int,
                    chart: Path | None = None, fast: float = 8.0,
                    out: TextIO | None = None) -> int:
     out = out or sys.stdout
     t0 = time.monotonic()
+    if threading.current_thread() is threading.main_thread():
+        # a TERM (timeout, a supervisor) unwinds like Ctrl-C, so the services and the embedded
+        # servers stop with the demo instead of running on without it
+        signal.signal(signal.SIGTERM, _interrupt)
     # the progress line shows what the follower and the stack would log line by line
     for chatty in ("stack.sim_plans", "stack.up"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
