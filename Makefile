@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: venv native demo test lint clean
 
@@ -19,12 +20,19 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,torch,megatron]'
 	touch $@
 
+# The demo's chart needs matplotlib (the optional demo extra; nothing else imports it).
+$(DEMO_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,demo]'
+	touch $@
+
 venv: $(STAMP)
 
 native:
 	$(MAKE) -s -C native all all-fake
 
-demo: venv native
+# The paper's 256-GPU experiment, healthy / without / with Greyhound (stack/paper_demo.py); the
+# small one-fault demos: greyhound demo --fault slow|link|hang.
+demo: $(DEMO_STAMP) native
 	$(BIN)/greyhound demo
 
 lint: venv

@@ -26,97 +26,13 @@ from typing import Any
 import httpx
 
 from greyhound.sim.live import LiveSimulation
-from greyhound.sim.scenario import Scenario, load_scenario
+from greyhound.sim.scenario import load_scenario
+from greyhound.sim.score import expectations, matches
 from services.api.settings import ApiSettings
 from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from stack.sim_live import incident_line, job_id_for
 from stack.up import Stack, wait_api
-
-HANG_KINDS = {"hang_not_entered", "hang_inconsistent", "hang_hardware"}
-
-
-@dataclass
-class Expect:
-    """What a correct diagnosis of one injected fault looks like."""
-
-    fault: str
-    start_s: float
-    end_s: float | None
-    kinds: set[str]
-    ranks: set[int] = field(default_factory=set)
-    nodes: set[int] = field(default_factory=set)
-    link: tuple[int, int] | None = None
-    taxonomy: str = ""  # which of the six kinds this fault is scored under
-    allowed: set[int] = field(default_factory=set)  # compute faults: ranks any may name
-    max_named: int = 1  # hangs: how many ranks a diagnosis may name
-
-    def overlaps(self, other: Expect) -> bool:
-        inf = float("inf")
-        return self.start_s < (other.end_s or inf) and other.start_s < (self.end_s or inf)
-
-
-def expectations(sc: Scenario) -> list[Expect]:
-    """Compute faults are compute_slow and congested links comm_slow, unless the two overlap in
-    time: then each is only right as mixed_slow."""
-    out = _expectations(sc)
-    compute_ranks = {r for e in out if e.taxonomy == "compute_slow" for r in e.ranks}
-    for e in out:
-        e.allowed = compute_ranks
-        if e.fault == "hang_hardware":
-            e.max_named = sc.job.pp
-    links = [e for e in out if e.link is not None]
-    for e in out:
-        if e.taxonomy == "compute_slow" and any(e.overlaps(x) for x in links):
-            e.kinds, e.taxonomy = {"mixed_slow"}, "mixed_slow"
-    computes = [e for e in out if e.taxonomy == "mixed_slow" and e.link is None]
-    for e in links:
-        if any(e.overlaps(x) for x in computes):
-            e.kinds, e.taxonomy = {"mixed_slow"}, "mixed_slow"
-    return out
-
-
-def _expectations(sc: Scenario) -> list[Expect]:
-    job = sc.job
-    out: list[Expect] = []
-    for f in sc.faults:
-        end = None if f.duration_s is None else f.start_s + f.duration_s
-        if f.kind == "gpu_slow":
-            assert f.rank is not None
-            out.append(Expect(f.kind, f.start_s, end, {"compute_slow"}, ranks={f.rank},
-                              taxonomy="compute_slow"))
-        elif f.kind == "cpu_contention":
-            assert f.node is not None
-            node_ranks = set(range(f.node * job.gpus_per_node, (f.node + 1) * job.gpus_per_node))
-            out.append(Expect(f.kind, f.start_s, end, {"compute_slow"}, ranks=node_ranks,
-                              nodes={f.node}, taxonomy="compute_slow"))
-        elif f.kind == "link_congestion":
-            assert f.nodes is not None
-            a, b = sorted(f.nodes)
-            out.append(Expect(f.kind, f.start_s, end, {"comm_slow"}, nodes={a, b}, link=(a, b),
-                              taxonomy="comm_slow"))
-        else:
-            assert f.rank is not None
-            out.append(Expect(f.kind, f.start_s, end, {f.kind}, ranks={f.rank}, taxonomy=f.kind))
-    return out
-
-
-def matches(e: Expect, inc: dict[str, Any]) -> tuple[bool, bool]:
-    """(right kind, right culprit) of one incident line for one expectation.
-
-    A congested link must be named as that node pair; a compute fault by its rank(s), naming no
-    rank that no compute fault touched; a hang by its rank (a pipeline send/receive that never
-    returns may name its pipeline, one rank per stage)."""
-    kind_ok = inc["kind"] in e.kinds
-    ranks, nodes = set(inc["ranks"]), set(inc["nodes"])
-    links = {tuple(sorted(x)) for x in inc["links"]}
-    if e.link is not None:
-        culprit_ok = e.link in links or (not links and bool(nodes) and nodes <= e.nodes)
-    elif e.fault in ("gpu_slow", "cpu_contention"):
-        culprit_ok = bool(ranks & e.ranks) and ranks <= e.allowed
-    else:
-        culprit_ok = e.ranks <= ranks and len(ranks) <= e.max_named
-    return kind_ok, culprit_ok
 
 
 @dataclass

@@ -18,6 +18,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.settings import Settings, get_settings
@@ -100,13 +101,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.fault is not None and args.scenario is not None:
+        raise SystemExit("greyhound demo: --scenario plays a scenario three ways; --fault runs "
+                         "one small fault: choose one")
     from stack.claims import Collision, claim
-    from stack.demo import run_demo
 
     settings = get_settings()
     try:
         with claim(shm_dir=settings.shm_dir, data_dir=settings.data_dir, host="127.0.0.1",
                    port=args.port):
+            if args.fault is None:  # the main job: the paper's experiment (stack.paper_demo)
+                from stack.paper_demo import run_paper_demo
+
+                return run_paper_demo(settings, scenario=args.scenario, port=args.port,
+                                      chart=args.chart)
+            from stack.demo import run_demo
+
             return run_demo(settings, fault=args.fault, ranks=args.ranks, rank=args.rank,
                             factor=args.factor, at=args.at, port=args.port,
                             timeout_s=args.timeout)
@@ -149,10 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     sub.choices["run"].set_defaults(func=cmd_run)
 
-    demo = sub.add_parser("demo", help="a small fake-NCCL job with one fault, found end to end")
-    demo.add_argument("--fault", choices=("slow", "link", "hang"), default="slow",
-                      help="a slow GPU (default), a slow link between two ranks, or a collective "
-                      "that never completes on one rank's GPU")
+    demo = sub.add_parser("demo", help="the paper's 256-GPU experiment with and without "
+                          "Greyhound; --fault: a small fake-NCCL job with one fault")
+    demo.add_argument("--scenario", type=Path, default=None,
+                      help="play this scenario three ways (default: scenarios/paper-256.yaml)")
+    demo.add_argument("--chart", type=Path, default=None,
+                      help="where the chart goes (default: <data dir>/demo/<scenario>.png)")
+    demo.add_argument("--fault", choices=("slow", "link", "hang"), default=None,
+                      help="instead: one fault in a small fake-NCCL job: a slow GPU, a slow link "
+                      "between two ranks, or a collective that never completes on one rank's GPU")
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--rank", "--slow-rank", dest="rank", type=int, default=None,
                       help="the slow GPU, the hung rank, or the slow link's first end (the other "

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,11 +27,14 @@ import httpx
 from greyhound.ids import slug
 from greyhound.integrations.rest import PlanClient
 from greyhound.sim.live import LiveProgress, LiveSimulation
+from greyhound.sim.pace import PacePolicy, Pacer
 from greyhound.sim.scenario import Scenario
+from greyhound.sim.score import sim_node, wall_ns
 from services.api.settings import ApiSettings
 from services.common.settings import Settings, get_settings
 from stack.claims import Collision, claim
 from stack.serve import serve_until_stopped, stop_signals
+from stack.lag import TrackerLag
 from stack.sim_plans import SimPlanFollower, mint_token
 from stack.up import Stack, wait_api
 
@@ -49,7 +50,7 @@ def incident_line(incident: dict[str, Any], virtual_at: Callable[[int], float]) 
     def when(stage: str) -> float | None:
         for entry in incident.get("timeline") or []:
             if entry.get("stage") == stage:
-                return round(virtual_at(_ns(entry["at"])), 3)
+                return round(virtual_at(wall_ns(entry["at"])), 3)
         return None
 
     return {
@@ -57,20 +58,9 @@ def incident_line(incident: dict[str, Any], virtual_at: Callable[[int], float]) 
         "ranks": list(culprit.get("ranks") or []),
         "nodes": [sim_node(n) for n in culprit.get("nodes") or []],
         "links": [[sim_node(n) for n in x] for x in culprit.get("links") or []],
-        "detected_s": round(virtual_at(_ns(incident["opened_at"])), 3),
+        "detected_s": round(virtual_at(wall_ns(incident["opened_at"])), 3),
         "localized_s": when("localized"),
     }
-
-
-def sim_node(label: Any) -> Any:
-    """The simulator names its hosts sim-node<N>; an incident names hosts when nodes are unknown,
-    so the report turns them back into node numbers."""
-    m = re.fullmatch(r"sim-node(\d+)", str(label))
-    return int(m.group(1)) if m else label
-
-
-def _ns(stamp: str) -> int:
-    return int(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() * 1e9)
 
 
 class _Reporter:
@@ -89,6 +79,9 @@ class _Reporter:
               f"{p.speed:6.1f}x{'  (hung)' if p.hung else ''}", file=self.err, flush=True)
 
 
+DEFAULT_PACE = PacePolicy(fast=4.0)  # without --speed: greyhound.sim.pace, at most 4x
+FOLLOW_TIMEOUT_S = 60.0  # after the run, how long the tracker may take to read what is left
+
 # What runs after the report while the stack still serves (``--serve``): given the stack and the
 # API's address, it returns the command's exit code.
 AfterRun = Callable[[Stack, str], int]
@@ -97,6 +90,10 @@ AfterRun = Callable[[Stack, str], int]
 def run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float | None,
              as_json: bool, out: TextIO, err: TextIO, settle_s: float = 5.0,
              after: AfterRun | None = None) -> int:
+    """Without ``speed``, the run is paced (DEFAULT_PACE): real time around each fault's onset
+    and while the services profile or pause the job, up to 4x otherwise, slower while the
+    tracker lags. Either way, a run whose telemetry the tracker had not read by the end
+    (FOLLOW_TIMEOUT_S after it) says so and exits 3: its incidents would under-count."""
     try:
         with claim(shm_dir=settings.shm_dir, data_dir=settings.data_dir, host="127.0.0.1",
                    port=port):
@@ -115,18 +112,28 @@ def _run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float
     print(f"starting the services (data in {settings.data_dir}) ...", file=err, flush=True)
     # The incidents are read back over REST on loopback without a token.
     with Stack(settings, port=port,
-               service_settings=(ApiSettings(api_anonymous_role="viewer"),)) as stack:
+               service_settings=(ApiSettings(api_anonymous_role="viewer"),)) as stack, \
+            TrackerLag(stack) as lag:
         wait_api(base)
-        sim = LiveSimulation(scenario, Path(settings.shm_dir), job, speed=speed)
+        pacer = None if speed is not None else Pacer(DEFAULT_PACE,
+                                                     [f.start_s for f in scenario.faults])
+        sim = LiveSimulation(scenario, Path(settings.shm_dir), job,
+                             speed=speed if speed is not None else DEFAULT_PACE.slow)
         report = _Reporter(err)
         dead: list[str] = []
+        most_behind = [0]
         follower = _follower(scenario, sim, stack, base, job)
+        t0 = time.monotonic()
 
         def should_stop() -> bool:
             if follower is not None:
                 follower.poll()
             if time.monotonic() >= report.next:
                 dead.extend(stack.dead())
+            most_behind[0] = max(most_behind[0], lag.pending or 0)
+            if pacer is not None:
+                sim.speed = pacer.speed(sim.virtual_s, time.monotonic() - t0,
+                                        busy=sim.attended, lag=lag.pending)
             return bool(dead)
 
         try:
@@ -138,7 +145,8 @@ def _run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float
                 print(f"service(s) {', '.join(dead)} exited; see {settings.data_dir}/logs",
                       file=err)
                 return 1
-            _drain(sim, stack, settle_s)
+            _drain(sim, stack, settle_s, lag)
+            backlog = lag.pending
             r = httpx.get(f"{base}/v1/incidents", params={"job_id": job, "limit": 1000},
                           timeout=10.0)
             r.raise_for_status()
@@ -146,14 +154,30 @@ def _run_live(scenario: Scenario, settings: Settings, *, port: int, speed: float
                            key=lambda x: x[0]["detected_s"])
         finally:
             sim.close(remove=True)
+        if pacer is not None:
+            print(f"paced: {pacer.report().describe()}", file=err)
         _print_report(job, found, follower, as_json=as_json, out=out, err=err)
+        behind = _said_behind(backlog, most_behind[0], err)
         if after is not None:
-            return after(stack, base)
+            code = after(stack, base)
+            return 3 if behind else code
     print(f"the services stopped with the run; its data stays in {settings.data_dir}: "
           f"`greyhound up --port {port}` with the same settings serves it again (GET "
           f"/v1/incidents?job_id={job} with a token from `greyhound token create --role "
           "viewer`), or run with --serve to keep serving when the run ends", file=err)
-    return 0
+    return 3 if behind else 0
+
+
+def _said_behind(backlog: int | None, most_behind: int, err: TextIO) -> bool:
+    """Whether the tracker had telemetry unread after the run (said on ``err``): then the
+    incidents reported under-count, and the command exits 3."""
+    if backlog is not None and backlog <= 0:
+        return False
+    print(f"the services could not follow this run: the tracker had "
+          f"{'an unknown number of' if backlog is None else backlog} telemetry messages "
+          f"unread {FOLLOW_TIMEOUT_S:g} s after it ended (at most {most_behind} during "
+          f"it); the incidents above are incomplete: run it slower (--speed 1)", file=err)
+    return True
 
 
 def _print_report(job: str, found: list[tuple[dict[str, Any], dict[str, Any]]],
@@ -213,10 +237,12 @@ def _follower(scenario: Scenario, sim: LiveSimulation, stack: Stack, base: str,
     return follower
 
 
-def _drain(sim: LiveSimulation, stack: Stack, settle_s: float, timeout_s: float = 60.0) -> None:
-    """Let the agent consume every ring, then give the tracker and analyzer ``settle_s``."""
-    deadline = time.monotonic() + timeout_s
-    while any(r.lag() for r in sim.rings) and time.monotonic() < deadline and not stack.dead():
+def _drain(sim: LiveSimulation, stack: Stack, settle_s: float, lag: TrackerLag) -> None:
+    """Let the agent consume every ring and the tracker read all it published (at most
+    FOLLOW_TIMEOUT_S), then give the analyzer ``settle_s``."""
+    deadline = time.monotonic() + FOLLOW_TIMEOUT_S
+    while (any(r.lag() for r in sim.rings) or lag.pending != 0) \
+            and time.monotonic() < deadline and not stack.dead():
         time.sleep(0.1)
     time.sleep(settle_s)
 

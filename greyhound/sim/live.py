@@ -177,6 +177,12 @@ class LiveSimulation:
         return LiveProgress(self._v, its, self._clock() - self._start, self._written,
                             sum(r.dropped for r in self.rings), self.model.hung)
 
+    @property
+    def attended(self) -> bool:
+        """The services work on the job right now: a rank profiled or asked to pause (their
+        wall-clock work that a pacer keeps at real time)."""
+        return any(r.control.mode == "profile" or r.control.pause_requested() for r in self.rings)
+
     def submit(self, tag: int, plans: list[Plan]) -> None:
         """Apply ``plans`` (in order, as one change) at the next iteration boundary the
         simulation reaches; safe to call from the driver's callbacks."""

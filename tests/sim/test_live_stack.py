@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+import pytest
+
 from services.common.settings import Settings
 from stack.sim_live import run_live
 from stack.up import Stack
@@ -59,3 +61,36 @@ def test_gpu_slow_becomes_a_localized_incident(nats_url: str, pg_url: str, tmp_p
         assert first["ranks"] == [3] and first["nodes"] == [0], first
         assert first["localized_s"] is not None and first["localized_s"] >= first["detected_s"]
     assert "speed" in err.getvalue() and not list((tmp_path / "shm").glob("sim-*/rank-*.ring"))
+
+
+class _Behind:
+    """The tracker's consumer as a stack that cannot keep up shows it: messages left unread."""
+
+    def __init__(self, _stack: object) -> None:
+        self.pending = 7
+
+    def __enter__(self) -> _Behind:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_a_run_the_tracker_did_not_follow_says_so(nats_url: str, pg_url: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that ends with telemetry the tracker has not read must not report a healthy job."""
+    import stack.sim_live as sim_live
+
+    monkeypatch.setattr(sim_live, "TrackerLag", _Behind)
+    monkeypatch.setattr(sim_live, "FOLLOW_TIMEOUT_S", 1.0)
+    j = job(tp=2, dp=2, pp=1, gpus_per_node=2, microbatches=4, microbatch_compute_s=0.02,
+            dp_allreduce_bytes=1e6)
+    sc = scenario(j, [], duration_s=10.0, name="behind-test")
+    settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=tmp_path / "data",
+                        shm_dir=tmp_path / "shm")
+    out, err = io.StringIO(), io.StringIO()
+    rc = run_live(sc, settings, port=_free_port(), speed=5.0, as_json=True, out=out, err=err,
+                  settle_s=0.5)
+    assert rc == 3, err.getvalue()
+    assert "could not follow this run" in err.getvalue() and "7 telemetry messages" in \
+        err.getvalue()
