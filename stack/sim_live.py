@@ -33,8 +33,8 @@ from greyhound.sim.score import sim_node, wall_ns
 from services.api.settings import ApiSettings
 from services.common.settings import Settings, get_settings
 from stack.claims import Collision, claim
-from stack.serve import serve_until_stopped, stop_signals
 from stack.lag import TrackerLag
+from stack.serve import serve_until_stopped, stop_signals
 from stack.sim_plans import SimPlanFollower, mint_token
 from stack.up import Stack, wait_api
 

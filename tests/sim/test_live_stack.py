@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 import pytest
 
 from services.common.settings import Settings
