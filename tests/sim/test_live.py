@@ -167,7 +167,9 @@ def test_comm_tables_follow_the_host_ahead_of_the_gpu(tmp_path: Path) -> None:
     all-reduce while its GPU is still working towards it; the oldest pending call is the one
     right after the GPU's done ones, and a host is inside NCCL for microseconds at most."""
     sc = scenario(J, duration_s=3.0)
-    sim = LiveSimulation(sc, tmp_path, "job-t", capacity=1024, speed=3.0, tick_s=0.0,
+    # 2 s of wall time sampled every 10 ms: a few hundred DP rows when idle, about a hundred
+    # on a loaded 2-core machine; 50 are plenty for the 60% share below.
+    sim = LiveSimulation(sc, tmp_path, "job-t", capacity=1024, speed=1.5, tick_s=0.0,
                          max_ahead_s=float("inf"))
     try:
         readers = [RingReader(p) for p in list_rings(tmp_path, "job-t")]
@@ -191,7 +193,7 @@ def test_comm_tables_follow_the_host_ahead_of_the_gpu(tmp_path: Path) -> None:
                     if comm_kind(int(c["comm_id"])) is CommKind.DP:
                         samples += 1
                         ahead += done < entered
-        assert sim.done and samples > 100
+        assert sim.done and samples > 50
         assert ahead > 0.6 * samples
     finally:
         sim.close()
