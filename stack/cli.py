@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from services.common.bus.auth import BusAuthError
 from services.common.runtime import resolve_backends, start_service
 from services.common.settings import Settings, get_settings
 from services.registry import SERVICES, Service
@@ -42,9 +43,16 @@ async def _serve(service: Service, options: dict[str, Any]) -> None:
 
 
 def cmd_service(args: argparse.Namespace) -> int:
-    """Any service of the registry: connect as it needs, then run its entry point."""
+    """Any service of the registry: connect as it needs, then run its entry point. A bus that
+    refuses this process (its credentials, or a grant its code needs) is said in one message,
+    not a traceback: it is a setting to fix, not a crash."""
     service: Service = args.service
-    asyncio.run(_serve(service, {o.dest: getattr(args, o.dest) for o in service.cli_options()}))
+    try:
+        asyncio.run(_serve(service, {o.dest: getattr(args, o.dest)
+                                     for o in service.cli_options()}))
+    except BusAuthError as exc:
+        logging.getLogger("greyhound").error("%s", exc)
+        return 2
     return 0
 
 
@@ -86,6 +94,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             if dead:
                 print(f"service(s) {', '.join(dead)} exited; stopping (see "
                       f"{settings.data_dir}/logs)", file=sys.stderr)
+                for name in dead:
+                    print(f"{name}: {stack.last_error(name) or '(nothing logged)'}",
+                          file=sys.stderr)
                 return 1
             time.sleep(0.5)
     print("greyhound stopped")

@@ -78,7 +78,7 @@ class Stack:
             argv = [sys.executable, "-m", "stack.cli", name]
             if BY_NAME[name].http:
                 argv += ["--host", self.host, "--port", str(self.port)]
-            out = (logdir / f"{name}.log").open("ab")
+            out = self.log_path(name).open("ab")
             self.procs[name] = subprocess.Popen(argv, env=self.env(name), stdout=out,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
             out.close()
@@ -86,6 +86,29 @@ class Stack:
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def log_path(self, name: str) -> Path:
+        return Path(self.settings.data_dir) / "logs" / f"{name}.log"
+
+    def last_error(self, name: str, tail_bytes: int = 64 * 1024) -> str | None:
+        """The last ERROR record in the service's log, with the lines it spans (a service
+        that refuses to start says why there), or None."""
+        try:
+            with self.log_path(name).open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - tail_bytes))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        starts = [i for i, ln in enumerate(lines) if " ERROR " in ln]
+        if not starts:
+            return None
+        record = [lines[starts[-1]]]
+        for ln in lines[starts[-1] + 1:]:
+            if ln[:4].isdigit():  # the next record
+                break
+            record.append(ln)
+        return "\n".join(record[:20])
 
     def stop(self, timeout_s: float = 15.0) -> None:
         for p in self.procs.values():

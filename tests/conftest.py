@@ -1,36 +1,84 @@
-"""Shared fixtures: real embedded NATS and Postgres, each in a fresh temporary data directory."""
+"""Shared fixtures: real embedded NATS and Postgres, each in a fresh temporary data directory.
+
+The bus is the one ``greyhound up`` runs: the embedded NATS with a user per service and per
+agent, each with exactly its registry line's permissions (``Bus``). A test connects as the
+service it plays (``bus.backends("tracker")`` for start_service, ``bus.connect("agent-a1")`` to
+publish an agent's telemetry) and as ``operator`` (every right) only to look at what the
+services did: streams, consumers, dead letters.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from services.common.bus.auth import Credentials
+from services.common.bus.client import BusClient, connect
 from services.common.db.migrate import upgrade_async
 from services.common.db.session import make_engine, make_sessionmaker
-from services.common.embedded import EmbeddedNats, EmbeddedPostgres
+from services.common.embedded import OPERATOR, EmbeddedNats, EmbeddedPostgres
+from services.common.runtime import Backends
+
+
+@dataclass
+class Bus:
+    """An authenticated embedded NATS and the credentials of its users."""
+
+    server: EmbeddedNats
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def data_dir(self) -> Path:
+        return self.server.data_dir
+
+    def creds(self, user: str) -> Credentials:
+        """A service's user (its registry name), an agent's (agent-<id>) or ``operator``."""
+        return self.server.credentials(user)
+
+    def backends(self, user: str, database_url: str = "") -> Backends:
+        """What start_service connects with, as ``user``."""
+        return Backends(nats_url=self.url, database_url=database_url,
+                        nats_credentials=self.creds(user))
+
+    async def connect(self, user: str = OPERATOR, name: str | None = None) -> BusClient:
+        return await connect(self.url, name=name or f"test-{user}", credentials=self.creds(user))
+
+
+@contextlib.contextmanager
+def new_bus(prefix: str, *, tracker_partitions: int = 1) -> Iterator[Bus]:
+    """A bus in a fresh temporary data directory (its users' grants for that many tracker
+    partitions), stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        server = EmbeddedNats(Path(d), tracker_partitions=tracker_partitions)
+        server.start()
+        try:
+            yield Bus(server)
+        finally:
+            server.stop()
 
 
 @pytest.fixture(scope="session")
-def nats_url() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="gh-nats-") as d:
-        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
-        url = server.start()
-        yield url
-        server.stop()
+def bus() -> Iterator[Bus]:
+    """The session's bus, shared by the modules that do not bind durables of their own."""
+    with new_bus("gh-nats-") as b:
+        yield b
 
 
 @pytest.fixture(scope="module")
-def own_nats() -> Iterator[str]:
-    """A server of the module's own (open, like nats_url): durable consumers the module binds
-    start empty, whatever other modules left on the session's server."""
-    with tempfile.TemporaryDirectory(prefix="gh-own-nats-") as d:
-        server = EmbeddedNats(Path(d), auth=False)
-        yield server.start()
-        server.stop()
+def own_bus() -> Iterator[Bus]:
+    """A bus of the module's own: durable consumers the module binds start empty, whatever
+    other modules left on the session's."""
+    with new_bus("gh-own-nats-") as b:
+        yield b
 
 
 @pytest.fixture(scope="session")
