@@ -65,6 +65,7 @@ async def _agents(agents: dict[str, BusClient], job: str) -> None:
                               collectives(job, agent, [2 * i, 2 * i + 1], late,
                                           seed=served[agent]))
         await agents[agent].subscribe(Subjects.control(job, agent), cb=answer)
+        await agents[agent].flush()  # subscribed before the analyzer asks
 
 
 def _det(job: str, kind: DetectionKind, change: str, first: int, before: float, after: float
@@ -135,6 +136,7 @@ async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
                 await publish(agents[agent].jetstream(), Subjects.collectives(job, agent),
                               collectives(job, agent, [2 * i, 2 * i + 1], {2: 35.0}, seed=3))
         await agents[agent].subscribe(Subjects.control(job, agent), cb=answer)
+        await agents[agent].flush()  # subscribed before the analyzer asks
     localizer, feed, feeding = fed_localizer(ctx, job)
     analyzer = Analyzer(ctx, localizer)
     try:

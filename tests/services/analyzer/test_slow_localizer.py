@@ -88,6 +88,7 @@ class StandInAgents:
                     await publish(self.agents[agent].jetstream(),
                                   Subjects.collectives(self.job, agent), batch)
             await self.agents[agent].subscribe(Subjects.control(self.job, agent), cb=answer)
+            await self.agents[agent].flush()  # subscribed before the analyzer asks
 
 
 async def run_case(ctx: ServiceContext, agents_nc: dict[str, BusClient], operator: BusClient,

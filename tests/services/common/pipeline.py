@@ -97,6 +97,7 @@ class StandInJob:
                 await self._answer(msg, agent)
             for subject in (Subjects.control(self.job, agent), Subjects.validation(self.job, agent)):
                 await nc.subscribe(subject, cb=answer)
+            await nc.flush()  # subscribed before anyone asks, on another connection
             ranks = [RankInfo(rank=r, host=agent, pid=100 + r, device=r % 2)
                      for r in AGENTS[agent]]
             await publish(self._js(agent), Subjects.hello(self.job, agent),
