@@ -72,17 +72,21 @@ class Stack:
     def start(self) -> None:
         self.backends = resolve_backends(self.settings)
         upgrade(self.backends.database_url)  # once here, so services start against a ready schema
-        logdir = Path(self.settings.data_dir) / "logs"
-        logdir.mkdir(parents=True, exist_ok=True)
         for name in self.services:
-            argv = [sys.executable, "-m", "stack.cli", name]
-            if BY_NAME[name].http:
-                argv += ["--host", self.host, "--port", str(self.port)]
-            out = self.log_path(name).open("ab")
+            self.spawn(name)
+        log.info("started %s; logs in %s", ", ".join(self.services), self.log_path("").parent)
+
+    def spawn(self, name: str) -> None:
+        """Start the service's process (again, after it died: a supervisor's job), with its
+        own bus user, its output appended to its log."""
+        argv = [sys.executable, "-m", "stack.cli", name]
+        if BY_NAME[name].http:
+            argv += ["--host", self.host, "--port", str(self.port)]
+        path = self.log_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as out:
             self.procs[name] = subprocess.Popen(argv, env=self.env(name), stdout=out,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
-            out.close()
-        log.info("started %s; logs in %s", ", ".join(self.services), logdir)
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]

@@ -10,7 +10,11 @@ services did: streams, consumers, dead letters.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import signal
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +56,20 @@ class Bus:
     async def connect(self, user: str = OPERATOR, name: str | None = None) -> BusClient:
         return await connect(self.url, name=name or f"test-{user}", credentials=self.creds(user))
 
+    def withdraw(self, user: str, subject: str) -> None:
+        """The server forgets one publish grant of ``user``, as a server configured from an
+        older registry would lack it: its config rewritten and reloaded. (A bus of the test's
+        own: a new agent's user makes the server regenerate its config.)"""
+        conf = self.data_dir / "nats" / "server.conf"
+        head, _, body = conf.read_text().partition("authorization ")
+        auth = json.loads(body)
+        (entry,) = [e for e in auth["users"] if e["user"] == user]
+        entry["permissions"]["publish"]["allow"].remove(subject)
+        conf.write_text(f"{head}authorization {json.dumps(auth)}\n")
+        pid = json.loads((self.data_dir / "nats" / "server.json").read_text())["pid"]
+        os.kill(int(pid), signal.SIGHUP)
+        time.sleep(0.5)  # the reload applies to connected clients too; it takes milliseconds
+
 
 @contextlib.contextmanager
 def new_bus(prefix: str, *, tracker_partitions: int = 1) -> Iterator[Bus]:
@@ -90,15 +108,15 @@ def pg_url() -> Iterator[str]:
         server.stop()
 
 
-@pytest.fixture()
-def fresh_db_url(pg_url: str) -> Iterator[str]:
-    """A brand-new database on the shared embedded cluster, dropped afterwards."""
+@contextlib.contextmanager
+def new_database(pg_url: str, prefix: str = "t") -> Iterator[str]:
+    """A brand-new database on the cluster of ``pg_url``, dropped on exit; its URL."""
     import asyncio
     import uuid
 
     import asyncpg
 
-    name = f"t_{uuid.uuid4().hex[:12]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = pg_url.replace("postgresql+asyncpg://", "postgresql://", 1)
 
     async def run(sql: str) -> None:
@@ -110,9 +128,17 @@ def fresh_db_url(pg_url: str) -> Iterator[str]:
 
     asyncio.run(run(f'CREATE DATABASE "{name}"'))
     base, _, query = pg_url.partition("?")
-    prefix = base.rsplit("/", 1)[0]
-    yield f"{prefix}/{name}" + (f"?{query}" if query else "")
-    asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    try:
+        yield f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
+    finally:
+        asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture()
+def fresh_db_url(pg_url: str) -> Iterator[str]:
+    """A brand-new database on the shared embedded cluster, dropped afterwards."""
+    with new_database(pg_url) as url:
+        yield url
 
 
 @pytest.fixture()

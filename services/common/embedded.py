@@ -122,6 +122,11 @@ class EmbeddedNats:
     _port: int = 0
 
     @property
+    def port(self) -> int:
+        """The port it listens on once started (0 before)."""
+        return self._port
+
+    @property
     def _dir(self) -> Path:
         return self.data_dir / "nats"
 

@@ -167,6 +167,7 @@ def needs(access: BusAccess, settings: Settings, agent_id: str | None = None) ->
     for bucket in access.object_stores:
         out += _object_store(bucket)
     if access.monitor:
+        out.append(Need("request", f"{API}.INFO", "report whether JetStream answers"))
         for s in STREAMS:
             out += [Need("request", f"{API}.STREAM.INFO.{s}", f"report on stream {s}"),
                     Need("request", f"{API}.CONSUMER.LIST.{s}", f"report on consumers of {s}"),

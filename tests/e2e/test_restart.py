@@ -1,0 +1,216 @@
+"""The whole stack stopped while a job runs and started again on the same data directory, as an
+upgrade or a reboot does it, on the authenticated embedded NATS that ``greyhound up`` runs:
+
+* by SIGTERM: every service shuts down cleanly (the tracker saves each job's state);
+* by kill -9 of every process at once, the services and the nats-server: nothing runs its
+  shutdown, the tracker's state is as old as its last periodic save.
+
+After each restart the job that ran through it slows down and its slowdown is found (the tracker
+resumes the job from its saved state, read back from the object store), and a job started after
+the restart is tracked within seconds (nothing the old job left holds it up). Then
+``greyhound sim run`` twice in one data directory, the first run ending with telemetry the tracker
+had not consumed: the second run's fault is found.
+
+These failed on the authenticated bus: the tracker could not read a saved state back (nats-py
+looks the bucket's stream up, a request the tracker's user was refused), the refusal surfaced as
+a timeout, and every message of the resumed job timed out in turn, retried as transient, holding
+up every job behind it. No test had restarted the stack on the data directory it left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.api.settings import ApiSettings
+from services.common.settings import Settings
+from services.tracker.settings import TrackerSettings
+from services.validator.settings import for_cpu_fake
+from stack.sim_live import run_live
+from stack.up import Stack, wait_api
+from tests.conftest import new_database
+from tests.e2e.conftest import fake_job, wait_incident
+from tests.sim.helpers import job as job_shape
+from tests.sim.helpers import scenario
+
+# A new job is in the API once the agent found its rings and the tracker recorded its hello:
+# about a second on an idle machine (the agent scans every 0.5 s). The bound allows a loaded
+# 2-core machine ten times that and more; a tracker held up behind an old job's messages takes
+# 5 s per message it cannot handle, hundreds of them.
+TRACKED_WITHIN_S = 20.0
+FOUND_WITHIN_S = 90.0  # the slowdown detected: tens of iterations after the fault, plus load
+PERSIST_S = 1.0  # the tracker's periodic save, so that a kill -9 finds the job saved
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Rig:
+    """One data directory (and database) the stacks of this module start on, one at a time."""
+
+    settings: Settings
+    port: int
+    stack: Stack | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> Stack:
+        if self.stack is None:
+            self.stack = Stack(self.settings, port=self.port, service_settings=(
+                for_cpu_fake(), TrackerSettings(tracker_persist_every_s=PERSIST_S),
+                ApiSettings(api_anonymous_role="viewer")))
+            self.stack.start()
+            wait_api(self.base, timeout_s=120)
+        return self.stack
+
+    def sigterm(self) -> None:
+        """What ``greyhound up`` does on SIGTERM: every service is asked to stop, then the bus."""
+        assert self.stack is not None
+        self.stack.stop()
+        self.stack = None
+
+    def kill9(self) -> None:
+        """SIGKILL to every service and to the nats-server, back to back."""
+        assert self.stack is not None
+        nats = json.loads((Path(self.settings.data_dir) / "nats" / "server.json").read_text())
+        groups = [p.pid for p in self.stack.procs.values()]
+        for pid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(nats["pid"]), signal.SIGKILL)
+        for p in self.stack.procs.values():
+            p.wait(timeout=30)
+        assert self.stack.backends is not None and self.stack.backends.embedded_nats is not None
+        proc = self.stack.backends.embedded_nats._proc  # the server is this process's child
+        if proc is not None:
+            proc.wait(timeout=30)
+        self.stack = None  # nothing of it is stopped cleanly: it is gone
+
+
+@pytest.fixture(scope="module")
+def rig(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    root = tmp_path_factory.mktemp("restart")
+    with new_database(pg_url, "rs") as db:
+        # no NATS URL: the embedded one in the data directory, with its users
+        r = Rig(Settings(database_url=db, data_dir=root / "data", shm_dir=root / "shm"),
+                _free_port())
+        try:
+            yield r
+        finally:
+            if r.stack is not None:
+                r.stack.stop()
+
+
+def _tracked(rig: Rig, job: str, timeout_s: float) -> float:
+    """Seconds until the API knows the job (the tracker recorded its hello)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        assert rig.stack is not None and not rig.stack.dead(), "services died"
+        if httpx.get(f"{rig.base}/v1/jobs/{job}", timeout=5).status_code == 200:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"job {job} not tracked within {timeout_s:.0f}s")
+
+
+def _restart_while_a_job_runs(rig: Rig, stop: Callable[[Rig], None], tmp_path: Path) -> None:
+    stack = rig.up()
+    old, new = f"old-{uuid.uuid4().hex[:6]}", f"new-{uuid.uuid4().hex[:6]}"
+    with fake_job(stack, tmp_path / "old", old, iters=6000) as running:
+        running.wait_iteration(2, 100, timeout=120)
+        _tracked(rig, old, TRACKED_WITHIN_S)
+        time.sleep(3 * PERSIST_S)  # its state saved at least once
+        stop(rig)
+        stack = rig.up()  # the same data directory
+        running.faults.set("slow_rank 2 1.5")
+        with fake_job(stack, tmp_path / "new", new, iters=6000) as fresh:
+            fresh.wait_iteration(0, 1, timeout=120)
+            tracked_s = _tracked(rig, new, TRACKED_WITHIN_S)
+            incident, waited = wait_incident(stack, old, FOUND_WITHIN_S)
+    assert incident is not None, f"the old job's slowdown was not found within {waited:.0f}s"
+    assert incident["kind"] in ("slowdown", "compute_slow", "mixed_slow"), incident
+    print(f"restart: new job tracked {tracked_s:.1f}s after its first iteration; the old job's "
+          f"slowdown found {waited:.1f}s after the fault")
+    log = stack.log_path("tracker").read_text(errors="replace")
+    assert f"job {old}: resumed detector state" in log  # from the state the old stack saved
+
+
+def test_sigterm_of_the_stack_while_a_job_runs(rig: Rig, tmp_path: Path) -> None:
+    _restart_while_a_job_runs(rig, Rig.sigterm, tmp_path)
+
+
+def test_kill9_of_every_process_while_a_job_runs(rig: Rig, tmp_path: Path) -> None:
+    _restart_while_a_job_runs(rig, Rig.kill9, tmp_path)
+
+
+def test_two_sim_runs_back_to_back_in_one_data_directory(pg_url: str, tmp_path: Path) -> None:
+    """The first run ends (its stack stopped at once, no settling) with telemetry its tracker
+    had not consumed; the second run's services meet it first, and must still find their own
+    job's slow GPU."""
+    shape = job_shape(tp=2, dp=2, pp=2, gpus_per_node=4, microbatches=4,
+                      microbatch_compute_s=0.05, dp_allreduce_bytes=1e8, pp_activation_bytes=1e6,
+                      optimizer_s=0.01, link_latency_us=5.0, nvlink_latency_us=1.0)
+    noise = {"jitter_cv": 0.01, "gc_prob": 0.0}
+    with new_database(pg_url, "sim") as db:
+        settings = Settings(database_url=db, data_dir=tmp_path / "data", shm_dir=tmp_path / "shm")
+        first = scenario(shape, [{"kind": "gpu_slow", "rank": 1, "start_s": 40.0, "factor": 2.0}],
+                         duration_s=80.0, name="first", noise=noise)
+        second = scenario(shape, [{"kind": "gpu_slow", "rank": 3, "start_s": 30.0,
+                                   "factor": 2.5}], duration_s=60.0, name="second", noise=noise)
+        out, err = io.StringIO(), io.StringIO()
+        assert run_live(first, settings, port=_free_port(), speed=None, as_json=True, out=out,
+                        err=err, settle_s=0.0) == 0, err.getvalue()
+        pending = _pending_telemetry(settings)
+        out, err = io.StringIO(), io.StringIO()
+        assert run_live(second, settings, port=_free_port(), speed=None, as_json=True, out=out,
+                        err=err, settle_s=4.0) == 0, err.getvalue()
+    print(f"sim twice: {pending} telemetry message(s) left for the second run's tracker")
+    assert pending > 0, "the first run left nothing pending: this test did not test its case"
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    slow = [x for x in lines if x["kind"] in ("slowdown", "compute_slow", "mixed_slow")]
+    assert slow, (out.getvalue(), err.getvalue()[-3000:])
+    assert 30.0 < slow[0]["detected_s"] <= 60.0, slow
+
+
+def _pending_telemetry(settings: Settings) -> int:
+    """What the tracker's durable has not had acknowledged, read by the operator from the data
+    directory's NATS (started for the look, stopped after)."""
+    import asyncio
+
+    from services.common.bus.streams import TELEMETRY, TRACKER
+    from services.common.embedded import EmbeddedNats
+    from tests.conftest import Bus
+
+    server = EmbeddedNats(Path(settings.data_dir))
+    server.start()
+
+    async def look() -> int:
+        nc = await Bus(server).connect()
+        try:
+            info = await nc.jetstream().consumer_info(TELEMETRY, TRACKER.durable)
+            return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(look())
+    finally:
+        server.stop()
