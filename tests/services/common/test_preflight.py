@@ -161,8 +161,9 @@ async def _state(js: JetStreamContext) -> dict[str, Any]:
         info = await js.stream_info(name)
         out[name] = (info.state.messages, info.state.first_seq, info.state.last_seq)
         out[f"{name} consumers"] = sorted(
-            (c.name, c.delivered.stream_seq, c.ack_floor.stream_seq, c.num_pending,
-             c.num_ack_pending, c.num_redelivered) for c in await js.consumers_info(name))
+            (c.name, c.delivered and c.delivered.stream_seq, c.ack_floor and c.ack_floor.stream_seq,
+             c.num_pending, c.num_ack_pending, c.num_redelivered)
+            for c in await js.consumers_info(name))
     return out
 
 
