@@ -9,7 +9,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import nats.errors
 import pytest
@@ -18,8 +19,10 @@ from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
 from services.common.bus import client
 from services.common.bus.client import Consumer
+from services.common.bus.contract import IterationBatch, Subjects
+from services.common.bus.refusals import PermissionDenied, Refusal
 from services.common.bus.streams import tracker_spec
-from services.common.runtime import start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import Tracker
 from services.tracker.settings import TrackerSettings
@@ -168,3 +171,35 @@ def test_the_state_bucket_gets_its_limits_even_when_it_existed(own_bus: Bus) -> 
             await ctx.close()
 
     asyncio.run(scenario())
+
+
+class _Unreadable(TrackerStateStore):
+    """A state bucket whose objects cannot be read back, for the reason given."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    async def load(self, job: str) -> dict[str, Any] | None:
+        raise self.exc
+
+    async def save(self, job: str, state: dict[str, Any]) -> None:
+        return None
+
+
+def _iteration_batch(job: str) -> IterationBatch:
+    return IterationBatch(job_id=job, agent_id="a0", rank=[0, 1], iteration=[1, 1],
+                          end_ns=[1, 1], duration_s=[0.1, 0.1])
+
+
+async def test_a_saved_state_no_retry_can_read_starts_the_job_afresh() -> None:
+    """The bus refusing the read (or an object that does not decode): the job is tracked from
+    here, not every one of its messages failed in turn."""
+    ctx = cast(ServiceContext, SimpleNamespace(sessions=None, js=None))
+    refused = PermissionDenied(Refusal("publish", "$js.api.stream.names", 0.0), "tracker")
+    tracker = Tracker(ctx, store=_Unreadable(refused))
+    await tracker.handle(Subjects.iterations("unread", "a0"), _iteration_batch("unread"))
+    assert tracker.jobs["unread"].updates == 2 and tracker.stats.corrupt_states == 1
+    flaky = Tracker(ctx, store=_Unreadable(nats.errors.TimeoutError()))
+    with pytest.raises(nats.errors.TimeoutError):  # the bus slow: retried, the job held
+        await flaky.handle(Subjects.iterations("slow", "a0"), _iteration_batch("slow"))
+    assert "slow" not in flaky.jobs
