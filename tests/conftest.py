@@ -27,7 +27,8 @@ from services.common.bus.client import BusClient, connect
 from services.common.db.migrate import upgrade_async
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import OPERATOR, EmbeddedNats, EmbeddedPostgres
-from services.common.runtime import Backends
+from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.settings import Settings
 
 
 @dataclass
@@ -55,6 +56,18 @@ class Bus:
 
     async def connect(self, user: str = OPERATOR, name: str | None = None) -> BusClient:
         return await connect(self.url, name=name or f"test-{user}", credentials=self.creds(user))
+
+    @contextlib.asynccontextmanager
+    async def service(self, name: str, database_url: str = "") -> AsyncIterator[ServiceContext]:
+        """The context a service of the registry starts with, as its own bus user (its start-up
+        check run), on ``database_url`` (none: a service started without a database)."""
+        ctx = await start_service(name, Settings(nats_url=self.url, database_url=database_url or None),
+                                  need_db=bool(database_url),
+                                  backends=self.backends(name, database_url))
+        try:
+            yield ctx
+        finally:
+            await ctx.close()
 
     def withdraw(self, user: str, subject: str) -> None:
         """The server forgets one publish grant of ``user``, as a server configured from an

@@ -9,18 +9,15 @@ import pytest
 
 from services.common.bus.auth import agent_user
 from services.common.bus.client import BusClient
-from services.common.runtime import ServiceContext, start_service
-from services.common.settings import Settings
+from services.common.runtime import ServiceContext
 from tests.conftest import Bus
 from tests.services.analyzer.helpers import AGENTS
 
 
 @pytest.fixture()
 async def ctx(own_bus: Bus, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
-    c = await start_service("analyzer", Settings(nats_url=own_bus.url, database_url=fresh_db_url),
-                            backends=own_bus.backends("analyzer", fresh_db_url))
-    yield c
-    await c.close()
+    async with own_bus.service("analyzer", fresh_db_url) as c:
+        yield c
 
 
 @pytest.fixture()

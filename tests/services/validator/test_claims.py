@@ -16,8 +16,7 @@ from services.common.bus.client import BusClient
 from services.common.bus.contract import Subjects, Suspicion
 from services.common.db import repository as repo
 from services.common.db.models import ValidationClaim
-from services.common.runtime import ServiceContext, start_service
-from services.common.settings import Settings
+from services.common.runtime import ServiceContext
 from services.validator.service import Validator
 from services.validator.settings import ValidatorSettings
 from tests.conftest import Bus
@@ -25,10 +24,8 @@ from tests.conftest import Bus
 
 @pytest.fixture()
 async def ctx(bus: Bus, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
-    c = await start_service("validator", Settings(nats_url=bus.url, database_url=fresh_db_url),
-                            backends=bus.backends("validator", fresh_db_url))
-    yield c
-    await c.close()
+    async with bus.service("validator", fresh_db_url) as c:
+        yield c
 
 
 @pytest.fixture()
