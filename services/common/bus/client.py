@@ -84,11 +84,6 @@ class BusClient(NATS):
             raise PermissionDenied(refused, self.bus_user) from exc
 
 
-def refusals_of(nc: NATS) -> Refusals | None:
-    """The refusals ledger of a connection made by ``connect`` (None for any other)."""
-    return nc.refusals if isinstance(nc, BusClient) else None
-
-
 async def connect(url: str, *, name: str, credentials: Credentials | None = None,
                   tls: ssl.SSLContext | None = None) -> BusClient:
     """Connect with endless reconnects: a bus restart must not kill a service or an agent.
