@@ -2,7 +2,8 @@
 
 ``greyhound up`` and the demo use this. Each service is its own OS process (as in production,
 where compose or the operator runs them), sharing the embedded servers through URLs in the
-environment. If any service dies, the stack stops rather than run half-blind.
+environment. If any service dies, the stack stops rather than run half-blind. If this process
+dies, killed or not, what it started ends too (stack.lifeline).
 
 With the embedded NATS (which requires credentials) each child gets its own bus user and
 password in its environment, as compose gives each container its own; credentials set in the
@@ -25,9 +26,11 @@ import httpx
 from pydantic_settings import BaseSettings
 
 from services.common.db.migrate import upgrade
+from services.common.embedded import EmbeddedNats, EmbeddedPostgres
 from services.common.runtime import Backends, resolve_backends
 from services.common.settings import Settings, as_env
 from services.registry import BY_NAME, UP
+from stack.lifeline import Lifeline
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class Stack:
     service_settings: tuple[BaseSettings, ...] = ()
     backends: Backends | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    lifeline: Lifeline = field(default_factory=Lifeline)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.services) - set(BY_NAME))
@@ -70,7 +74,13 @@ class Stack:
         return env
 
     def start(self) -> None:
+        self.lifeline.start()  # first: whatever starts after it ends if this process is killed
         self.backends = resolve_backends(self.settings)
+        for server in self.backends.started:
+            if isinstance(server, EmbeddedNats) and server.pid is not None:
+                self.lifeline.watch_server(server.pid)
+            elif isinstance(server, EmbeddedPostgres):
+                self.lifeline.watch_postgres(server.pgdata)
         upgrade(self.backends.database_url)  # once here, so services start against a ready schema
         for name in self.services:
             self.spawn(name)
@@ -87,6 +97,7 @@ class Stack:
         with path.open("ab") as out:
             self.procs[name] = subprocess.Popen(argv, env=self.env(name), stdout=out,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
+        self.lifeline.watch_group(self.procs[name].pid)
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
@@ -130,6 +141,7 @@ class Stack:
         self.procs.clear()
         if self.backends is not None:
             self.backends.stop()
+        self.lifeline.close()
 
     def __enter__(self) -> Stack:
         try:

@@ -127,6 +127,11 @@ class EmbeddedNats:
         return self._port
 
     @property
+    def pid(self) -> int | None:
+        """The server's pid if this process started it (None: not started, or reused)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def _dir(self) -> Path:
         return self.data_dir / "nats"
 
@@ -300,10 +305,14 @@ class EmbeddedPostgres:
     url: str = ""
     _server: Any = None
 
+    @property
+    def pgdata(self) -> Path:
+        return self.data_dir / "pg"
+
     def start(self) -> str:
         import pgserver
 
-        pgdata = self.data_dir / "pg"
+        pgdata = self.pgdata
         pgdata.mkdir(parents=True, exist_ok=True)
         try:
             self._server = pgserver.get_server(str(pgdata), cleanup_mode="stop")  # type: ignore[attr-defined]

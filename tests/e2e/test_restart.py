@@ -84,10 +84,13 @@ class Rig:
         self.stack = None
 
     def kill9(self) -> None:
-        """SIGKILL to every service and to the nats-server, back to back."""
+        """SIGKILL to every service, to the nats-server and to the stack's watcher
+        (stack.lifeline), back to back."""
         assert self.stack is not None
         nats = json.loads((Path(self.settings.data_dir) / "nats" / "server.json").read_text())
         groups = [p.pid for p in self.stack.procs.values()]
+        if self.stack.lifeline.pid is not None:
+            groups.append(self.stack.lifeline.pid)  # in a session of its own too
         for pid in groups:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
