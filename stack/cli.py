@@ -47,9 +47,18 @@ async def _serve(service: Service, options: dict[str, Any]) -> None:
 
 
 def cmd_service(args: argparse.Namespace) -> int:
-    """Any service of the registry: connect as it needs, then run its entry point."""
+    """Any service of the registry: connect as it needs, then run its entry point. A bus that
+    refuses this process (its credentials, or a grant its code needs) is said in one message,
+    not a traceback: it is a setting to fix, not a crash."""
+    from services.common.bus.auth import BusAuthError
+
     service: Service = args.service
-    asyncio.run(_serve(service, {o.dest: getattr(args, o.dest) for o in service.cli_options()}))
+    try:
+        asyncio.run(_serve(service, {o.dest: getattr(args, o.dest)
+                                     for o in service.cli_options()}))
+    except BusAuthError as exc:
+        logging.getLogger("greyhound").error("%s", exc)
+        return 2
     return 0
 
 

@@ -211,6 +211,7 @@ def play(stack: Stack, fault: DemoFault, *, at: int = 100, timeout_s: float = 60
     try:
         with FakeJob(spec, workdir=work, hook=native_build_dir() / "libgreyhound_hook.so",
                      shm_dir=shm) as fj:
+            stack.lifeline.watch_group(fj.procs[0].pid)  # its ranks' group ends with the demo
             line, t0 = _inject(fj, fault, at, out)
             res = DemoResult(fault.kind, line, job, hang_floor_s=hang_floor_s)
             print(f"        waiting up to {timeout_s:g} s for the tracker, analyzer and validator "

@@ -38,6 +38,8 @@ def serve_until_stopped(stack: Stack, data_dir: Path, stopped: Callable[[], bool
         if dead:
             print(f"service(s) {', '.join(dead)} exited; stopping (see {data_dir}/logs)",
                   file=sys.stderr)
+            for name in dead:
+                print(f"{name}: {stack.last_error(name) or '(nothing logged)'}", file=sys.stderr)
             return 1
         time.sleep(0.5)
     return 0

@@ -2,7 +2,8 @@
 
 ``greyhound up`` and the demo use this. Each service is its own OS process (as in production,
 where compose or the operator runs them), sharing the embedded servers through URLs in the
-environment. If any service dies, the stack stops rather than run half-blind.
+environment. If any service dies, the stack stops rather than run half-blind. If this process
+dies, killed or not, what it started ends too (stack.lifeline).
 
 With the embedded NATS (which requires credentials) each child gets its own bus user and
 password in its environment, as compose gives each container its own; credentials set in the
@@ -25,9 +26,11 @@ import httpx
 from pydantic_settings import BaseSettings
 
 from services.common.db.migrate import upgrade
+from services.common.embedded import EmbeddedNats, EmbeddedPostgres
 from services.common.runtime import Backends, resolve_backends
 from services.common.settings import Settings, as_env
 from services.registry import BY_NAME, UP
+from stack.lifeline import Lifeline
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class Stack:
     service_settings: tuple[BaseSettings, ...] = ()
     backends: Backends | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    lifeline: Lifeline = field(default_factory=Lifeline)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.services) - set(BY_NAME))
@@ -70,22 +74,56 @@ class Stack:
         return env
 
     def start(self) -> None:
+        self.lifeline.start()  # first: whatever starts after it ends if this process is killed
         self.backends = resolve_backends(self.settings)
+        for server in self.backends.started:
+            if isinstance(server, EmbeddedNats) and server.pid is not None:
+                self.lifeline.watch_server(server.pid)
+            elif isinstance(server, EmbeddedPostgres):
+                self.lifeline.watch_postgres(server.pgdata)
         upgrade(self.backends.database_url)  # once here, so services start against a ready schema
-        logdir = Path(self.settings.data_dir) / "logs"
-        logdir.mkdir(parents=True, exist_ok=True)
         for name in self.services:
-            argv = [sys.executable, "-m", "stack.cli", name]
-            if BY_NAME[name].http:
-                argv += ["--host", self.host, "--port", str(self.port)]
-            out = (logdir / f"{name}.log").open("ab")
+            self.spawn(name)
+        log.info("started %s; logs in %s", ", ".join(self.services), self.log_path("").parent)
+
+    def spawn(self, name: str) -> None:
+        """Start the service's process (again, after it died: a supervisor's job), with its
+        own bus user, its output appended to its log."""
+        argv = [sys.executable, "-m", "stack.cli", name]
+        if BY_NAME[name].http:
+            argv += ["--host", self.host, "--port", str(self.port)]
+        path = self.log_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as out:
             self.procs[name] = subprocess.Popen(argv, env=self.env(name), stdout=out,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
-            out.close()
-        log.info("started %s; logs in %s", ", ".join(self.services), logdir)
+        self.lifeline.watch_group(self.procs[name].pid)
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def log_path(self, name: str) -> Path:
+        return Path(self.settings.data_dir) / "logs" / f"{name}.log"
+
+    def last_error(self, name: str, tail_bytes: int = 64 * 1024) -> str | None:
+        """The last ERROR record in the service's log, with the lines it spans (a service
+        that refuses to start says why there), or None."""
+        try:
+            with self.log_path(name).open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - tail_bytes))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        starts = [i for i, ln in enumerate(lines) if " ERROR " in ln]
+        if not starts:
+            return None
+        record = [lines[starts[-1]]]
+        for ln in lines[starts[-1] + 1:]:
+            if ln[:4].isdigit():  # the next record
+                break
+            record.append(ln)
+        return "\n".join(record[:20])
 
     def stop(self, timeout_s: float = 15.0) -> None:
         for p in self.procs.values():
@@ -103,6 +141,7 @@ class Stack:
         self.procs.clear()
         if self.backends is not None:
             self.backends.stop()
+        self.lifeline.close()
 
     def __enter__(self) -> Stack:
         try:

@@ -8,8 +8,11 @@ The embedded NATS requires credentials, as a production one does: on first start
 password per bus user (``nats/users.json``, mode 0600) and a server config with each user's
 permissions from the service registry (``nats/server.conf``, 0600). Processes on this machine
 read their password from there (``greyhound up`` hands each child its own through its settings);
-an agent's user is added when it is first asked for, and the server reloads its config. Only an
-explicit ``auth=False`` (``GREYHOUND_NATS_NO_AUTH``, for tests) starts it open.
+an agent's user is added when it is first asked for, and the server reloads its config. So is
+``operator``, a user with every right for the person at the machine (the ``nats`` command,
+looking at dead letters) and for tests; it exists only once asked for, and its password is as
+private as the services'. Only an explicit ``auth=False`` (``GREYHOUND_NATS_NO_AUTH``) starts it
+open.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import Any
 from services.common.bus.auth import Credentials, agent_of_user
 
 log = logging.getLogger(__name__)
+
+OPERATOR = "operator"  # every right; created only when asked for (see the module docstring)
 
 
 class EmbeddedError(RuntimeError):
@@ -117,6 +122,16 @@ class EmbeddedNats:
     _port: int = 0
 
     @property
+    def port(self) -> int:
+        """The port it listens on once started (0 before)."""
+        return self._port
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid if this process started it (None: not started, or reused)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def _dir(self) -> Path:
         return self.data_dir / "nats"
 
@@ -160,6 +175,8 @@ class EmbeddedNats:
         grants = service_users(agents=agents, tracker_partitions=self.tracker_partitions)
         for user in grants:
             users.setdefault(user, secrets.token_urlsafe(24))
+        if OPERATOR in users:
+            grants[OPERATOR] = {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
         _write_private(self._users_file, json.dumps(users, indent=1, sort_keys=True))
         head = {"server_name": "greyhound-embedded", "listen": f"127.0.0.1:{port}",
                 "jetstream": {"store_dir": str(self._dir / "js")}}
@@ -184,13 +201,15 @@ class EmbeddedNats:
         self.url, self._port = f"nats://127.0.0.1:{port}", port
         return True
 
-    def start(self, timeout_s: float = 15.0) -> str:
+    def start(self, timeout_s: float = 15.0, *, port: int | None = None) -> str:
+        """Start the server (on ``port``, else a free one) unless one runs in this data
+        directory already; its URL."""
         store = self._dir
         store.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self._reuse():
             log.info("reusing embedded nats at %s", self.url)
             return self.url
-        port = _free_port()
+        port = port or _free_port()
         if self.auth:
             with self._locked():
                 self._write_config(self._users(), port)
@@ -233,9 +252,11 @@ class EmbeddedNats:
                 from services.registry import BY_NAME
 
                 service = BY_NAME.get(user)
-                if agent_of_user(user) is None and (service is None or service.bus.per_agent):
+                if agent_of_user(user) is None and user != OPERATOR and (
+                        service is None or service.bus.per_agent):
                     raise EmbeddedError(f"no bus user {user!r}: services connect as their "
-                                        "registry name, agents as agent-<id>")
+                                        f"registry name, agents as agent-<id>, a person as "
+                                        f"{OPERATOR}")
                 users[user] = secrets.token_urlsafe(24)
                 self._write_config(users, self._port)
                 self._reload()
@@ -284,10 +305,14 @@ class EmbeddedPostgres:
     url: str = ""
     _server: Any = None
 
+    @property
+    def pgdata(self) -> Path:
+        return self.data_dir / "pg"
+
     def start(self) -> str:
         import pgserver
 
-        pgdata = self.data_dir / "pg"
+        pgdata = self.pgdata
         pgdata.mkdir(parents=True, exist_ok=True)
         try:
             self._server = pgserver.get_server(str(pgdata), cleanup_mode="stop")  # type: ignore[attr-defined]

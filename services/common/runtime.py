@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from services.common.bus import preflight
 from services.common.bus.auth import Credentials, tls_context
 from services.common.bus.client import connect, ensure_streams
 from services.common.db.migrate import upgrade_async
@@ -103,8 +104,10 @@ async def start_service(name: str, settings: Settings, *, need_db: bool = True,
     """Connect to (or start) NATS and Postgres, create streams and run migrations.
 
     ``name`` is a service of the registry (or a test's own name); its bus user is
-    ``bus_user``, by default the registry's for ``name``. A service whose line does not
-    declare streams (the agent, which may only publish telemetry) leaves them to the others."""
+    ``bus_user``, by default the registry's for ``name``. A service of the registry first
+    checks that its bus user may do what its line says (services.common.bus.preflight: raises
+    MissingGrants, a BusAuthError, naming what the server refuses) and declares the streams
+    unless its line says otherwise (the agent may only publish telemetry)."""
     from services.registry import BY_NAME
 
     service = BY_NAME.get(name)
@@ -116,7 +119,9 @@ async def start_service(name: str, settings: Settings, *, need_db: bool = True,
                        credentials=backends.nats_credentials, tls=tls)
     js = nc.jetstream()
     try:
-        if service is None or service.bus.declare_streams:
+        if service is not None:  # what its registry line says its code does, streams declared
+            await preflight.check(nc, js, name, service.bus, settings)
+        else:
             await ensure_streams(js, settings)
         engine = sessions = None
         if need_db:

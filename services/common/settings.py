@@ -39,8 +39,8 @@ class Settings(BaseSettings):
                                        "server verifies clients")
     nats_tls_key: Path | None = None
     nats_no_auth: bool = Field(
-        default=False, description="embedded NATS only: start it without users (tests that "
-        "need an open bus); anyone on the machine could then pause a job")
+        default=False, description="embedded NATS only: start it without users (a benchmark "
+        "that measures the bus alone); anyone on the machine could then pause a job")
     database_url: str | None = None
     data_dir: Path = Path(".greyhound")
     shm_dir: Path = Path("/dev/shm/greyhound")

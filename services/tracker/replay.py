@@ -23,25 +23,17 @@ from contextvars import ContextVar
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.errors import NotJSMessageError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from services.common.bus.client import Consumer
+from services.common.bus.client import Consumer, stream_seq
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.bus.reader import TelemetryReader
 
 log = logging.getLogger(__name__)
 
 STREAM_SEQ: ContextVar[int | None] = ContextVar("greyhound_stream_seq", default=None)
-
-
-def stream_seq(msg: Msg) -> int | None:
-    try:
-        return int(msg.metadata.sequence.stream)
-    except (NotJSMessageError, ValueError, IndexError, AttributeError):
-        return None
 
 
 class SequencedConsumer(Consumer[Any]):

@@ -56,7 +56,7 @@ from services.common.bus.contract import (
     IterationBatch,
     Subjects,
 )
-from services.common.bus.errors import describe
+from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import ConsumerSpec, tracker_spec
 from services.common.db import repository as repo
 from services.common.outbox import Outbox
@@ -154,14 +154,25 @@ class Tracker:
             st = await self._load(job)
             self.state[job] = st
         if seq is not None and not st.replayed:
-            st.replayed = True
             if self.store is not None:
                 await self._replay(job, st, seq)
+            st.replayed = True
         st.seen_at = time.monotonic()
         return st
 
     async def _load(self, job: str) -> JobState:
-        saved = await self.store.load(job) if self.store is not None else None
+        """The job's saved state, or a fresh one. A transient failure propagates (the message
+        is retried, the job's later ones wait behind it); one no retry can fix (the object
+        unreadable, the bus refusing the read) starts the job afresh, since losing the
+        detector's history is better than losing every message of the job."""
+        try:
+            saved = await self.store.load(job) if self.store is not None else None
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            self.stats.corrupt_states += 1
+            log.error("job %s: saved state unreadable, starting afresh: %s", job, describe(exc))
+            saved = None
         if saved is not None and saved.get("tracker", {}).get("method") == self.method:
             try:
                 tracker = JobTracker.from_state(saved["tracker"])
@@ -181,12 +192,20 @@ class Tracker:
         return JobState(self._new_tracker(), self._new_hang_monitor())
 
     async def _replay(self, job: str, st: JobState, upto: int) -> None:
-        """Observe the job's batches that its saved state lacks, up to the delivered one."""
+        """Observe the job's batches that its saved state lacks, up to the delivered one. A
+        transient failure propagates (the retry goes on from the last batch observed); one no
+        retry can fix leaves the gap unobserved and the job tracked from here."""
         n = 0
-        async for seq, batch in replay(self.ctx.js, job, after=st.seq, before=upto,
-                                       limit=self.settings.tracker_replay_max_messages):
-            self._observe(st, batch, seq)
-            n += 1
+        try:
+            async for seq, batch in replay(self.ctx.js, job, after=st.seq, before=upto,
+                                           limit=self.settings.tracker_replay_max_messages):
+                self._observe(st, batch, seq)
+                n += 1
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            log.error("job %s: could not read back the telemetry its saved state lacks (%d "
+                      "batch(es) read); tracking it from here: %s", job, n, describe(exc))
         if n:
             self.stats.replayed += n
             log.info("job %s: replayed %d telemetry batch(es) its saved state did not hold", job, n)

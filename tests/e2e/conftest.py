@@ -31,10 +31,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="package")
-def stack(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """As ``greyhound up`` runs it: no NATS URL, so the embedded one in the data directory, each
+    service with its own bus user."""
     root = tmp_path_factory.mktemp("e2e")
-    settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=root / "data",
-                        shm_dir=root / "shm")
+    settings = Settings(database_url=pg_url, data_dir=root / "data", shm_dir=root / "shm")
     port = _free_port()
     # The agent loads the fake NVML, which reads <root>/gpu/faults.txt: jobs run in that workdir
     # (gpu_workdir) share their fault file with the agent's GPUs.

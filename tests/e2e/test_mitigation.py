@@ -9,8 +9,8 @@
 * the slow GPU again, the planner killed (SIGKILL) once S2 is in force and restarted: the same
   end, nothing lost or done twice (issue 13's kill -9 of each service, for the planner).
 
-All run on one stack of their own (embedded NATS and Postgres, small overheads from the planner's
-settings) at 10x virtual time, under a minute each on an idle machine; the iteration times
+All run on one stack of their own (embedded NATS with its users and Postgres, small overheads
+from the planner's settings) at 10x virtual time, under a minute each on an idle machine; the iteration times
 before, during and after mitigation and the incidents' timelines are printed (``pytest -s``).
 """
 
@@ -33,7 +33,6 @@ from greyhound.integrations.rest import PlanClient
 from greyhound.sim.live import LiveSimulation
 from greyhound.sim.scenario import Scenario, load_scenario
 from services.api.settings import ApiSettings
-from services.common.embedded import EmbeddedNats, EmbeddedPostgres
 from services.common.settings import Settings
 from services.planner.settings import PlannerSettings
 from stack.sim_plans import SimPlanFollower, Step, mint_token
@@ -58,17 +57,13 @@ def mstack() -> Iterator[Stack]:
     the session's NATS, and two planners on one durable would split the events."""
     with tempfile.TemporaryDirectory(prefix="gh-mitigate-") as d:
         root = Path(d)
-        nats, pg = EmbeddedNats(root / "nats", auth=False), EmbeddedPostgres(root / "pg")
-        try:
-            settings = Settings(nats_url=nats.start(), database_url=pg.start(),
-                                data_dir=root / "data", shm_dir=root / "shm")
-            with Stack(settings, port=_free_port(), service_settings=(
-                    PLANNER, ApiSettings(api_anonymous_role="viewer"))) as st:
-                wait_api(f"http://127.0.0.1:{st.port}")
-                yield st
-        finally:
-            pg.stop()
-            nats.stop()
+        # no URLs: embedded NATS (with its users) and Postgres in the data directory, as
+        # `greyhound up` starts them
+        settings = Settings(data_dir=root / "data", shm_dir=root / "shm")
+        with Stack(settings, port=_free_port(), service_settings=(
+                PLANNER, ApiSettings(api_anonymous_role="viewer"))) as st:
+            wait_api(f"http://127.0.0.1:{st.port}")
+            yield st
 
 
 class Run:

@@ -25,14 +25,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_gpu_slow_becomes_a_localized_incident(nats_url: str, pg_url: str, tmp_path: Path) -> None:
+def test_gpu_slow_becomes_a_localized_incident(pg_url: str, tmp_path: Path) -> None:
     j = job(tp=2, dp=2, pp=2, gpus_per_node=4, microbatches=4, microbatch_compute_s=0.05,
             dp_allreduce_bytes=1e8, pp_activation_bytes=1e6, optimizer_s=0.01,
             link_latency_us=5.0, nvlink_latency_us=1.0)
     sc = scenario(j, [{"kind": "gpu_slow", "rank": 3, "start_s": 30.0, "factor": 2.5}],
                   duration_s=60.0, name="stack-test", noise={"jitter_cv": 0.01, "gc_prob": 0.0})
-    settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=tmp_path / "data",
-                        shm_dir=tmp_path / "shm")
+    # no NATS URL: the embedded one in the data directory, with its users, as a user runs it
+    settings = Settings(database_url=pg_url, data_dir=tmp_path / "data", shm_dir=tmp_path / "shm")
     out, err = io.StringIO(), io.StringIO()
     served: list[Any] = []
 

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -23,12 +24,15 @@ from services.common.bus.auth import BusAuthError, Credentials
 from services.common.bus.contract import Message, Subjects
 from services.common.bus.dead_letters import encode_dead_letter
 from services.common.bus.errors import PermanentError, TransientError, classify, describe
+from services.common.bus.holds import Holds
+from services.common.bus.refusals import PermissionDenied, Refusal, Refusals
 from services.common.bus.streams import ConsumerSpec, stream_configs
 from services.common.redact import redact
 from services.common.settings import Settings
 
-__all__ = ["BusAuthError", "Consumer", "ConsumerLost", "ConsumerStats", "PermanentError",
-           "TransientError", "connect", "ensure_streams", "publish"]
+__all__ = ["BusAuthError", "BusClient", "Consumer", "ConsumerLost", "ConsumerStats",
+           "PermanentError", "PermissionDenied", "TransientError", "connect", "ensure_streams",
+           "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +54,49 @@ def _auth_failure(exc: BaseException) -> bool:
         isinstance(exc, nats.errors.Error) and any(k in str(exc).lower() for k in _AUTH_ERRORS))
 
 
+class BusClient(NATS):
+    """nats-py's client that knows what the server refused it (services.common.bus.refusals):
+    a request that gets no answer because its subject (or this user's reply inbox) was refused
+    raises PermissionDenied, a permanent error, instead of a timeout that would be retried."""
+
+    def __init__(self, user: str | None = None, inbox: str = "_INBOX") -> None:
+        super().__init__()
+        self.bus_user = user
+        self.inbox = inbox
+        self.refusals = Refusals()
+
+    def refused_since(self, t: float, subject: str) -> Refusal | None:
+        """What the server refused since ``t`` (monotonic) that a request on ``subject`` needs:
+        publishing there, or hearing the answer in this user's inbox."""
+        return (self.refusals.since(t, subject)
+                or self.refusals.any_since(t, f"{self.inbox}.", action="subscribe"))
+
+    async def request(self, subject: str, payload: bytes = b"", timeout: float = 0.5,
+                      old_style: bool = False, headers: dict[str, Any] | None = None) -> Msg:
+        t = time.monotonic()
+        try:
+            return await super().request(subject, payload, timeout=timeout, old_style=old_style,
+                                         headers=headers)
+        except nats.errors.TimeoutError as exc:
+            refused = self.refused_since(t, subject)
+            if refused is None:
+                raise
+            raise PermissionDenied(refused, self.bus_user) from exc
+
+
 async def connect(url: str, *, name: str, credentials: Credentials | None = None,
-                  tls: ssl.SSLContext | None = None) -> NATS:
+                  tls: ssl.SSLContext | None = None) -> BusClient:
     """Connect with endless reconnects: a bus restart must not kill a service or an agent.
 
     A server that refuses the credentials on the first connect (none given where it needs
     some, a wrong password), or a TLS handshake that fails (an untrusted certificate, no client
     certificate where the server wants one), raises BusAuthError at once: nats-py would retry
     forever, and a service stuck there looks alive while doing nothing. Permission violations
-    later on (a subject this user may not use) are logged as errors, the first few of each.
+    later on (a subject this user may not use) are logged as errors, the first few of each, and
+    recorded on the connection (BusClient.refusals) so that what they cause fails for good.
     """
-    nc = NATS()
+    nc = BusClient(credentials.user if credentials else None,
+                   credentials.inbox_prefix if credentials else "_INBOX")
     connected = False
     violations: dict[str, int] = {}
     who = f"user {credentials.user!r}" if credentials else "a connection without credentials"
@@ -75,7 +111,7 @@ async def connect(url: str, *, name: str, credentials: Credentials | None = None
                                "GREYHOUND_NATS_TLS_CA (and _CERT/_KEY when the server verifies "
                                "clients); see docs/security.md") from exc
         text = str(exc)
-        if "permissions violation" in text.lower():
+        if nc.refusals.record(text) is not None:
             if text not in violations and len(violations) >= 1000:
                 return  # counted per subject, for a bounded number of subjects
             n = violations[text] = violations.get(text, 0) + 1
@@ -102,13 +138,18 @@ async def connect(url: str, *, name: str, credentials: Credentials | None = None
     return nc
 
 
+async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Create the stream, or update it to ``cfg`` where it exists with another configuration."""
+    try:
+        await js.add_stream(cfg)
+    except BadRequestError:
+        await js.update_stream(cfg)
+
+
 async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
     """Create or update every stream; idempotent, so every service may call it on start."""
     for cfg in stream_configs(settings):
-        try:
-            await js.add_stream(cfg)
-        except BadRequestError:
-            await js.update_stream(cfg)
+        await ensure_stream(js, cfg)
 
 
 async def publish(js: JetStreamContext, subject: str, msg: Message) -> None:
@@ -123,6 +164,7 @@ class ConsumerStats:
     handled: int = 0
     dead_lettered: int = 0
     retried: int = 0
+    held: int = 0  # naked unhandled: their job waited behind a message that had failed
     reasons: dict[str, int] = field(default_factory=dict)
     fetch_failures: int = 0
     settle_failures: int = 0  # ack, nak or term that did not reach the server
@@ -150,6 +192,14 @@ def _delivery(msg: Msg) -> int:
         return 1
 
 
+def stream_seq(msg: Msg) -> int | None:
+    """The message's sequence in its stream; None when the server did not say."""
+    try:
+        return int(msg.metadata.sequence.stream)
+    except (NotJSMessageError, ValueError, IndexError, AttributeError):
+        return None
+
+
 class Consumer(Generic[M]):
     """A durable pull consumer that validates each message against the contract.
 
@@ -158,9 +208,14 @@ class Consumer(Generic[M]):
     or terminated and recorded on the dead-letter subject with the reason, when it fails
     validation, fails its handler for good, or fails transiently on its last allowed delivery.
 
+    One job's trouble stays its own (services.common.bus.holds): after a transient failure the
+    job's later messages wait behind the failed one, naked without running the handler, while
+    the other jobs go on; on its last delivery a message runs whatever it waits behind.
+
     Nothing escapes run() silently: failures to fetch, settle a message or run ``idle`` are
     logged and counted in ``stats`` and consumption goes on; only a consumer that cannot go on
-    (ConsumerLost) ends run() with an exception.
+    (ConsumerLost: among others, the server refusing this user the fetch or the ack) ends run()
+    with an exception.
     """
 
     def __init__(self, js: JetStreamContext, spec: ConsumerSpec, model: Any,
@@ -177,6 +232,7 @@ class Consumer(Generic[M]):
         self._fetch_streak = 0
         self._idle_streak = 0
         self._checked_at = 0.0
+        self.holds = Holds()
 
     @property
     def _nc(self) -> NATS:
@@ -207,9 +263,8 @@ class Consumer(Generic[M]):
 
     def _letter_id(self, msg: Msg) -> dict[str, str] | None:
         """Nats-Msg-Id of the dead letter, so a message dead-lettered twice is stored once."""
-        try:
-            seq = msg.metadata.sequence.stream
-        except (NotJSMessageError, ValueError, IndexError):
+        seq = stream_seq(msg)
+        if seq is None:
             return None
         return {"Nats-Msg-Id": f"dlq.{self.spec.stream}.{self.spec.durable}.{seq}"}
 
@@ -242,20 +297,41 @@ class Consumer(Generic[M]):
         """A handler raised: retry what may succeed later, dead-letter the rest."""
         delivery = _delivery(msg)
         if classify(exc) == "permanent":
-            log.error("handler failed on %s", msg.subject, exc_info=exc)
+            self.holds.release(msg.subject, stream_seq(msg))
+            if isinstance(exc, PermissionDenied):
+                log.error("handler failed on %s: %s", msg.subject, exc)
+            else:
+                log.error("handler failed on %s", msg.subject, exc_info=exc)
             await self._dead_letter(msg, f"handler_error: {describe(exc)}")
             return
         if delivery >= self.spec.max_deliver:
+            self.holds.release(msg.subject, stream_seq(msg))
             await self._dead_letter(msg, f"retries_exhausted: delivery {delivery} of "
                                          f"{self.spec.max_deliver} failed: {describe(exc)}")
             return
         delay = self.spec.retry_delay_s(delivery)
         self.stats.retried += 1
+        self.holds.hold(msg.subject, stream_seq(msg), delay, describe(exc))
         log.warning("transient failure on %s (delivery %d of %d), retrying in %.1fs: %s",
                     msg.subject, delivery, self.spec.max_deliver, delay, describe(exc))
         await self._settle(msg, "nak", delay)
 
+    async def _held(self, msg: Msg) -> bool:
+        """Nak ``msg`` without handling it while its job waits behind a failed message; False
+        when it may run (never on its last delivery: it gets its try)."""
+        hold = self.holds.of(msg.subject, stream_seq(msg))
+        if hold is None or _delivery(msg) >= self.spec.max_deliver:
+            return False
+        self.stats.held += 1
+        if self.stats.held == 1 or self.stats.held % 1000 == 0:
+            log.info("%s on %s waits behind %s, which failed (%s); %d held so far", msg.subject,
+                     self.spec.durable, hold.subject, hold.reason[:200], self.stats.held)
+        await self._settle(msg, "nak", hold.delay_s(time.monotonic()))
+        return True
+
     async def handle(self, msg: Msg) -> None:
+        if await self._held(msg):
+            return
         try:
             decoded = self._adapter.validate_json(msg.data)
         except ValidationError as exc:
@@ -270,6 +346,7 @@ class Consumer(Generic[M]):
             await self._failed(msg, exc)
             return
         self.stats.handled += 1
+        self.holds.release(msg.subject, stream_seq(msg))
         await self._settle(msg, "ack")
 
     # -- the loop ------------------------------------------------------------------------------
@@ -296,10 +373,29 @@ class Consumer(Generic[M]):
                 await self._pause(min(0.25 * 2 ** attempt, MAX_PAUSE_S))
         return None
 
+    def _refused(self, t: float, doing: str, *subjects: str, prefix: str | None = None
+                 ) -> None:
+        """Raise ConsumerLost when the server refused, since ``t``, a publish this consumer
+        needs (one of ``subjects``, or any under ``prefix``) or its reply inbox: a refused
+        fetch looks like an empty one, a refused ack like a success, for ever."""
+        nc = self._nc
+        if not isinstance(nc, BusClient):
+            return
+        refused = next((r for r in (nc.refused_since(t, x) for x in subjects) if r), None)
+        if refused is None and prefix is not None:
+            refused = nc.refusals.any_since(t, prefix)
+        if refused is not None:
+            denied = PermissionDenied(refused, nc.bus_user, f"{doing} durable consumer "
+                                      f"{self.spec.durable!r} on {self.spec.stream}")
+            raise ConsumerLost(str(denied)) from denied
+
     async def _fetch(self, sub: Any) -> list[Msg]:
+        t0 = time.monotonic()
         try:
             msgs: list[Msg] = await sub.fetch(self.spec.batch, timeout=FETCH_WAIT_S)
         except TimeoutError:  # nothing to fetch (nats' own TimeoutError derives from it)
+            self._refused(t0, "fetching from",
+                          f"$JS.API.CONSUMER.MSG.NEXT.{self.spec.stream}.{self.spec.durable}")
             self._fetch_streak = 0
             return []
         except Exception as exc:
@@ -322,6 +418,8 @@ class Consumer(Generic[M]):
     async def _handle_guarded(self, msg: Msg) -> None:
         try:
             await self.handle(msg)
+        except ConsumerLost:
+            raise
         except Exception:  # e.g. an override of handle() that acks itself
             self.stats.handle_failures += 1
             log.exception("handling %s on %s failed; it is redelivered after the ack wait",
@@ -356,6 +454,8 @@ class Consumer(Generic[M]):
         except NotFoundError as exc:
             raise ConsumerLost(f"consumer {self.spec.durable} on {self.spec.stream} no longer "
                                f"exists: {describe(exc)}") from exc
+        except PermissionDenied as exc:
+            raise ConsumerLost(str(exc)) from exc
         except Exception as exc:  # the bus reconnecting: fetch will tell if it lasts
             self.stats.fetch_failures += 1
             log.warning("liveness check of %s failed: %s", self.spec.durable, describe(exc))
@@ -371,8 +471,12 @@ class Consumer(Generic[M]):
         self._checked_at = time.monotonic()
         try:
             while not self._stopping.is_set():
+                t0 = time.monotonic()
                 for msg in await self._fetch(sub):
                     await self._handle_guarded(msg)
+                self._refused(t0, "acknowledging messages of",
+                              Subjects.dead_letter(self.spec.stream),
+                              prefix=f"$JS.ACK.{self.spec.stream}.{self.spec.durable}.")
                 if idle is not None:
                     await self._idle_guarded(idle)
                 await self._check_alive()

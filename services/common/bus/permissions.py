@@ -11,7 +11,8 @@ a grant means on the wire:
   every durable some service consumes is denied to it, so it can neither steal nor delete them.
 * serve ``S``: subscribe to S and answer (``allow_responses``: only to the reply subject of a
   request it got).
-* object store ``B``: the bucket's stream ``OBJ_B`` and its ``$O.B.>`` subjects.
+* object store ``B``: the bucket's stream ``OBJ_B`` and its ``$O.B.>`` subjects, and the list
+  of stream names (nats-py finds the bucket's stream by subject to read an object back).
 * monitor: stream and consumer state (metrics, readiness).
 
 Every user subscribes only under its own reply inbox (services.common.bus.auth.inbox_prefix)
@@ -63,7 +64,7 @@ def _consumer_subjects(stream: str, name: str) -> list[str]:
             f"$JS.ACK.{stream}.{name}.>"]
 
 
-def _bind(subject: str, agent_id: str) -> str:
+def bind_agent(subject: str, agent_id: str) -> str:
     """A contract wildcard whose last token is the agent id, narrowed to one agent."""
     head, _, last = subject.rpartition(".")
     if last != "*":
@@ -92,8 +93,8 @@ def permissions(access: BusAccess, user: str, *, agent_id: str | None = None,
     publish = list(access.publish)
     serve = list(access.serve)
     if access.per_agent and agent_id is not None:
-        publish = [_bind(s, agent_id) for s in publish]
-        serve = [_bind(s, agent_id) for s in serve]
+        publish = [bind_agent(s, agent_id) for s in publish]
+        serve = [bind_agent(s, agent_id) for s in serve]
     deny: list[str] = []
     if access.declare_streams or access.monitor or access.consume or access.read \
             or access.object_stores:
@@ -119,7 +120,10 @@ def permissions(access: BusAccess, user: str, *, agent_id: str | None = None,
                              f"{API}.CONSUMER.DELETE.{stream}.{name}"]
     for bucket in access.object_stores:
         obj = f"OBJ_{bucket}"
-        publish += [f"{API}.STREAM.{op}.{obj}" for op in ("CREATE", "INFO", "PURGE")]
+        # UPDATE: an existing bucket is brought to its owner's limits; NAMES: nats-py looks the
+        # bucket's stream up by subject to read an object back (names only, of every stream).
+        publish += [f"{API}.STREAM.{op}.{obj}" for op in ("CREATE", "INFO", "UPDATE", "PURGE")]
+        publish.append(f"{API}.STREAM.NAMES")
         publish += [f"{API}.STREAM.MSG.GET.{obj}", f"{API}.DIRECT.GET.{obj}",
                     f"{API}.DIRECT.GET.{obj}.>", f"{API}.CONSUMER.CREATE.{obj}",
                     f"{API}.CONSUMER.CREATE.{obj}.>", f"{API}.CONSUMER.INFO.{obj}.*",

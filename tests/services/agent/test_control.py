@@ -19,7 +19,8 @@ from greyhound.core.p2p_rounds import ring_rounds
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
 from services.agent.service import run_agent
 from services.agent.settings import AgentSettings
-from services.common.bus.client import connect, ensure_streams
+from services.common.bus.auth import agent_user
+from services.common.bus.client import ensure_streams
 from services.common.bus.contract import (
     BenchItem,
     CollectiveBatch,
@@ -28,8 +29,9 @@ from services.common.bus.contract import (
     Subjects,
 )
 from services.common.bus.control import request
-from services.common.runtime import Backends, start_service
+from services.common.runtime import start_service
 from services.common.settings import Settings
+from tests.conftest import Bus
 
 AGENT = "ctl-agent"
 JOB = "ctljob"
@@ -40,7 +42,8 @@ SIZES = (16 << 20, 32 << 20, 64 << 20)  # the paper's P2P sizes: at 10 GB/s, 1.6
 @dataclass
 class Running:
     job: FakeJob
-    nc: NATS
+    nc: NATS  # the validator's: it may ask anything of an agent
+    watch: NATS  # the operator's: it hears what the agent publishes
 
 
 async def _ask(nc: NATS, **kw: object) -> ControlReply:
@@ -58,20 +61,21 @@ async def _until(pred: Callable[[], Awaitable[bool]], timeout_s: float, what: st
 
 
 @pytest.fixture(scope="module")
-async def running(nats_url: str, tmp_path_factory: pytest.TempPathFactory
+async def running(bus: Bus, tmp_path_factory: pytest.TempPathFactory
                   ) -> AsyncIterator[Running]:
     root = tmp_path_factory.mktemp("ctl")
-    settings = Settings(nats_url=nats_url, shm_dir=root / "shm", data_dir=root / "data")
+    settings = Settings(nats_url=bus.url, shm_dir=root / "shm", data_dir=root / "data")
     spec = FakeJobSpec(world_size=WORLD, iters=500, compute_ms=5.0, bytes=1 << 16, job_id=JOB,
                        compute_busy=0.0)
     job = FakeJob(spec, workdir=root / "w", hook=native_build_dir() / "libgreyhound_hook.so",
                   shm_dir=Path(settings.shm_dir))
     stop = asyncio.Event()
     with job:
-        nc = await connect(nats_url, name="ctl-test")
+        nc = await bus.connect("validator")
+        watch = await bus.connect()
         await ensure_streams(nc.jetstream(), settings)  # the central services' part, not the agent's
         ctx = await start_service("agent", settings, need_db=False,
-                                  backends=Backends(nats_url=nats_url, database_url=""))
+                                  backends=bus.backends(agent_user(AGENT)))
         agent = asyncio.create_task(run_agent(ctx, stop, agent_id=AGENT, job=[JOB],
                                               settings=AgentSettings(poll_s=0.02)))
 
@@ -82,12 +86,13 @@ async def running(nats_url: str, tmp_path_factory: pytest.TempPathFactory
 
         try:
             await _until(all_ranks, 30, "the agent to serve every rank")
-            yield Running(job, nc)
+            yield Running(job, nc, watch)
         finally:
             stop.set()
             await agent
             await ctx.close()
             await nc.drain()
+            await watch.drain()
 
 
 async def test_status_reports_every_rank_and_its_communicator(running: Running) -> None:
@@ -121,7 +126,8 @@ async def test_profile_mode_publishes_collectives_with_gpu_times(running: Runnin
     async def got(msg: Msg) -> None:
         batches.append(CollectiveBatch.model_validate_json(msg.data))
 
-    sub = await running.nc.subscribe(Subjects.collectives(JOB, AGENT), cb=got)
+    sub = await running.watch.subscribe(Subjects.collectives(JOB, AGENT), cb=got)
+    await running.watch.flush()
     reply = await _ask(running.nc, action="set_mode", mode="profile")
     assert reply.ok and {r.mode for r in reply.ranks} == {"profile"}
 

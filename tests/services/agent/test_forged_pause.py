@@ -18,9 +18,6 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import NoStreamResponseError
 
 from greyhound import hookabi as H
 from services.agent.service import run_agent
@@ -29,6 +26,7 @@ from services.common.bus.auth import BusAuthError, agent_user
 from services.common.bus.client import connect, ensure_streams
 from services.common.bus.contract import ControlReply, ControlRequest, Subjects, Suspicion
 from services.common.bus.control import request
+from services.common.bus.refusals import PermissionDenied
 from services.common.bus.streams import EVENTS
 from services.common.embedded import EmbeddedNats
 from services.common.runtime import Backends, start_service
@@ -37,7 +35,7 @@ from tests.services.agent.forge import good_ring
 
 JOB = "pausejob"
 NODE = "node-a"
-REFUSED = (NatsTimeoutError, NoRespondersError, NoStreamResponseError)
+REFUSED = PermissionDenied  # the server's refusal, as the connection reports it
 
 
 @dataclass

@@ -18,11 +18,13 @@ from nats.aio.msg import Msg
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
 from services.agent.service import run_agent
 from services.agent.settings import AgentSettings
-from services.common.bus.client import connect, ensure_streams
+from services.common.bus.auth import agent_user
+from services.common.bus.client import ensure_streams
 from services.common.bus.contract import ControlRequest, GpuHealth, Subjects
 from services.common.bus.control import request
-from services.common.runtime import Backends, start_service
+from services.common.runtime import start_service
 from services.common.settings import Settings
+from tests.conftest import Bus
 
 AGENT = "gpu-agent"
 WORLD = 4
@@ -38,9 +40,9 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def running(nats_url: str, root: Path, job_id: str, nvml_lib: str,
+async def running(bus: Bus, root: Path, job_id: str, nvml_lib: str,
                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Running]:
-    settings = Settings(nats_url=nats_url, shm_dir=root / "shm", data_dir=root / "data")
+    settings = Settings(nats_url=bus.url, shm_dir=root / "shm", data_dir=root / "data")
     spec = FakeJobSpec(world_size=WORLD, iters=3000, compute_ms=5.0, bytes=1 << 14,
                        job_id=job_id, compute_busy=0.0)
     job = FakeJob(spec, workdir=root / "w", hook=native_build_dir() / "libgreyhound_hook.so",
@@ -51,8 +53,8 @@ async def running(nats_url: str, root: Path, job_id: str, nvml_lib: str,
     stop = asyncio.Event()
     with job:
         ctx = await start_service("agent", settings, need_db=False,
-                                  backends=Backends(nats_url=nats_url, database_url=""))
-        nc = await connect(nats_url, name="gpu-test")
+                                  backends=bus.backends(agent_user(AGENT)))
+        nc = await bus.connect()  # the operator: it hears the agent's telemetry, asks like the analyzer
         await ensure_streams(nc.jetstream(), settings)  # the central services' part, not the agent's
         health: asyncio.Queue[GpuHealth] = asyncio.Queue()
         iterations: list[int] = []
@@ -65,6 +67,7 @@ async def running(nats_url: str, root: Path, job_id: str, nvml_lib: str,
 
         subs = [await nc.subscribe(Subjects.gpu_health(job_id, AGENT), cb=on_health),
                 await nc.subscribe(Subjects.iterations(job_id, AGENT), cb=on_iter)]
+        await nc.flush()
         agent = asyncio.create_task(run_agent(
             ctx, stop, agent_id=AGENT, job=[job_id],
             settings=AgentSettings(poll_s=0.02, gpu_s=0.5, xid_poll_s=0.1, nvml_lib=nvml_lib)))
@@ -88,10 +91,10 @@ async def next_health(r: Running, *, ranks: int = WORLD, timeout_s: float = 20.0
                 return h
 
 
-async def test_agent_publishes_gpu_health_per_job(nats_url: str, tmp_path: Path,
+async def test_agent_publishes_gpu_health_per_job(bus: Bus, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     lib = str(native_build_dir() / "fake" / "libnvidia-ml.so.1")
-    async with running(nats_url, tmp_path, "gpujob", lib, monkeypatch) as r:
+    async with running(bus, tmp_path, "gpujob", lib, monkeypatch) as r:
         h = await next_health(r)
         assert h.agent_id == AGENT and h.job_id == "gpujob"
         # only the job's GPUs (the fake node has 8), each with its rank from the ring
@@ -117,8 +120,8 @@ async def test_agent_publishes_gpu_health_per_job(nats_url: str, tmp_path: Path,
 
 
 async def test_without_nvml_no_gpu_message_and_the_agent_carries_on(
-        nats_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    async with running(nats_url, tmp_path, "nogpujob", str(tmp_path / "libnvidia-ml.so.1"),
+        bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with running(bus, tmp_path, "nogpujob", str(tmp_path / "libnvidia-ml.so.1"),
                        monkeypatch) as r:
         r.job.wait_iteration(0, 20, timeout=60)
         await asyncio.sleep(2.0)  # four sampling periods

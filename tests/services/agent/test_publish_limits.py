@@ -7,9 +7,11 @@ from __future__ import annotations
 import uuid
 
 from services.agent.service import NodeAgent
-from services.common.bus.client import connect, ensure_streams
+from services.common.bus.auth import agent_user
+from services.common.bus.client import ensure_streams
 from services.common.bus.contract import CollectiveBatch, Subjects, split_columns
 from services.common.settings import Settings
+from tests.conftest import Bus
 
 ROWS = 30_000  # ~3.5 MB of JSON
 
@@ -34,15 +36,16 @@ def test_split_columns_halves_every_column_with_new_ids() -> None:
     assert split_columns(one) is None
 
 
-async def test_oversized_batch_is_split_and_later_messages_still_flow(nats_url: str) -> None:
-    settings = Settings(nats_url=nats_url)
-    nc = await connect(nats_url, name="test-limits")
+async def test_oversized_batch_is_split_and_later_messages_still_flow(bus: Bus) -> None:
+    settings = Settings(nats_url=bus.url)
+    nc = await bus.connect(agent_user("lim"))
+    watch = await bus.connect()  # the operator reads what the agent stored
     try:
-        js = nc.jetstream()
+        js = watch.jetstream()
         await ensure_streams(js, settings)
         job = f"lim{uuid.uuid4().hex[:6]}"
         assert len(big_batch(job).model_dump_json()) > nc.max_payload
-        agent = NodeAgent(settings.shm_dir, js, agent_id="lim", jobs=[])
+        agent = NodeAgent(settings.shm_dir, nc.jetstream(), agent_id="lim", jobs=[])
         subject = Subjects.collectives(job, "lim")
         agent.backlog.append((subject, big_batch(job)))
         small = CollectiveBatch(job_id=job, agent_id="lim",
@@ -59,3 +62,4 @@ async def test_oversized_batch_is_split_and_later_messages_still_flow(nats_url: 
         assert agent.published > 2
     finally:
         await nc.close()
+        await watch.close()

@@ -10,18 +10,22 @@ from __future__ import annotations
 import asyncio
 import os
 import tracemalloc
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from nats.js import JetStreamContext
 
 from greyhound import hookabi as H
 from services.agent.collector import Collector
 from services.agent.service import NodeAgent
 from services.agent.settings import AgentSettings
-from services.common.bus.client import connect, ensure_streams
+from services.common.bus.auth import agent_user
+from services.common.bus.client import ensure_streams
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.settings import Settings
+from tests.conftest import Bus
 from tests.services.agent.forge import good_ring, header_offset, iterations, poke
 
 JOB = "fuzz"
@@ -106,11 +110,21 @@ def _random_rings(shm: Path, n: int, seed: int = 13) -> list[Path]:
 
 
 @pytest.fixture()
-async def agent(nats_url: str, tmp_path: Path) -> NodeAgent:
-    nc = await connect(nats_url, name="test-fuzz")
-    await ensure_streams(nc.jetstream(), Settings())
-    return NodeAgent(tmp_path / "shm", nc.jetstream(), agent_id=f"fuzz-{tmp_path.name[-8:]}",
+async def agent(bus: Bus, tmp_path: Path) -> NodeAgent:
+    agent_id = f"fuzz-{tmp_path.name[-8:]}"
+    nc = await bus.connect(agent_user(agent_id))
+    return NodeAgent(tmp_path / "shm", nc.jetstream(), agent_id=agent_id,
                      settings=AgentSettings(poll_s=0.01))
+
+
+@pytest.fixture()
+async def watch(bus: Bus) -> AsyncIterator[JetStreamContext]:
+    """The operator's: declares the streams (the central services' part) and reads what the
+    agent stored."""
+    nc = await bus.connect()
+    await ensure_streams(nc.jetstream(), Settings())
+    yield nc.jetstream()
+    await nc.close()
 
 
 async def _tick(agent: NodeAgent) -> None:
@@ -120,7 +134,8 @@ async def _tick(agent: NodeAgent) -> None:
     await agent.flush()
 
 
-async def test_bad_rings_are_reported_and_skipped_and_good_ones_served(agent: NodeAgent) -> None:
+async def test_bad_rings_are_reported_and_skipped_and_good_ones_served(
+        agent: NodeAgent, watch: JetStreamContext) -> None:
     shm = agent.shm_dir
     expected = _build(shm)
     random = _random_rings(shm, 30)
@@ -145,13 +160,12 @@ async def test_bad_rings_are_reported_and_skipped_and_good_ones_served(agent: No
     assert all(p in bad or int(p.stem.split("-")[1]) in served for p in random)
     assert agent.loop_errors == 0
     assert peak < PEAK_LIMIT, f"peak {peak / 2**20:.1f} MiB"
-    published = await _iterations(agent)
+    published = await _iterations(agent, watch)
     assert set(GOOD) <= published
 
 
-async def _iterations(agent: NodeAgent) -> set[int]:
+async def _iterations(agent: NodeAgent, js: JetStreamContext) -> set[int]:
     """Ranks of every iteration batch the agent published for JOB."""
-    js = agent.js
     sub = await js.pull_subscribe(Subjects.iterations(JOB, agent.agent_id), durable=None)
     ranks: set[int] = set()
     try:
@@ -166,7 +180,8 @@ async def _iterations(agent: NodeAgent) -> set[int]:
         await sub.unsubscribe()
 
 
-async def test_a_ring_shrunk_while_attached_costs_that_ring_only(agent: NodeAgent) -> None:
+async def test_a_ring_shrunk_while_attached_costs_that_ring_only(
+        agent: NodeAgent, watch: JetStreamContext) -> None:
     shm = agent.shm_dir
     alive = good_ring(shm, JOB, 0, iters=10)
     good_ring(shm, JOB, 1, iters=10).close()
@@ -186,7 +201,8 @@ async def test_a_ring_shrunk_while_attached_costs_that_ring_only(agent: NodeAgen
     alive.close()
 
 
-async def test_the_loop_keeps_running_among_bad_rings(agent: NodeAgent) -> None:
+async def test_the_loop_keeps_running_among_bad_rings(
+        agent: NodeAgent, watch: JetStreamContext) -> None:
     shm = agent.shm_dir
     _build(shm)
     _random_rings(shm, 9)

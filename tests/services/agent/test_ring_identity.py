@@ -13,9 +13,11 @@ from greyhound import hookabi as H
 from services.agent.collector import Collector
 from services.agent.control import AgentControl
 from services.agent.service import NodeAgent
-from services.common.bus.client import connect, ensure_streams
+from services.common.bus.auth import agent_user
+from services.common.bus.client import ensure_streams
 from services.common.bus.contract import ControlReply, ControlRequest
 from services.common.settings import Settings
+from tests.conftest import Bus
 from tests.services.agent.forge import good_ring, iterations
 
 JOB = "restart"
@@ -52,10 +54,12 @@ async def test_a_pause_after_a_restart_reaches_the_new_process(tmp_path: Path) -
 
 
 async def test_deleted_rings_are_drained_then_closed_and_the_job_evicted(
-        nats_url: str, tmp_path: Path) -> None:
-    nc = await connect(nats_url, name="test-evict")
+        bus: Bus, tmp_path: Path) -> None:
+    central = await bus.connect("tracker")  # the central services declare the streams
+    await ensure_streams(central.jetstream(), Settings())
+    await central.close()
+    nc = await bus.connect(agent_user("evict-agent"))
     js = nc.jetstream()
-    await ensure_streams(js, Settings())
     agent = NodeAgent(tmp_path, js, agent_id="evict-agent")
     ctl = AgentControl(agent.agent_id, agent.collectors)
     w = good_ring(tmp_path, JOB, 0, iters=5)

@@ -7,8 +7,6 @@ import asyncio
 
 from services.analyzer.profiling import CollectiveFeed, WindowRule
 from services.analyzer.slow import SlowLocalizer
-from services.common.bus.contract import Subjects
-from services.common.bus.streams import TELEMETRY, ConsumerSpec
 from services.common.db import repository as repo
 from services.common.runtime import ServiceContext
 
@@ -28,9 +26,9 @@ async def register_ranks(ctx: ServiceContext, job: str) -> None:
 
 def fed_localizer(ctx: ServiceContext, job: str
                   ) -> tuple[SlowLocalizer, CollectiveFeed, asyncio.Task[None]]:
-    """A localizer whose windows fill from ``job``'s collectives (a durable of its own); stop the
-    feed and await the task when done."""
+    """A localizer whose windows fill from the collectives, through the analyzer's own durable
+    as the analyzer process feeds it (the buffers keep ``job``'s, what other tests left is
+    passed over); stop the feed and await the task when done."""
     localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
-    feed = CollectiveFeed(ctx.js, localizer.buffers, spec=ConsumerSpec(
-        stream=TELEMETRY, durable=f"feed-{job}", filter_subjects=(Subjects.ALL_COLLECTIVES,)))
+    feed = CollectiveFeed(ctx.js, localizer.buffers)
     return localizer, feed, asyncio.create_task(feed.run())

@@ -6,25 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
-
-import pytest
 
 from services.analyzer.service import Analyzer
 from services.common.bus.contract import DetectionEvent, Subjects
 from services.common.db import repository as repo
-from services.common.runtime import Backends, ServiceContext, start_service
-from services.common.settings import Settings
+from services.common.runtime import ServiceContext
+from tests.conftest import Bus
 from tests.services.analyzer.helpers import fed_localizer
 from tests.services.common.pipeline import AGENTS, SLOW_RANK, StandInJob
-
-
-@pytest.fixture()
-async def ctx(nats_url: str, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
-    c = await start_service("resume-test", Settings(nats_url=nats_url, database_url=fresh_db_url),
-                            backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
-    yield c
-    await c.close()
 
 
 def slowdown(job: str) -> DetectionEvent:
@@ -33,7 +22,7 @@ def slowdown(job: str) -> DetectionEvent:
                           evidence={"change": "onset", "healthy_s": 0.1})
 
 
-async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext) -> None:
+async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext, own_bus: Bus) -> None:
     job = f"resume-{uuid.uuid4().hex[:6]}"
     async with ctx.db()() as session:
         await repo.touch_job(session, job)
@@ -55,7 +44,7 @@ async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext) -> N
                                                            "result": "unexplained"})
         await session.commit()
 
-    agents = StandInJob(ctx, job)
+    agents = StandInJob(own_bus, job)
     await agents.start()
     localizer, feed, feeding = fed_localizer(ctx, job)
     analyzer = Analyzer(ctx, localizer)

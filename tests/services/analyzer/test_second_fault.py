@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-import pytest
 from nats.aio.msg import Msg
 
 from services.analyzer.service import Analyzer
-from services.common.bus.client import publish
+from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import (
     CollectiveBatch,
     ControlReply,
@@ -25,8 +23,7 @@ from services.common.bus.contract import (
     Subjects,
 )
 from services.common.db import repository as repo
-from services.common.runtime import Backends, ServiceContext, start_service
-from services.common.settings import Settings
+from services.common.runtime import ServiceContext
 from tests.services.analyzer.helpers import AGENTS, fed_localizer, register_ranks
 
 COMM = (1 << 64) - 777
@@ -53,30 +50,22 @@ def collectives(job: str, agent: str, ranks: list[int], late: dict[int, float],
     return CollectiveBatch(job_id=job, agent_id=agent, **cols)
 
 
-@pytest.fixture()
-async def ctx(nats_url: str, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
-    settings = Settings(nats_url=nats_url, database_url=fresh_db_url)
-    c = await start_service("analyzer-second-test", settings,
-                            backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
-    yield c
-    await c.close()
-
-
-async def _agents(ctx: ServiceContext, job: str) -> list[int]:
-    """Stand-in agents; returns the list of profile windows served so far (mutable)."""
-    served: list[int] = []
+async def _agents(agents: dict[str, BusClient], job: str) -> None:
+    """Stand-in agents, each on its own connection (so in no set order): an agent's n-th
+    profile window is the job's n-th, drawn from the same seed by both."""
+    served = dict.fromkeys(AGENTS, 0)
     for i, agent in enumerate(AGENTS):
         async def answer(msg: Msg, agent: str = agent, i: int = i) -> None:
             req = ControlRequest.model_validate_json(msg.data)
             await msg.respond(ControlReply(ok=True, agent_id=agent).model_dump_json().encode())
             if req.mode == "profile":
-                if i == 0:
-                    served.append(1)
-                late = {2: 25.0} if len(served) <= 1 else {2: 25.0, 1: 40.0}
-                await publish(ctx.js, Subjects.collectives(job, agent),
-                              collectives(job, agent, [2 * i, 2 * i + 1], late, seed=len(served)))
-        await ctx.nc.subscribe(Subjects.control(job, agent), cb=answer)
-    return served
+                served[agent] += 1
+                late = {2: 25.0} if served[agent] <= 1 else {2: 25.0, 1: 40.0}
+                await publish(agents[agent].jetstream(), Subjects.collectives(job, agent),
+                              collectives(job, agent, [2 * i, 2 * i + 1], late,
+                                          seed=served[agent]))
+        await agents[agent].subscribe(Subjects.control(job, agent), cb=answer)
+        await agents[agent].flush()  # subscribed before the analyzer asks
 
 
 def _det(job: str, kind: DetectionKind, change: str, first: int, before: float, after: float
@@ -88,10 +77,10 @@ def _det(job: str, kind: DetectionKind, change: str, first: int, before: float, 
 
 
 async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
-        ctx: ServiceContext) -> None:
+        ctx: ServiceContext, agents: dict[str, BusClient]) -> None:
     job = f"second{uuid.uuid4().hex[:8]}"
     await register_ranks(ctx, job)
-    await _agents(ctx, job)
+    await _agents(agents, job)
     localizer, feed, feeding = fed_localizer(ctx, job)
     analyzer = Analyzer(ctx, localizer)
 
@@ -135,7 +124,7 @@ async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
 
 
 async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
-        ctx: ServiceContext) -> None:
+        ctx: ServiceContext, agents: dict[str, BusClient]) -> None:
     """Rank 2 just gets later: the new incident finds only the known culprit and closes."""
     job = f"worse{uuid.uuid4().hex[:8]}"
     await register_ranks(ctx, job)
@@ -144,9 +133,10 @@ async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
             req = ControlRequest.model_validate_json(msg.data)
             await msg.respond(ControlReply(ok=True, agent_id=agent).model_dump_json().encode())
             if req.mode == "profile":
-                await publish(ctx.js, Subjects.collectives(job, agent),
+                await publish(agents[agent].jetstream(), Subjects.collectives(job, agent),
                               collectives(job, agent, [2 * i, 2 * i + 1], {2: 35.0}, seed=3))
-        await ctx.nc.subscribe(Subjects.control(job, agent), cb=answer)
+        await agents[agent].subscribe(Subjects.control(job, agent), cb=answer)
+        await agents[agent].flush()  # subscribed before the analyzer asks
     localizer, feed, feeding = fed_localizer(ctx, job)
     analyzer = Analyzer(ctx, localizer)
     try:

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import nats.errors
 import numpy as np
-import pytest
 from nats.aio.msg import Msg
 
 from services.analyzer.service import Analyzer
-from services.common.bus.client import publish
+from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import (
     CollectiveBatch,
     ControlReply,
@@ -28,8 +26,7 @@ from services.common.bus.contract import (
 )
 from services.common.bus.streams import EVENTS
 from services.common.db import repository as repo
-from services.common.runtime import Backends, ServiceContext, start_service
-from services.common.settings import Settings
+from services.common.runtime import ServiceContext
 from tests.services.analyzer.helpers import AGENTS, fed_localizer, register_ranks
 
 COMM = (1 << 64) - 12345  # an unsigned hash above 2^63: must survive the int64 cores
@@ -67,8 +64,8 @@ def collectives(job: str, agent: str, ranks: list[int], *, iters: int, iter_ms: 
 class StandInAgents:
     """Answers control requests for each agent; publishes a profile window when asked."""
 
-    def __init__(self, ctx: ServiceContext, job: str, **profile: Any) -> None:
-        self.ctx, self.job, self.profile = ctx, job, profile
+    def __init__(self, agents: dict[str, BusClient], job: str, **profile: Any) -> None:
+        self.agents, self.job, self.profile = agents, job, profile
         self.modes: list[str] = []
 
     async def start(self) -> None:
@@ -88,24 +85,18 @@ class StandInAgents:
                 await msg.respond(ControlReply(ok=True, agent_id=agent).model_dump_json().encode())
                 if req.mode == "profile":
                     batch = collectives(self.job, agent, [2 * i, 2 * i + 1], seed=i, **self.profile)
-                    await publish(self.ctx.js, Subjects.collectives(self.job, agent), batch)
-            await self.ctx.nc.subscribe(Subjects.control(self.job, agent), cb=answer)
+                    await publish(self.agents[agent].jetstream(),
+                                  Subjects.collectives(self.job, agent), batch)
+            await self.agents[agent].subscribe(Subjects.control(self.job, agent), cb=answer)
+            await self.agents[agent].flush()  # subscribed before the analyzer asks
 
 
-@pytest.fixture()
-async def ctx(nats_url: str, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
-    settings = Settings(nats_url=nats_url, database_url=fresh_db_url)
-    c = await start_service("analyzer-test", settings,
-                            backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
-    yield c
-    await c.close()
-
-
-async def run_case(ctx: ServiceContext, *, before_s: float, after_s: float,
+async def run_case(ctx: ServiceContext, agents_nc: dict[str, BusClient], operator: BusClient,
+                   *, before_s: float, after_s: float,
                    **profile: Any) -> tuple[dict[str, Any], list[Suspicion], list[str]]:
     job = f"loc{uuid.uuid4().hex[:8]}"
     await register_ranks(ctx, job)
-    agents = StandInAgents(ctx, job, **profile)
+    agents = StandInAgents(agents_nc, job, **profile)
     await agents.start()
     localizer, feed, feeding = fed_localizer(ctx, job)
     det = DetectionEvent(job_id=job, kind="slowdown", ranks=[0, 1, 2, 3], first_iteration=100,
@@ -125,7 +116,8 @@ async def run_case(ctx: ServiceContext, *, before_s: float, after_s: float,
         incident = {"kind": inc.kind, "status": inc.status, "culprit": inc.culprit,
                     "evidence": inc.evidence,
                     "timeline": [(e.stage, e.detail) for e in inc.timeline]}
-    suspicions = await ctx.js.pull_subscribe(Subjects.suspicion(job), durable=None, stream=EVENTS)
+    suspicions = await operator.jetstream().pull_subscribe(Subjects.suspicion(job), durable=None,
+                                                          stream=EVENTS)
     try:
         msgs = await suspicions.fetch(5, timeout=1.0)
     except nats.errors.TimeoutError:
@@ -135,9 +127,10 @@ async def run_case(ctx: ServiceContext, *, before_s: float, after_s: float,
 
 
 async def test_late_gpu_is_localized_while_every_host_enters_together(
-        ctx: ServiceContext) -> None:
+        ctx: ServiceContext, agents: dict[str, BusClient], operator: BusClient) -> None:
     incident, suspicions, modes = await run_case(
-        ctx, before_s=0.031, after_s=0.051, iters=40, iter_ms=55.0, late_rank=2, late_ms=20.0,
+        ctx, agents, operator,
+        before_s=0.031, after_s=0.051, iters=40, iter_ms=55.0, late_rank=2, late_ms=20.0,
         gpu=True)
     assert modes == ["profile", "profile", "monitor", "monitor"]
     assert incident["kind"] == "compute_slow", incident["evidence"]
@@ -153,9 +146,11 @@ async def test_late_gpu_is_localized_while_every_host_enters_together(
     assert incident["evidence"]["gpu_health"]["samples"][0]["ranks"] == [2]
 
 
-async def test_late_rank_is_localized_as_compute(ctx: ServiceContext) -> None:
+async def test_late_rank_is_localized_as_compute(
+        ctx: ServiceContext, agents: dict[str, BusClient], operator: BusClient) -> None:
     incident, suspicions, modes = await run_case(
-        ctx, before_s=0.031, after_s=0.051, iters=40, iter_ms=55.0, late_rank=2, late_ms=20.0)
+        ctx, agents, operator,
+        before_s=0.031, after_s=0.051, iters=40, iter_ms=55.0, late_rank=2, late_ms=20.0)
     assert modes == ["profile", "profile", "monitor", "monitor"]
     assert incident["evidence"]["localization"]["timing"]["basis"] == "host"
     assert incident["kind"] == "compute_slow"
@@ -169,20 +164,24 @@ async def test_late_rank_is_localized_as_compute(ctx: ServiceContext) -> None:
     assert suspicions[0].kind == "compute_slow" and suspicions[0].ranks == [2]
 
 
-async def test_ended_slowdown_is_transient(ctx: ServiceContext) -> None:
+async def test_ended_slowdown_is_transient(
+        ctx: ServiceContext, agents: dict[str, BusClient], operator: BusClient) -> None:
     incident, suspicions, _ = await run_case(
-        ctx, before_s=0.031, after_s=0.051, iters=40, iter_ms=31.0, late_rank=None, late_ms=0.0)
+        ctx, agents, operator,
+        before_s=0.031, after_s=0.051, iters=40, iter_ms=31.0, late_rank=None, late_ms=0.0)
     assert incident["kind"] == "slowdown"
     assert incident["status"] == "resolved"
     assert incident["timeline"][-1][1]["result"] == "transient"
     assert suspicions == []
 
 
-async def test_slow_single_communicator_is_named_by_elimination(ctx: ServiceContext) -> None:
+async def test_slow_single_communicator_is_named_by_elimination(
+        ctx: ServiceContext, agents: dict[str, BusClient], operator: BusClient) -> None:
     # Nobody is late, the job is still slow, and the one communicator spends 25 ms an
     # iteration inside: more than the 20 ms the iteration gained.
     incident, suspicions, _ = await run_case(
-        ctx, before_s=0.035, after_s=0.055, iters=40, iter_ms=55.0, late_rank=None,
+        ctx, agents, operator,
+        before_s=0.035, after_s=0.055, iters=40, iter_ms=55.0, late_rank=None,
         late_ms=0.0, comm_ms=25.0)
     assert incident["kind"] == "comm_slow"
     assert incident["culprit"]["comm_ids"] == [COMM]

@@ -1,4 +1,5 @@
-"""An API on a fresh database and the session's NATS, with one token per role and seeded rows."""
+"""An API on a fresh database and the session's bus (as the API's bus user), with one token per
+role and seeded rows; the operator's connection to see what it published."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from fastapi import FastAPI
 
 from services.api.app import create_app
 from services.api.tokens import display_prefix, hash_token, new_token
+from services.common.bus.client import BusClient
 from services.common.db import repository as repo
 from services.common.db.models import Plan, PlanDelivery
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
+from tests.conftest import Bus
 
 WEBHOOK_KEY = "test-webhook-key-0123456789abcdef"
 TOKEN_KEY = "test-token-pepper"
@@ -30,6 +33,12 @@ class Api:
     app: FastAPI
     client: httpx.AsyncClient
     tokens: dict[str, str] = field(default_factory=dict)
+    bus: Bus | None = None
+
+    async def operator(self) -> BusClient:
+        """A connection that sees everything on the bus (close it when done)."""
+        assert self.bus is not None
+        return await self.bus.connect()
 
     def auth(self, role: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens[role]}"}
@@ -106,13 +115,12 @@ def api_settings(nats_url: str, db_url: str, tmp_path: Path, **over: Any) -> Set
 
 
 @pytest.fixture()
-async def api(nats_url: str, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Api]:
-    settings = api_settings(nats_url, fresh_db_url, tmp_path)
-    ctx = await start_service("api-test", settings,
-                              backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
+async def api(bus: Bus, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Api]:
+    settings = api_settings(bus.url, fresh_db_url, tmp_path)
+    ctx = await start_service("api", settings, backends=bus.backends("api", fresh_db_url))
     app = create_app(ctx.db(), settings=settings, nc=ctx.nc, js=ctx.js)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api")
-    a = Api(ctx, app, client)
+    a = Api(ctx, app, client, bus=bus)
     for role in ROLES:
         a.tokens[role] = await a.token(role, f"{role}-user")
     try:

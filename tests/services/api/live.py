@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import uvicorn
+from nats.js import JetStreamContext
 
 from services.analyzer.service import Analyzer
 from services.api.app import create_app
@@ -24,8 +25,10 @@ from services.common.bus.contract import (
     Subjects,
 )
 from services.common.bus.streams import ANALYZER
-from services.common.runtime import ServiceContext
+from services.common.runtime import ServiceContext, start_service
+from services.common.settings import Settings
 from services.tracker.service import run_tracker
+from tests.conftest import Bus
 
 RANKS = 4
 SLOW_RANK = 2
@@ -63,11 +66,12 @@ def _collectives(job: LiveJob, seq: int, end_ns: int, rng: random.Random) -> Col
     return CollectiveBatch(job_id=job.job_id, agent_id=AGENT, **rows)
 
 
-async def publish_history(ctx: ServiceContext, job: LiveJob, seed: int = 3) -> int:
-    """What a node agent published for a healthy 4-rank job until now: its hello and
-    ``healthy_iters`` iterations of 0.25 s ending now. Returns the next iteration number."""
+async def publish_history(agent: JetStreamContext, job: LiveJob, seed: int = 3) -> int:
+    """What the node agent (``agent``: its connection) published for a healthy 4-rank job until
+    now: its hello and ``healthy_iters`` iterations of 0.25 s ending now. Returns the next
+    iteration number."""
     rng = random.Random(seed)
-    await publish(ctx.js, Subjects.hello(job.job_id, AGENT), AgentHello(
+    await publish(agent, Subjects.hello(job.job_id, AGENT), AgentHello(
         job_id=job.job_id, agent_id=AGENT, host="node-a", world_size=RANKS,
         ranks=[RankInfo(rank=r, host="node-a", pid=1000 + r, device=r, node=0)
                for r in range(RANKS)]))
@@ -78,12 +82,12 @@ async def publish_history(ctx: ServiceContext, job: LiveJob, seed: int = 3) -> i
         end += int(d * 1e9)
         ends.append(end)
     for start in range(0, job.healthy_iters, 10):
-        await publish(ctx.js, Subjects.iterations(job.job_id, AGENT),
+        await publish(agent, Subjects.iterations(job.job_id, AGENT),
                       _iterations(job, start, ends[start:start + 10], durations[start:start + 10]))
     return job.healthy_iters
 
 
-async def run_slow(ctx: ServiceContext, job: LiveJob, first: int, stop: asyncio.Event,
+async def run_slow(agent: JetStreamContext, job: LiveJob, first: int, stop: asyncio.Event,
                    seed: int = 5) -> None:
     """From now on rank 2 is 1.5x slower: one iteration per 0.375 s of wall time, as the agent
     would publish it live, with the profiled collectives the analyzer asks for."""
@@ -94,27 +98,33 @@ async def run_slow(ctx: ServiceContext, job: LiveJob, first: int, stop: asyncio.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), d)
         now = time.time_ns()
-        await publish(ctx.js, Subjects.iterations(job.job_id, AGENT),
+        await publish(agent, Subjects.iterations(job.job_id, AGENT),
                       _iterations(job, i, [now], [d]))
-        await publish(ctx.js, Subjects.collectives(job.job_id, AGENT),
+        await publish(agent, Subjects.collectives(job.job_id, AGENT),
                       _collectives(job, i, now, rng))
         i += 1
 
 
 @contextlib.asynccontextmanager
-async def detecting_services(ctx: ServiceContext) -> AsyncIterator[Analyzer]:
-    """The tracker and the analyzer (incidents without profiling: no agent is there to switch
-    into profile mode, and the test is about what the API shows, not about localisation)."""
+async def detecting_services(bus: Bus, settings: Settings) -> AsyncIterator[Analyzer]:
+    """The tracker and the analyzer, each as its own bus user (incidents without profiling: no
+    agent is there to switch into profile mode, and the test is about what the API shows, not
+    about localisation)."""
     stop = asyncio.Event()
+    db = settings.database_url or ""
+    tracker = await start_service("tracker", settings, backends=bus.backends("tracker", db))
+    ctx = await start_service("analyzer", settings, backends=bus.backends("analyzer", db))
     analyzer = Analyzer(ctx, localizer=None)
     consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.handle)
-    tasks = [asyncio.create_task(run_tracker(ctx, stop)), asyncio.create_task(consumer.run())]
+    tasks = [asyncio.create_task(run_tracker(tracker, stop)), asyncio.create_task(consumer.run())]
     try:
         yield analyzer
     finally:
         stop.set()
         consumer.stop()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for c in (ctx, tracker):
+            await c.close()
 
 
 @contextlib.asynccontextmanager

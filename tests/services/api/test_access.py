@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from services.api.tokens import ROLES, at_least
+from tests.conftest import Bus
 from tests.services.api.conftest import Api, api_settings
 
 CLOSED_PORT_URL = "http://127.0.0.1:9/hook"  # discard port: nothing listens on loopback
@@ -131,14 +132,14 @@ async def test_every_change_is_audited(api: Api) -> None:
                     ("operator-user", "incident.ack", "on it")]
 
 
-async def test_anonymous_viewer_only_when_configured(api: Api, nats_url: str, fresh_db_url: str,
+async def test_anonymous_viewer_only_when_configured(api: Api, bus: Bus, fresh_db_url: str,
                                                      tmp_path: Any) -> None:
     import httpx
 
     from services.api.app import create_app
     from services.api.settings import ApiSettings
 
-    settings = api_settings(nats_url, fresh_db_url, tmp_path)
+    settings = api_settings(bus.url, fresh_db_url, tmp_path)
     app = create_app(api.ctx.db(), settings=settings,
                      api=ApiSettings(api_anonymous_role="viewer", api_metrics_public=False))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as c:

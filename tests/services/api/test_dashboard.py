@@ -13,12 +13,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from services.common.bus.auth import agent_user
 from services.common.db import repository as repo
 from services.common.db.models import Plan
-from services.common.runtime import Backends, start_service
+from services.common.runtime import start_service
+from tests.conftest import Bus
 from tests.services.api.browser import chrome, ensure_chromium
 from tests.services.api.conftest import api_settings
 from tests.services.api.live import (
+    AGENT,
     LiveJob,
     detecting_services,
     publish_history,
@@ -61,23 +64,23 @@ def _dump(driver: Any, where: Path) -> None:
 
 
 async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
-        own_nats: str, fresh_db_url: str, tmp_path: Path) -> None:
+        own_bus: Bus, fresh_db_url: str, tmp_path: Path) -> None:
     ensure_chromium()
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    settings = api_settings(own_nats, fresh_db_url, tmp_path)
-    ctx = await start_service("dash-test", settings,
-                              backends=Backends(nats_url=own_nats, database_url=fresh_db_url))
+    settings = api_settings(own_bus.url, fresh_db_url, tmp_path)
+    ctx = await start_service("api", settings, backends=own_bus.backends("api", fresh_db_url))
+    agent = await own_bus.connect(agent_user(AGENT))
     job = LiveJob("llm-pretrain-7")
     stop = asyncio.Event()
     slow: asyncio.Task[None] | None = None
     try:
-        async with detecting_services(ctx):
-            nxt = await publish_history(ctx, job)
+        async with detecting_services(own_bus, settings):
+            nxt = await publish_history(agent.jetstream(), job)
             await asyncio.sleep(1.0)  # healthy for a while, then rank 2 slows down, live
-            slow = asyncio.create_task(run_slow(ctx, job, nxt, stop))
+            slow = asyncio.create_task(run_slow(agent.jetstream(), job, nxt, stop))
 
             async def incident() -> Any:
                 async with ctx.db()() as session:
@@ -167,4 +170,5 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
         stop.set()
         if slow is not None:
             await slow
+        await agent.close()
         await ctx.close()

@@ -107,7 +107,8 @@ async def test_acknowledge_then_close_with_notes(api: Api) -> None:
     async def on_event(msg: object) -> None:
         heard.append(IncidentEvent.model_validate_json(msg.data))  # type: ignore[attr-defined]
 
-    sub = await api.ctx.nc.subscribe(Subjects.incident("job-d"), cb=on_event)
+    watcher = await api.operator()
+    sub = await watcher.subscribe(Subjects.incident("job-d"), cb=on_event)
     try:
         r = await api.client.post(f"/v1/incidents/{inc}/ack", headers=op, json={"note": "mine"})
         assert r.status_code == 200, r.text
@@ -135,6 +136,7 @@ async def test_acknowledge_then_close_with_notes(api: Api) -> None:
         assert late.status_code == 409 and "resolved" in late.json()["detail"]
     finally:
         await sub.unsubscribe()
+        await watcher.close()
 
 
 async def test_jobs_pages_and_state(api: Api) -> None:

@@ -87,5 +87,9 @@ async def test_an_expired_proposal_cannot_be_decided_and_decisions_reach_the_tim
 
 
 async def _reports(api: Api, job: str) -> list[PlanReport]:
-    return [PlanReport.model_validate_json(d)
-            for d in await stored(api.ctx.js, EVENTS, Subjects.plan_report(job))]
+    nc = await api.operator()
+    try:
+        return [PlanReport.model_validate_json(d)
+                for d in await stored(nc.jetstream(), EVENTS, Subjects.plan_report(job))]
+    finally:
+        await nc.close()

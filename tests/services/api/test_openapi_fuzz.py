@@ -20,7 +20,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import checks
 from schemathesis.generation import GenerationMode
 
-from services.common.runtime import Backends, start_service
+from services.common.runtime import start_service
+from tests.conftest import Bus
 from tests.services.api.conftest import Api, api_settings
 from tests.services.api.live import serve_api
 from tests.services.notifier.receiver import free_port
@@ -34,7 +35,7 @@ NEGATIVE_CHECKS = [checks.not_a_server_error, checks.status_code_conformance,
 
 
 @pytest.fixture(scope="module")
-def served(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory
+def served(bus: Bus, pg_url: str, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[str, str]]:
     """The API in a thread with its own event loop (schemathesis calls it synchronously),
     on the session's Postgres (its own database) and NATS; yields (base URL, admin token)."""
@@ -54,9 +55,8 @@ def served(nats_url: str, pg_url: str, tmp_path_factory: pytest.TempPathFactory
         conn = await asyncpg.connect(admin_url)
         await conn.execute(f'CREATE DATABASE "{db}"')
         await conn.close()
-        s = api_settings(nats_url, db_url, Path(tmp))
-        ctx = await start_service("fuzz", s, backends=Backends(nats_url=nats_url,
-                                                                 database_url=db_url))
+        s = api_settings(bus.url, db_url, Path(tmp))
+        ctx = await start_service("api", s, backends=bus.backends("api", db_url))
         try:
             box["token"] = await Api(ctx, None, None).token("admin", "fuzzer")
             async with serve_api(ctx, port) as url:

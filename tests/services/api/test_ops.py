@@ -10,15 +10,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.api.app import create_app
 from services.common.db import repository as repo
+from tests.conftest import Bus
 from tests.services.api.conftest import Api, api_settings
 
 
-async def test_readyz_names_what_is_missing(api: Api, nats_url: str, fresh_db_url: str,
+async def test_readyz_names_what_is_missing(api: Api, bus: Bus, fresh_db_url: str,
                                             tmp_path: Path) -> None:
     r = await api.client.get("/readyz")
     assert r.status_code == 200 and r.json() == {"status": "ready",
                                                  "checks": {"database": "ok", "nats": "ok"}}
-    no_bus = create_app(api.ctx.db(), settings=api_settings(nats_url, fresh_db_url, tmp_path))
+    no_bus = create_app(api.ctx.db(), settings=api_settings(bus.url, fresh_db_url, tmp_path))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=no_bus),
                                  base_url="http://a") as c:
         r = await c.get("/readyz")

@@ -6,6 +6,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from services.api.timeline import job_timeline, rank_states
+from services.common.bus.auth import agent_user
 from services.common.bus.client import publish
 from services.common.bus.contract import CollectiveBatch, IterationBatch, Subjects
 from tests.services.api.conftest import Api
@@ -70,10 +71,13 @@ async def test_api_reads_the_window_from_jetstream(api: Api) -> None:
     job = f"tl-{int(time.time() * 1000)}"
     await api.job(job)
     now = datetime.now(UTC)
-    await publish(api.ctx.js, Subjects.iterations(job, "a"),
+    assert api.bus is not None
+    agent = await api.bus.connect(agent_user("a"))  # the job's agent publishes its telemetry
+    await publish(agent.jetstream(), Subjects.iterations(job, "a"),
                   _iters(4, now - timedelta(seconds=50), [1.0] * 40 + [1.5] * 6, job=job))
-    await publish(api.ctx.js, Subjects.collectives(job, "a"),
+    await publish(agent.jetstream(), Subjects.collectives(job, "a"),
                   _colls(4, 3, now - timedelta(seconds=6), job=job))
+    await agent.close()
     r = await api.client.get(f"/v1/jobs/{job}/timeline", headers=api.auth("viewer"),
                              params={"window_s": 120, "buckets": 12})
     assert r.status_code == 200, r.text

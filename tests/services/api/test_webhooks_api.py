@@ -12,6 +12,7 @@ from services.api.app import create_app
 from services.common.db.models import Webhook
 from services.notifier.secretbox import SecretBox
 from services.notifier.signing import verify
+from tests.conftest import Bus
 from tests.services.api.conftest import WEBHOOK_KEY, Api, api_settings
 from tests.services.notifier.receiver import Receiver
 
@@ -65,14 +66,14 @@ async def test_a_failing_test_send_is_reported(api: Api) -> None:
     assert body["attempt_log"][0]["outcome"] == "connection_error"
 
 
-async def test_bad_input_and_missing_key(api: Api, nats_url: str, fresh_db_url: str,
+async def test_bad_input_and_missing_key(api: Api, bus: Bus, fresh_db_url: str,
                                          tmp_path: Path) -> None:
     admin = api.auth("admin")
     for bad in ({"url": "not a url"}, {"url": "http://x.test/", "events": ["nope"]},
                 {"url": "http://x.test/", "format": "xml"}, {"url": "http://x.test/", "extra": 1}):
         r = await api.client.post("/v1/webhooks", headers=admin, json=bad)
         assert r.status_code == 422, bad
-    keyless = create_app(api.ctx.db(), settings=api_settings(nats_url, fresh_db_url, tmp_path,
+    keyless = create_app(api.ctx.db(), settings=api_settings(bus.url, fresh_db_url, tmp_path,
                                                              webhook_key=None))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=keyless),
                                  base_url="http://a") as c:

@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.analyzer.service import run_analyzer
-from services.common.bus.client import publish
+from services.common.bus.auth import agent_user
+from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import (
     AgentHello,
     BenchOutcome,
@@ -40,10 +41,12 @@ from services.common.bus.contract import (
 from services.common.bus.streams import EVENTS
 from services.common.db import repository as repo
 from services.common.db.models import Incident
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.embedded import OPERATOR
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import run_tracker
 from services.validator.service import run_validator
+from tests.conftest import Bus
 
 AGENTS = {"node-a": (0, 1), "node-b": (2, 3)}
 WORLD = 4
@@ -73,31 +76,39 @@ def collectives(job: str, agent: str, ranks: Sequence[int], seed: int) -> Collec
 
 @dataclass
 class StandInJob:
-    """The job's two agents: telemetry on request, control answered as the hook would."""
+    """The job's two agents, each on the bus as its own agent user: telemetry on request,
+    control answered as the hook would."""
 
-    ctx: ServiceContext
+    bus: Bus
     job: str
     actions: Counter[str] = field(default_factory=Counter)
     paused: bool = False
-    _subs: list[Subscription] = field(default_factory=list)
+    _nc: dict[str, BusClient] = field(default_factory=dict)
     _sent: int = 0
+
+    def _js(self, agent: str) -> JetStreamContext:
+        return self._nc[agent].jetstream()
 
     async def start(self) -> None:
         for agent in AGENTS:
+            nc = self._nc[agent] = await self.bus.connect(agent_user(agent), name=f"stand-in-{agent}")
+
             async def answer(msg: Msg, agent: str = agent) -> None:
                 await self._answer(msg, agent)
             for subject in (Subjects.control(self.job, agent), Subjects.validation(self.job, agent)):
-                self._subs.append(await self.ctx.nc.subscribe(subject, cb=answer))
+                await nc.subscribe(subject, cb=answer)
+            await nc.flush()  # subscribed before anyone asks, on another connection
             ranks = [RankInfo(rank=r, host=agent, pid=100 + r, device=r % 2)
                      for r in AGENTS[agent]]
-            await publish(self.ctx.js, Subjects.hello(self.job, agent),
+            await publish(self._js(agent), Subjects.hello(self.job, agent),
                           AgentHello(job_id=self.job, agent_id=agent, host=agent, ranks=ranks,
                                      world_size=WORLD))
 
     async def close(self) -> None:
-        for sub in self._subs:
+        for nc in self._nc.values():
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                await nc.close()
+        self._nc.clear()
 
     async def _answer(self, msg: Msg, agent: str) -> None:
         req = ControlRequest.model_validate_json(msg.data)
@@ -121,7 +132,7 @@ class StandInJob:
                 for it in req.bench])
         await msg.respond(reply.model_dump_json().encode())
         if req.action == "set_mode" and req.mode == "profile":
-            await publish(self.ctx.js, Subjects.collectives(self.job, agent),
+            await publish(self._js(agent), Subjects.collectives(self.job, agent),
                           collectives(self.job, agent, AGENTS[agent], seed=self.actions.total()))
 
     async def iterations(self, start: int, stop: int, *, slow: tuple[int, int] = (0, 0),
@@ -136,7 +147,7 @@ class StandInJob:
                 iteration = [i for _ in ranks for i in its]
                 dur = [0.1 * (1 + 0.01 * float(rng.standard_normal()))
                        * (factor if slow[0] <= i < slow[1] else 1.0) for i in iteration]
-                await publish(self.ctx.js, Subjects.iterations(self.job, agent), IterationBatch(
+                await publish(self._js(agent), Subjects.iterations(self.job, agent), IterationBatch(
                     job_id=self.job, agent_id=agent, rank=rank, iteration=iteration,
                     end_ns=[1_000_000_000 + i * 100_000_000 for i in iteration], duration_s=dur))
                 self._sent += 1
@@ -145,7 +156,8 @@ class StandInJob:
 @dataclass
 class Pipeline:
     settings: Settings
-    ctx: ServiceContext  # the test's own connection (reads, publishes)
+    bus: Bus
+    ctx: ServiceContext  # the test's own connection, as operator: it looks at what happened
     services: dict[str, ServiceContext]
     stop: asyncio.Event
     tasks: dict[str, asyncio.Task[None]]
@@ -201,20 +213,20 @@ class Pipeline:
 
 
 @contextlib.asynccontextmanager
-async def pipeline(nats_url: str, db_url: str, data_dir: Any,
+async def pipeline(bus: Bus, db_url: str, data_dir: Any,
                    services: Sequence[str] = ("tracker", "analyzer", "validator"),
                    **settings: Any) -> AsyncIterator[Pipeline]:
-    """The services as tasks of this process, each with its own connections (as processes)."""
-    s = Settings(nats_url=nats_url, database_url=db_url, data_dir=data_dir,
+    """The services as tasks of this process, each with its own connections and bus user (as
+    processes)."""
+    s = Settings(nats_url=bus.url, database_url=db_url, data_dir=data_dir,
                  outbox_poll_s=0.2, outbox_grace_s=0.3, **settings)
-    backends = Backends(nats_url=nats_url, database_url=db_url)
-    ctx = await start_service("pipeline-test", s, backends=backends)
+    ctx = await start_service("pipeline-test", s, backends=bus.backends(OPERATOR, db_url))
     stop = asyncio.Event()
     runners = {"tracker": run_tracker, "analyzer": run_analyzer, "validator": run_validator}
-    ctxs = {n: await start_service(f"{n}-test", s, backends=backends) for n in services}
+    ctxs = {n: await start_service(n, s, backends=bus.backends(n, db_url)) for n in services}
     tasks = {n: asyncio.create_task(runners[n](ctxs[n], stop), name=n) for n in services}
     try:
-        yield Pipeline(s, ctx, ctxs, stop, tasks)
+        yield Pipeline(s, bus, ctx, ctxs, stop, tasks)
     finally:
         stop.set()
         await asyncio.gather(*tasks.values(), return_exceptions=True)

@@ -12,10 +12,11 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from services.common.bus.client import connect, ensure_streams
+from services.common.bus.client import ensure_streams
 from services.common.bus.contract import DeadLetter, IterationBatch, Subjects
 from services.common.bus.streams import DEAD_LETTERS
 from services.common.settings import Settings
+from tests.conftest import Bus
 
 
 async def until(pred: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
@@ -27,8 +28,10 @@ async def until(pred: Callable[[], bool], timeout_s: float = 20.0, what: str = "
         await asyncio.sleep(0.02)
 
 
-async def jetstream(nats_url: str, name: str) -> tuple[NATS, JetStreamContext]:
-    nc = await connect(nats_url, name=name)
+async def jetstream(bus: Bus, name: str) -> tuple[NATS, JetStreamContext]:
+    """A connection for the consumer machinery's own tests, as ``operator``: they bind durables
+    of their own, which no service's user may."""
+    nc = await bus.connect(name=name)
     js = nc.jetstream()
     await ensure_streams(js, Settings())
     return nc, js

@@ -19,13 +19,14 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from services.common.bus.client import Consumer, TransientError
 from services.common.bus.contract import IterationBatch, Subjects, Suspicion
 from services.common.bus.streams import EVENTS, TELEMETRY, VALIDATOR, ConsumerSpec
+from tests.conftest import Bus
 from tests.services.common.support import batch, jetstream, until
 
 
-async def test_validator_gets_the_ack_wait_its_spec_states(nats_url: str) -> None:
+async def test_validator_gets_the_ack_wait_its_spec_states(bus: Bus) -> None:
     """The validator's consumer as the server holds it, including one created by the old spec
     (120 s ack wait with a BackOff list, which made the server's first ack wait 1 s)."""
-    nc, js = await jetstream(nats_url, "test-ackwait-spec")
+    nc, js = await jetstream(bus, "test-ackwait-spec")
     spec = dataclasses.replace(VALIDATOR, durable=f"validator-{uuid.uuid4().hex[:8]}")
     await js.add_consumer(EVENTS, ConsumerConfig(
         durable_name=spec.durable, name=spec.durable, deliver_policy=DeliverPolicy.ALL,
@@ -45,10 +46,10 @@ async def test_validator_gets_the_ack_wait_its_spec_states(nats_url: str) -> Non
     await nc.drain()
 
 
-async def test_unacked_message_comes_back_after_ack_wait_not_sooner(nats_url: str) -> None:
+async def test_unacked_message_comes_back_after_ack_wait_not_sooner(bus: Bus) -> None:
     job = f"ackw{uuid.uuid4().hex[:8]}"
     subject = Subjects.iterations(job, "a1")
-    nc, js = await jetstream(nats_url, "test-ackwait")
+    nc, js = await jetstream(bus, "test-ackwait")
     spec = ConsumerSpec(stream=TELEMETRY, durable=f"ackw-{job}", filter_subjects=(subject,),
                         ack_wait_s=3.0, retry_delays_s=(0.2,))
 
@@ -72,10 +73,10 @@ async def test_unacked_message_comes_back_after_ack_wait_not_sooner(nats_url: st
     await nc.drain()
 
 
-async def test_transient_failure_is_retried_after_the_spec_delay(nats_url: str) -> None:
+async def test_transient_failure_is_retried_after_the_spec_delay(bus: Bus) -> None:
     job = f"nakd{uuid.uuid4().hex[:8]}"
     subject = Subjects.iterations(job, "a1")
-    nc, js = await jetstream(nats_url, "test-nakdelay")
+    nc, js = await jetstream(bus, "test-nakdelay")
     calls: list[float] = []
 
     async def handler(_subject: str, _msg: IterationBatch) -> None:

@@ -13,14 +13,15 @@ from services.common.bus.client import Consumer, TransientError
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.bus.streams import TELEMETRY, ConsumerSpec
 from services.common.db.session import make_engine, make_sessionmaker
+from tests.conftest import Bus
 from tests.services.common.pg_proxy import PgProxy
 from tests.services.common.support import batch, jetstream, letters_for, until
 
 
-async def test_database_outage_is_retried_then_handled_once(nats_url: str, fresh_db_url: str) -> None:
+async def test_database_outage_is_retried_then_handled_once(bus: Bus, fresh_db_url: str) -> None:
     job = f"pgdown{uuid.uuid4().hex[:8]}"
     subject = Subjects.iterations(job, "a1")
-    nc, js = await jetstream(nats_url, "test-pgdown")
+    nc, js = await jetstream(bus, "test-pgdown")
     proxy = PgProxy(fresh_db_url)
     await proxy.start()
     engine = make_engine(proxy.url)
@@ -77,10 +78,10 @@ async def test_database_outage_is_retried_then_handled_once(nats_url: str, fresh
     await nc.drain()
 
 
-async def test_transient_failures_reach_the_dlq_when_deliveries_run_out(nats_url: str) -> None:
+async def test_transient_failures_reach_the_dlq_when_deliveries_run_out(bus: Bus) -> None:
     job = f"exhaust{uuid.uuid4().hex[:8]}"
     subject = Subjects.iterations(job, "a1")
-    nc, js = await jetstream(nats_url, "test-exhaust")
+    nc, js = await jetstream(bus, "test-exhaust")
     calls: list[int] = []
 
     async def handler(_subject: str, msg: IterationBatch) -> None:

@@ -15,6 +15,7 @@ from services.common.bus.client import Consumer, ConsumerLost
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.bus.streams import TELEMETRY, ConsumerSpec
 from services.common.runtime import SupervisedTaskCancelled, supervise
+from tests.conftest import Bus
 from tests.services.common.support import batch, jetstream, until
 
 
@@ -22,10 +23,10 @@ def _spec(job: str, subject: str, **kw: Any) -> ConsumerSpec:
     return ConsumerSpec(stream=TELEMETRY, durable=f"sup-{job}", filter_subjects=(subject,), **kw)
 
 
-async def test_failing_idle_does_not_stop_consumption(nats_url: str) -> None:
+async def test_failing_idle_does_not_stop_consumption(bus: Bus) -> None:
     job = f"idle{uuid.uuid4().hex[:8]}"
     subject = Subjects.iterations(job, "a1")
-    nc, js = await jetstream(nats_url, "test-idle")
+    nc, js = await jetstream(bus, "test-idle")
     seen: list[int] = []
     ticks = 0
 
@@ -55,10 +56,10 @@ async def test_failing_idle_does_not_stop_consumption(nats_url: str) -> None:
 
 
 async def test_failed_ack_is_counted_and_the_message_comes_back(
-        nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
     job = f"ack{uuid.uuid4().hex[:8]}"
     subject = Subjects.iterations(job, "a1")
-    nc, js = await jetstream(nats_url, "test-ack")
+    nc, js = await jetstream(bus, "test-ack")
     seen: list[int] = []
     real_ack = Msg.ack
     failed_once: list[str] = []
@@ -102,10 +103,10 @@ class _BrokenHandle(Consumer[IterationBatch]):
         await super().handle(msg)
 
 
-async def test_failing_handle_override_is_counted(nats_url: str) -> None:
+async def test_failing_handle_override_is_counted(bus: Bus) -> None:
     job = f"ovr{uuid.uuid4().hex[:8]}"
     subject = Subjects.iterations(job, "a1")
-    nc, js = await jetstream(nats_url, "test-override")
+    nc, js = await jetstream(bus, "test-override")
     seen: list[int] = []
 
     async def handler(_subject: str, msg: IterationBatch) -> None:
@@ -123,11 +124,11 @@ async def test_failing_handle_override_is_counted(nats_url: str) -> None:
     await nc.drain()
 
 
-async def test_deleted_consumer_ends_the_service_loudly(nats_url: str) -> None:
+async def test_deleted_consumer_ends_the_service_loudly(bus: Bus) -> None:
     """The durable deleted under a running consumer: fetch alone would just see silence."""
     job = f"gone{uuid.uuid4().hex[:8]}"
     subject = Subjects.iterations(job, "a1")
-    nc, js = await jetstream(nats_url, "test-gone")
+    nc, js = await jetstream(bus, "test-gone")
 
     async def handler(_subject: str, msg: IterationBatch) -> None:
         pass
@@ -154,8 +155,8 @@ async def test_deleted_consumer_ends_the_service_loudly(nats_url: str) -> None:
     await nc.drain()
 
 
-async def test_bind_to_a_missing_stream_fails_at_once(nats_url: str) -> None:
-    nc, js = await jetstream(nats_url, "test-nostream")
+async def test_bind_to_a_missing_stream_fails_at_once(bus: Bus) -> None:
+    nc, js = await jetstream(bus, "test-nostream")
 
     async def handler(_subject: str, msg: IterationBatch) -> None:
         pass

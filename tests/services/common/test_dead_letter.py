@@ -9,10 +9,11 @@ import uuid
 
 import pytest
 
-from services.common.bus.client import Consumer, connect, ensure_streams
+from services.common.bus.client import Consumer, ensure_streams
 from services.common.bus.contract import DeadLetter, IterationBatch, Subjects
 from services.common.bus.streams import DEAD_LETTERS, TELEMETRY, ConsumerSpec
 from services.common.settings import Settings
+from tests.conftest import Bus
 
 
 def _good(job: str) -> IterationBatch:
@@ -20,9 +21,9 @@ def _good(job: str) -> IterationBatch:
                           end_ns=[1, 2], duration_s=[0.1, 0.1])
 
 
-async def test_bad_messages_are_dead_lettered(nats_url: str) -> None:
+async def test_bad_messages_are_dead_lettered(bus: Bus) -> None:
     job = f"dlq{uuid.uuid4().hex[:8]}"
-    nc = await connect(nats_url, name="test-dlq")
+    nc = await bus.connect(name="test-dlq")
     js = nc.jetstream()
     await ensure_streams(js, Settings())
     subject = Subjects.iterations(job, "a1")
@@ -80,9 +81,9 @@ async def test_bad_messages_are_dead_lettered(nats_url: str) -> None:
     await nc.drain()
 
 
-async def test_handler_crash_is_dead_lettered_not_fatal(nats_url: str) -> None:
+async def test_handler_crash_is_dead_lettered_not_fatal(bus: Bus) -> None:
     job = f"crash{uuid.uuid4().hex[:8]}"
-    nc = await connect(nats_url, name="test-crash")
+    nc = await bus.connect(name="test-crash")
     js = nc.jetstream()
     await ensure_streams(js, Settings())
     subject = Subjects.iterations(job, "a1")

@@ -12,6 +12,7 @@ from services.common.bus.client import Consumer
 from services.common.bus.contract import DeadLetter, IterationBatch, Subjects
 from services.common.bus.dead_letters import CLOSE_ENOUGH, HEADER_ROOM, encode_dead_letter
 from services.common.bus.streams import TELEMETRY, ConsumerSpec
+from tests.conftest import Bus
 from tests.services.common.support import jetstream, letters_for, until
 
 
@@ -53,11 +54,11 @@ def test_long_reason_is_shortened_and_impossible_limit_refused() -> None:
         _encode(b"x", HEADER_ROOM + 10)
 
 
-async def test_oversized_message_dead_letter_fits_under_max_payload(nats_url: str) -> None:
+async def test_oversized_message_dead_letter_fits_under_max_payload(bus: Bus) -> None:
     """A message as large as the server allows, of bytes that JSON escapes six times over."""
     job = f"big{uuid.uuid4().hex[:8]}"
     subject = Subjects.iterations(job, "a1")
-    nc, js = await jetstream(nats_url, "test-bigdlq")
+    nc, js = await jetstream(bus, "test-bigdlq")
 
     async def handler(_subject: str, msg: IterationBatch) -> None:
         raise AssertionError("an invalid message reached the handler")

@@ -3,14 +3,13 @@ real nats-server and Postgres, with stand-in agents: a slowdown of rank 2 is det
 localised, validated (the job paused once) and resolved on recovery. Then the same with a
 failure injected at every commit-then-publish point: every message's first publish raises (the
 outbox relay sends it later), and every "sent" mark is lost once (the relay sends it again and
-JetStream keeps one copy). Each downstream step must still happen exactly once."""
+JetStream keeps one copy). Each downstream step must still happen exactly once. A bus of the
+module's own: these tests bind the services' durable consumers."""
 
 from __future__ import annotations
 
-import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +20,12 @@ from sqlalchemy import func, select
 from services.common import outbox as outbox_module
 from services.common.db import repository as repo
 from services.common.db.models import OutboxMessage, ProcessedEvent, ValidationClaim
-from services.common.embedded import EmbeddedNats
+from tests.conftest import Bus
 from tests.services.common.pipeline import SLOW_RANK, Pipeline, StandInJob, pipeline
 
 
-@pytest.fixture(scope="module")
-def own_nats() -> Iterator[str]:
-    """Not the session's server: these tests bind the services' durable consumers."""
-    with tempfile.TemporaryDirectory(prefix="gh-once-") as d:
-        server = EmbeddedNats(Path(d), auth=False)  # an open bus: connections without users
-        yield server.start()
-        server.stop()
-
-
 async def run_lifecycle(p: Pipeline, job: str) -> StandInJob:
-    agents = StandInJob(p.ctx, job)
+    agents = StandInJob(p.bus, job)
     await agents.start()
     await agents.iterations(0, 200, slow=(100, 10**9))
     await p.stage(job, "validated", timeout_s=120)
@@ -70,15 +60,15 @@ async def assert_each_step_once(p: Pipeline, job: str, agents: StandInJob) -> No
     assert unsent == 0
 
 
-async def test_undisturbed_each_step_once(own_nats: str, fresh_db_url: str, tmp_path: Path) -> None:
-    async with pipeline(own_nats, fresh_db_url, tmp_path) as p:
+async def test_undisturbed_each_step_once(own_bus: Bus, fresh_db_url: str, tmp_path: Path) -> None:
+    async with pipeline(own_bus, fresh_db_url, tmp_path) as p:
         job = f"once-{uuid.uuid4().hex[:6]}"
         agents = await run_lifecycle(p, job)
         await assert_each_step_once(p, job, agents)
 
 
 async def test_every_first_publish_fails_and_every_step_happens_once(
-        own_nats: str, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        own_bus: Bus, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_send = outbox_module.send
     failed: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
@@ -91,7 +81,7 @@ async def test_every_first_publish_fails_and_every_step_happens_once(
         return await real_send(js, subject, payload, event_id)
 
     monkeypatch.setattr(outbox_module, "send", flaky_send)
-    async with pipeline(own_nats, fresh_db_url, tmp_path) as p:
+    async with pipeline(own_bus, fresh_db_url, tmp_path) as p:
         job = f"flaky-{uuid.uuid4().hex[:6]}"
         agents = await run_lifecycle(p, job)
         await assert_each_step_once(p, job, agents)
@@ -101,7 +91,7 @@ async def test_every_first_publish_fails_and_every_step_happens_once(
 
 
 async def test_a_lost_sent_mark_publishes_again_and_is_stored_once(
-        own_nats: str, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        own_bus: Bus, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The process published and died before recording it: the relay publishes again, the
     server recognises the event id, the consumers see one message."""
     real_mark = repo.mark_sent
@@ -124,7 +114,7 @@ async def test_a_lost_sent_mark_publishes_again_and_is_stored_once(
 
     monkeypatch.setattr(repo, "mark_sent", forgetful_mark)
     monkeypatch.setattr(outbox_module, "send", counting_send)
-    async with pipeline(own_nats, fresh_db_url, tmp_path) as p:
+    async with pipeline(own_bus, fresh_db_url, tmp_path) as p:
         job = f"marks-{uuid.uuid4().hex[:6]}"
         agents = await run_lifecycle(p, job)
         await assert_each_step_once(p, job, agents)

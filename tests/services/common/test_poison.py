@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import random
 import resource
-import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +22,14 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.api.app import create_app
 from services.api.settings import ApiSettings
+from services.common.bus.auth import agent_user
 from services.common.bus.contract import CounterBatch, DeadLetter, Subjects
 from services.common.bus.streams import DEAD_LETTERS, EVENTS, TELEMETRY
-from services.common.embedded import EmbeddedNats
+from tests.conftest import Bus
 from tests.services.common.pipeline import Pipeline, StandInJob, pipeline
 
 FLOOD = 1500
 MAX_RANKS = 64
-
-
-@pytest.fixture(scope="module")
-def own_nats() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="gh-poison-") as d:
-        server = EmbeddedNats(Path(d), auth=False)  # an open bus: connections without users
-        yield server.start()
-        server.stop()
 
 
 def _rss_mb() -> float:
@@ -153,10 +144,10 @@ async def assert_api_serves(client: httpx.AsyncClient, job: str) -> None:
 
 
 async def test_poison_is_dead_lettered_counted_and_contained(
-        own_nats: str, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        own_bus: Bus, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GREYHOUND_TRACKER_MAX_RANKS", str(MAX_RANKS))
     job, healthy = f"evil-{uuid.uuid4().hex[:6]}", f"good-{uuid.uuid4().hex[:6]}"
-    async with pipeline(own_nats, fresh_db_url, tmp_path, services=("tracker", "analyzer")) as p:
+    async with pipeline(own_bus, fresh_db_url, tmp_path, services=("tracker", "analyzer")) as p:
         app = create_app(p.ctx.db(), settings=p.settings, api=ApiSettings(api_anonymous_role="viewer"),
                          nc=p.ctx.nc, js=p.ctx.js)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -165,21 +156,29 @@ async def test_poison_is_dead_lettered_counted_and_contained(
 
 
 async def run_poison(p: Pipeline, client: httpx.AsyncClient, job: str, healthy: str) -> None:
-    js = p.ctx.js
-    agents = StandInJob(p.ctx, healthy)
+    js = p.ctx.js  # the operator's, to read every dead letter
+    # the poison comes from the users that may publish it: a bad agent's, a bad tracker's
+    senders = {"evil": await p.bus.connect(agent_user("evil")),
+               "junk": await p.bus.connect(agent_user("junk")),
+               "detect": await p.bus.connect("tracker")}
+
+    async def send(subject: str, payload: bytes) -> None:
+        await senders[subject.rsplit(".", 1)[1]].jetstream().publish(subject, payload)
+
+    agents = StandInJob(p.bus, healthy)
     await agents.start()
     await agents.iterations(0, 60)
     rss0 = _rss_mb()
     bad = poison(job)
     for _, subject, payload, _ in bad:
-        await js.publish(subject, payload)
+        await send(subject, payload)
     junk = flood(job, FLOOD)
     for i in range(0, len(junk), 250):
         for subject, payload in junk[i:i + 250]:
-            await js.publish(subject, payload)
+            await send(subject, payload)
         await assert_api_serves(client, healthy)
     # a valid detection whose ratio is extreme: served with a severity at the bound, not inf
-    await js.publish(Subjects.detection(job), json.dumps(
+    await send(Subjects.detection(job), json.dumps(
         detection(job, before_s=1e-6, after_s=1e6)).encode())
     await agents.iterations(60, 200, slow=(100, 10**9))  # the healthy job slows down meanwhile
 
@@ -212,3 +211,5 @@ async def run_poison(p: Pipeline, client: httpx.AsyncClient, job: str, healthy: 
     r = await client.get(f"/v1/incidents/{extreme[0].id}")
     assert r.status_code == 200 and r.json()["severity"] == 1e6
     await agents.close()
+    for nc in senders.values():
+        await nc.close()

@@ -8,9 +8,11 @@ import logging
 import pytest
 from pydantic import ValidationError
 
+from services.common.embedded import OPERATOR
 from services.common.redact import MASK, redact, redact_text
 from services.common.runtime import Backends, start_service
 from services.common.settings import Settings
+from tests.conftest import Bus
 
 SECRET = "s3cr3t-Pa55"
 
@@ -45,11 +47,12 @@ def test_a_bad_url_setting_is_refused_without_its_password(field: str) -> None:
     assert "mysql://root:" in str(err.value)  # still says which URL was wrong
 
 
-def test_the_start_up_log_line_shows_no_password(nats_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    """The NATS URL as an operator writes it, with a user and password: the server ignores
-    credentials it does not require, and the log line names the server without them."""
-    host = nats_url.removeprefix("nats://")
-    url = f"nats://greyhound:{SECRET}@{host}"
+def test_the_start_up_log_line_shows_no_password(bus: Bus, caplog: pytest.LogCaptureFixture) -> None:
+    """The NATS URL as an operator writes it, with a user and password in it: the log line
+    names the server without them."""
+    host = bus.url.removeprefix("nats://")
+    secret = bus.creds(OPERATOR).password
+    url = f"nats://{OPERATOR}:{secret}@{host}"
 
     async def scenario() -> None:
         ctx = await start_service("redact-test", Settings(nats_url=url), need_db=False,
@@ -60,4 +63,4 @@ def test_the_start_up_log_line_shows_no_password(nats_url: str, caplog: pytest.L
         asyncio.run(scenario())
     lines = [r.getMessage() for r in caplog.records]
     assert any("redact-test connected" in line and host in line for line in lines), lines
-    assert not any(SECRET in line for line in lines)
+    assert not any(secret in line for line in lines)

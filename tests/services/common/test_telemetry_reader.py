@@ -13,28 +13,41 @@ from pathlib import Path
 import nats.js.errors
 import pytest
 
-from services.common.bus.client import publish
+from services.common.bus.auth import agent_user
+from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.bus.reader import TelemetryReader
 from services.common.bus.streams import TELEMETRY
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.planner.iterations import IterationWatch
+from tests.conftest import Bus
 
 
 @pytest.fixture()
-async def ctx(own_nats: str, tmp_path: Path) -> AsyncIterator[ServiceContext]:
-    c = await start_service("reader-test", Settings(nats_url=own_nats, data_dir=tmp_path),
-                            need_db=False, backends=Backends(nats_url=own_nats, database_url=""))
+async def ctx(own_bus: Bus, tmp_path: Path) -> AsyncIterator[ServiceContext]:
+    """The API's connection: one of the services that read telemetry."""
+    c = await start_service("api", Settings(nats_url=own_bus.url, data_dir=tmp_path),
+                            need_db=False, backends=own_bus.backends("api"))
     try:
         yield c
     finally:
         await c.close()
 
 
-async def _batches(c: ServiceContext, job: str, n: int) -> None:
+@pytest.fixture()
+async def agent(own_bus: Bus) -> AsyncIterator[BusClient]:
+    """The agent whose telemetry is read."""
+    nc = await own_bus.connect(agent_user("a0"))
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+async def _batches(agent: BusClient, job: str, n: int) -> None:
     for i in range(n):
-        await publish(c.js, Subjects.iterations(job, "a0"), IterationBatch(
+        await publish(agent.jetstream(), Subjects.iterations(job, "a0"), IterationBatch(
             job_id=job, agent_id="a0", rank=[0], iteration=[i], end_ns=[(i + 1) * 10**8],
             duration_s=[0.1 + i / 100]))
 
@@ -52,11 +65,11 @@ async def _read_all(reader: TelemetryReader) -> list[tuple[int, IterationBatch]]
     return out
 
 
-async def test_reads_from_a_time_or_a_sequence_and_cleans_up(ctx: ServiceContext) -> None:
+async def test_reads_from_a_time_or_a_sequence_and_cleans_up(ctx: ServiceContext, agent: BusClient) -> None:
     job, other = f"rd-{uuid.uuid4().hex[:6]}", f"rd-{uuid.uuid4().hex[:6]}"
     since = datetime.now(UTC) - timedelta(seconds=5)
-    await _batches(ctx, other, 2)
-    await _batches(ctx, job, 4)
+    await _batches(agent, other, 2)
+    await _batches(agent, job, 4)
     reader = await TelemetryReader.open(ctx.js, "test-read", Subjects.job_iterations(job),
                                         start_time=since)
     try:
@@ -77,10 +90,11 @@ async def test_reads_from_a_time_or_a_sequence_and_cleans_up(ctx: ServiceContext
         await TelemetryReader.open(ctx.js, "test-read", "x", start_time=since, start_seq=1)
 
 
-async def test_the_iteration_watch_reads_through_it(ctx: ServiceContext) -> None:
+async def test_the_iteration_watch_reads_through_it(ctx: ServiceContext,
+                                                   agent: BusClient) -> None:
     job = f"rd-{uuid.uuid4().hex[:6]}"
     since = datetime.now(UTC) - timedelta(seconds=5)
-    await _batches(ctx, job, 3)
+    await _batches(agent, job, 3)
     seen: list[float] = []
     done = asyncio.Event()
 

@@ -11,14 +11,15 @@ from typing import Any
 
 import pytest
 
-from services.common.bus.client import publish
+from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.db import repository as repo
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.notifier.secretbox import SecretBox
 from services.notifier.service import Notifier, run_notifier
 from services.notifier.settings import NotifierSettings
+from tests.conftest import Bus
 
 KEY = "notifier-test-key-0123456789abcdef"
 
@@ -41,6 +42,7 @@ class Running:
     ctx: ServiceContext
     notifier: Notifier
     box: SecretBox
+    analyzer: BusClient  # announces incidents, as the analyzer does
 
     async def webhook(self, url: str, secret: str, *, events: list[str] | None = None,
                       fmt: str = "json") -> str:
@@ -68,24 +70,26 @@ class Running:
         ev = IncidentEvent(job_id=job, incident_id=incident_id, stage=stage,
                            kind="slowdown", severity=1.5, summary=f"job {job} slowdown",
                            **({"event_id": event_id} if event_id else {}))
-        await publish(self.ctx.js, Subjects.incident(job), ev)
+        await publish(self.analyzer.jetstream(), Subjects.incident(job), ev)
         return ev
 
 
 @pytest.fixture()
-async def running(own_nats: str, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Running]:
-    settings = notifier_settings(own_nats, fresh_db_url, tmp_path)
-    ctx = await start_service("notifier-test", settings,
-                              backends=Backends(nats_url=own_nats, database_url=fresh_db_url))
+async def running(own_bus: Bus, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Running]:
+    settings = notifier_settings(own_bus.url, fresh_db_url, tmp_path)
+    ctx = await start_service("notifier", settings,
+                              backends=own_bus.backends("notifier", fresh_db_url))
+    analyzer = await own_bus.connect("analyzer")
     box = SecretBox(KEY)
     notifier = Notifier(ctx, box, FAST, rng=random.Random(7))
     stop = asyncio.Event()
     task = asyncio.create_task(run_notifier(ctx, stop, notifier=notifier))
     try:
-        yield Running(ctx, notifier, box)
+        yield Running(ctx, notifier, box, analyzer)
     finally:
         stop.set()
         await asyncio.wait_for(task, 20)
+        await analyzer.close()
         await ctx.close()
 
 

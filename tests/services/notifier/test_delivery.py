@@ -14,11 +14,12 @@ from sqlalchemy import select
 
 from services.common.db import repository as repo
 from services.common.db.models import WebhookAttempt, WebhookDelivery
-from services.common.runtime import Backends, start_service
+from services.common.runtime import start_service
 from services.notifier.payload import SCHEMA
 from services.notifier.secretbox import SecretKeyError
 from services.notifier.service import check_key
 from services.notifier.signing import SignatureError, verify
+from tests.conftest import Bus
 from tests.services.notifier.conftest import Running, notifier_settings, until
 from tests.services.notifier.receiver import Receiver
 
@@ -177,12 +178,12 @@ async def test_refusal_fails_at_once(running: Running) -> None:
         await rx.stop()
 
 
-async def test_startup_refuses_webhooks_without_a_key(own_nats: str, fresh_db_url: str,
+async def test_startup_refuses_webhooks_without_a_key(own_bus: Bus, fresh_db_url: str,
                                                       tmp_path: Any, running: Running) -> None:
     await running.webhook("http://127.0.0.1:9/x", SECRET)
-    settings = notifier_settings(own_nats, fresh_db_url, tmp_path, webhook_key=None)
-    ctx = await start_service("notifier-nokey", settings,
-                              backends=Backends(nats_url=own_nats, database_url=fresh_db_url))
+    settings = notifier_settings(own_bus.url, fresh_db_url, tmp_path, webhook_key=None)
+    ctx = await start_service("notifier", settings,
+                              backends=own_bus.backends("notifier", fresh_db_url))
     try:
         with pytest.raises(SecretKeyError, match=r"1 webhook.*GREYHOUND_WEBHOOK_KEY is not set"):
             await check_key(ctx)

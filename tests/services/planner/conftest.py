@@ -1,13 +1,12 @@
-"""A planner on the session's NATS and a fresh database, fed by hand: incidents written as the
-analyzer and validator write them, iteration batches as agents publish them, reports as the API
-forwards them."""
+"""A planner on a bus of its own (it binds the planner's durable) and a fresh database, fed by
+hand: incidents written as the analyzer and validator write them, iteration batches as agents
+publish them, reports as the API forwards them, each on the bus as the service that sends it."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +14,11 @@ from typing import Any
 
 import nats.js.errors
 import pytest
+from nats.js import JetStreamContext
 from sqlalchemy import select
 
-from services.common.bus.client import publish
+from services.common.bus.auth import agent_user
+from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import (
     DetectionEvent,
     IncidentEvent,
@@ -27,13 +28,15 @@ from services.common.bus.contract import (
     PlanReport,
     Subjects,
 )
-from services.common.bus.streams import PLANNER, PLANS
+from services.common.bus.streams import PLANS
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan, PlanDelivery, Webhook
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.embedded import OPERATOR
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.planner.service import Planner, run_planner
 from services.planner.settings import PlannerSettings
+from tests.conftest import Bus, new_bus
 
 
 @dataclass
@@ -41,8 +44,21 @@ class Rig:
     ctx: ServiceContext
     planner: Planner
     job: str
+    bus: Bus
     iteration: int = 0
     seen: list[str] = field(default_factory=list)
+    _as: dict[str, BusClient] = field(default_factory=dict)
+
+    async def js(self, user: str = OPERATOR) -> JetStreamContext:
+        """The bus as ``user`` (a service, an agent, or the operator who looks)."""
+        if user not in self._as:
+            self._as[user] = await self.bus.connect(user)
+        return self._as[user].jetstream()
+
+    async def close(self) -> None:
+        for nc in self._as.values():
+            await nc.close()
+        self._as.clear()
 
     async def layout(self, **kw: Any) -> None:
         async with self.ctx.db()() as session:
@@ -78,7 +94,7 @@ class Rig:
         return inc.id
 
     async def announce(self, incident_id: str, stage: str, kind: str = "compute_slow") -> None:
-        await publish(self.ctx.js, Subjects.incident(self.job), IncidentEvent(
+        await publish(await self.js("analyzer"), Subjects.incident(self.job), IncidentEvent(
             job_id=self.job, incident_id=incident_id, stage=stage,
             kind=kind, severity=1.0, summary="test"))
 
@@ -92,7 +108,7 @@ class Rig:
         await self.announce(incident_id, "resolved")
 
     async def recovery(self, before_s: float, after_s: float) -> None:
-        await publish(self.ctx.js, Subjects.detection(self.job), DetectionEvent(
+        await publish(await self.js("tracker"), Subjects.detection(self.job), DetectionEvent(
             job_id=self.job, kind="recovery", ranks=[0], first_iteration=1, detected_iteration=2,
             before_s=before_s, after_s=after_s, detected_ns=0, evidence={"change": "full"}))
 
@@ -100,13 +116,14 @@ class Rig:
         """``n`` iterations of every rank (0 and 1) at ``seconds`` each, as an agent sends."""
         its = list(range(self.iteration + 1, self.iteration + n + 1))
         self.iteration += n
-        await publish(self.ctx.js, Subjects.iterations(self.job, "agent-1"), IterationBatch(
+        await publish(await self.js(agent_user("agent-1")), Subjects.iterations(self.job, "agent-1"),
+                      IterationBatch(
             job_id=self.job, agent_id="agent-1", rank=[1] * n + [0] * n, iteration=its + its,
             end_ns=[0] * (2 * n), duration_s=[seconds] * (2 * n)))
 
     async def report(self, version: int, outcome: str = "applied", cost_s: float | None = None,
                      error: str | None = None) -> None:
-        await publish(self.ctx.js, Subjects.plan_report(self.job), PlanReport(
+        await publish(await self.js("api"), Subjects.plan_report(self.job), PlanReport(
             job_id=self.job, version=version, outcome=outcome,
             cost_s=cost_s, error=error, reporter="test-job"))
 
@@ -136,7 +153,7 @@ class Rig:
         it through the outbox just after the commit the test saw, so it may lag a moment."""
         async def newest() -> PlanMessage | None:
             try:
-                raw = await self.ctx.js.get_last_msg(PLANS, Subjects.plan(self.job))
+                raw = await (await self.js()).get_last_msg(PLANS, Subjects.plan(self.job))
             except nats.js.errors.NotFoundError:
                 return None
             assert raw.data is not None
@@ -169,7 +186,7 @@ FAST = {"poll_s": 0.05, "s2_overhead_s": 3.0, "s3_overhead_s": 5.0, "s4_overhead
 
 @dataclass
 class Bench:
-    nats_url: str
+    bus: Bus
     db_url: str
     tmp_path: Path
 
@@ -177,30 +194,31 @@ class Bench:
     async def planner(self, service: dict[str, Any] | None = None,
                       **settings: Any) -> AsyncIterator[Rig]:
         """A running planner (FAST settings, overridden by ``settings``; ``service``: the
-        common settings, such as the outbox relay's pace) whose durable consumer sees only its
-        own job's events."""
+        common settings, such as the outbox relay's pace), as the planner's bus user with the
+        planner's durable."""
         config = PlannerSettings(**{**FAST, **settings})
         ctx = await start_service(
-            "planner-test", Settings(nats_url=self.nats_url, database_url=self.db_url,
-                                     data_dir=self.tmp_path / "data", **(service or {})),
-            backends=Backends(nats_url=self.nats_url, database_url=self.db_url))
+            "planner", Settings(nats_url=self.bus.url, database_url=self.db_url,
+                                data_dir=self.tmp_path / "data", **(service or {})),
+            backends=self.bus.backends("planner", self.db_url))
         job = f"pl-{uuid.uuid4().hex[:8]}"
-        spec = dataclasses.replace(PLANNER, durable=f"planner-test-{job}", filter_subjects=(
-            Subjects.incident(job), Subjects.detection(job), Subjects.plan_report(job)))
         planner = Planner(ctx, config)
         stop = asyncio.Event()
-        task = asyncio.create_task(run_planner(ctx, stop, planner=planner, spec=spec))
+        task = asyncio.create_task(run_planner(ctx, stop, planner=planner))
+        rig = Rig(ctx, planner, job, self.bus)
         try:
-            yield Rig(ctx, planner, job)
+            yield rig
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
-            await ctx.js.delete_consumer(spec.stream, spec.durable)
+            await rig.close()
             await ctx.close()
 
 
 @pytest.fixture()
-def bench(nats_url: str, fresh_db_url: str, tmp_path: Path) -> Bench:
-    return Bench(nats_url, fresh_db_url, tmp_path)
+def bench(fresh_db_url: str, tmp_path: Path) -> Iterator[Bench]:
+    """A bus per test: the planner's durable starts at this test's events."""
+    with new_bus("gh-planner-") as bus:
+        yield Bench(bus, fresh_db_url, tmp_path)
 
 

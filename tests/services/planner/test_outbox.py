@@ -27,7 +27,7 @@ LAYOUT = {"tp": 1, "dp": 4, "pp": 1, "gpus_per_node": 4, "microbatches": 16}
 
 async def _stored(rig: Rig, stream: str, subject: str) -> list[bytes]:
     """Every message the stream holds on ``subject``, oldest first."""
-    return await stored(rig.ctx.js, stream, subject)
+    return await stored(await rig.js(), stream, subject)
 
 
 async def _mitigated(rig: Rig, inc: str) -> list[IncidentEvent]:

@@ -15,7 +15,7 @@ from tests.services.planner.conftest import Bench, Rig
 
 async def _suspicions(rig: Rig) -> list[Suspicion]:
     return [Suspicion.model_validate_json(d)
-            for d in await stored(rig.ctx.js, EVENTS, Subjects.suspicion(rig.job))]
+            for d in await stored(await rig.js(), EVENTS, Subjects.suspicion(rig.job))]
 
 
 async def _validate(rig: Rig, inc: str, s: Suspicion, verdict: str) -> None:
@@ -27,7 +27,7 @@ async def _validate(rig: Rig, inc: str, s: Suspicion, verdict: str) -> None:
         row.evidence = {**row.evidence, "validation": detail}
         await repo.add_timeline(session, row, "validated", detail)
         await session.commit()
-    await publish(rig.ctx.js, Subjects.incident(rig.job), IncidentEvent(
+    await publish(await rig.js("analyzer"), Subjects.incident(rig.job), IncidentEvent(
         job_id=rig.job, incident_id=inc, stage="validated", kind="compute_slow", severity=1.0,
         summary="test"))
 

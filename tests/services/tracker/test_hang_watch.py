@@ -13,19 +13,20 @@ import pytest
 
 from services.common.bus.contract import CounterBatch, DetectionEvent, Subjects
 from services.common.bus.streams import EVENTS
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import Tracker
 from services.tracker.settings import TrackerSettings
+from tests.conftest import Bus
 
 HANG_FLOOR = TrackerSettings(hang_floor_s=2.0)
 
 
 @pytest.fixture()
-async def ctx(nats_url: str) -> AsyncIterator[ServiceContext]:
-    settings = Settings(nats_url=nats_url)
-    c = await start_service("hang-watch-test", settings, need_db=False,
-                            backends=Backends(nats_url=nats_url, database_url=""))
+async def ctx(bus: Bus) -> AsyncIterator[ServiceContext]:
+    """The tracker's connection (no consumer: the tests hand it messages)."""
+    settings = Settings(nats_url=bus.url)
+    c = await start_service("tracker", settings, need_db=False, backends=bus.backends("tracker"))
     yield c
     await c.close()
 
@@ -43,8 +44,10 @@ def _counters(job: str, pending_s: float, *, marks: int = 1) -> CounterBatch:
     return CounterBatch(job_id=job, agent_id="a0", sampled_ns=time.time_ns(), **cols)
 
 
-async def _events(ctx: ServiceContext, job: str) -> list[DetectionEvent]:
-    sub = await ctx.js.pull_subscribe(Subjects.detection(job), stream=EVENTS)
+async def _events(bus: Bus, job: str) -> list[DetectionEvent]:
+    """What the tracker published for ``job``, read by the operator."""
+    nc = await bus.connect()
+    sub = await nc.jetstream().pull_subscribe(Subjects.detection(job), stream=EVENTS)
     out: list[DetectionEvent] = []
     try:
         while True:
@@ -53,31 +56,32 @@ async def _events(ctx: ServiceContext, job: str) -> list[DetectionEvent]:
     except TimeoutError:
         pass
     await sub.unsubscribe()
+    await nc.close()
     return out
 
 
 async def test_collective_pending_on_the_gpu_is_a_hang_with_no_host_inside_nccl(
-        ctx: ServiceContext) -> None:
+        ctx: ServiceContext, bus: Bus) -> None:
     job = f"gpuhang-{uuid.uuid4().hex[:6]}"
     tracker = Tracker(ctx, settings=HANG_FLOOR)
     await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 0.5))
-    assert await _events(ctx, job) == []  # pending, but under the 2 s floor
+    assert await _events(bus, job) == []  # pending, but under the 2 s floor
     await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 5.0))
-    (event,) = await _events(ctx, job)
+    (event,) = await _events(bus, job)
     assert event.kind == "hang" and event.ranks == [0, 1, 3] and event.stalled_s == 5.0
     assert event.evidence["wait_basis"] == "gpu"
     rows = event.evidence["counters"]
     assert rows["gpu_pending_seq"] == [10, 10, 0, 10] and rows["inflight_s"] == [0.0] * 4
 
 
-async def test_without_gpu_marks_only_host_time_counts(ctx: ServiceContext) -> None:
+async def test_without_gpu_marks_only_host_time_counts(ctx: ServiceContext, bus: Bus) -> None:
     job = f"hosthang-{uuid.uuid4().hex[:6]}"
     tracker = Tracker(ctx, settings=HANG_FLOOR)
     await tracker.handle(Subjects.counters(job, "a0"), _counters(job, 5.0, marks=0))
-    assert await _events(ctx, job) == []  # the GPU columns are not read; no host is inside
+    assert await _events(bus, job) == []  # the GPU columns are not read; no host is inside
 
 
-async def test_the_hang_is_over_when_the_communicator_moves_again(ctx: ServiceContext) -> None:
+async def test_the_hang_is_over_when_the_communicator_moves_again(ctx: ServiceContext, bus: Bus) -> None:
     """The job's hang incident needs an end: once every stalled communicator completes calls
     again, the tracker says so (a recovery from the hang watch), once."""
     job = f"hangover-{uuid.uuid4().hex[:6]}"
@@ -88,7 +92,7 @@ async def test_the_hang_is_over_when_the_communicator_moves_again(ctx: ServiceCo
                                                   "gpu_seq_completed": [12] * 4})
     await tracker.handle(Subjects.counters(job, "a0"), moved)
     await tracker.handle(Subjects.counters(job, "a0"), moved)  # nothing more to say
-    hang, over = await _events(ctx, job)
+    hang, over = await _events(bus, job)
     assert hang.kind == "hang" and hang.before_s > 0  # a level the contract accepts
     assert over.kind == "recovery" and over.hang_over and over.comm_id == hang.comm_id
     assert over.evidence["moved_comms"] == [hang.comm_id]

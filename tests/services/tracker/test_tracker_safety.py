@@ -9,7 +9,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import nats.errors
 import pytest
@@ -18,12 +19,15 @@ from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
 from services.common.bus import client
 from services.common.bus.client import Consumer
+from services.common.bus.contract import IterationBatch, Subjects
+from services.common.bus.refusals import PermissionDenied, Refusal
 from services.common.bus.streams import tracker_spec
-from services.common.runtime import Backends, start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import Tracker
 from services.tracker.settings import TrackerSettings
-from services.tracker.state_store import TrackerStateStore
+from services.tracker.state_store import BUCKET, TrackerStateStore
+from tests.conftest import Bus
 from tests.services.tracker.test_tracker_service import (
     RANKS,
     _detections,
@@ -31,18 +35,17 @@ from tests.services.tracker.test_tracker_service import (
     _series,
     _tracker,
     _until,
-    own_nats,
+    own_bus,
 )
 
-__all__ = ["own_nats"]  # the fixture, shared with the other tracker tests
+__all__ = ["own_bus"]  # the fixture, shared with the other tracker tests
 
 
 @asynccontextmanager
-async def _crashing(url: str, settings: Settings, **kw: Any
+async def _crashing(bus: Bus, settings: Settings, **kw: Any
                     ) -> AsyncIterator[tuple[Tracker, Consumer[Any]]]:
     """A tracker that dies at the end: no final save, no drain (kill -9)."""
-    ctx = await start_service("tracker-crash", settings, need_db=False,
-                              backends=Backends(nats_url=url, database_url=""))
+    ctx = await start_service("tracker", settings, need_db=False, backends=bus.backends("tracker"))
     store = await TrackerStateStore(ctx.js).open()
     tracker = Tracker(ctx, store=store, **kw)
     consumer = tracker.consumer(tracker_spec(settings))
@@ -56,24 +59,24 @@ async def _crashing(url: str, settings: Settings, **kw: Any
 
 
 @pytest.mark.parametrize("crash_at", [102, 125])
-def test_a_crash_mid_slowdown_loses_nothing_and_reports_once(own_nats: str, tmp_path: Path,
+def test_a_crash_mid_slowdown_loses_nothing_and_reports_once(own_bus: Bus, tmp_path: Path,
                                                              crash_at: int) -> None:
     """102: the slowdown began, nothing saved yet (a fresh detector would take the slow level
     for normal and never report it); 125: reported and saved with it, later batches not."""
-    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+    settings = Settings(nats_url=own_bus.url, data_dir=tmp_path)
     job = f"crash-{crash_at}"
     x = _series(200, slow_from=100, seed=crash_at)
 
     async def scenario() -> tuple[list[Any], Tracker]:
-        async with _crashing(own_nats, settings, persist_every_s=1000.0) as (tracker, consumer):
-            sent = await _send(tracker.ctx, job, x, 0, crash_at)
+        async with _crashing(own_bus, settings, persist_every_s=1000.0) as (tracker, consumer):
+            sent = await _send(own_bus, job, x, 0, crash_at)
             await _until(lambda: consumer.stats.handled >= sent)
-        async with _tracker(own_nats, settings) as (tracker, consumer):
-            sent = await _send(tracker.ctx, job, x, crash_at, 200)
+        async with _tracker(own_bus, settings) as (tracker, consumer):
+            sent = await _send(own_bus, job, x, crash_at, 200)
             await _until(lambda: consumer.stats.handled >= sent)
             assert tracker.jobs[job].slow
             replayed = tracker
-        return await _detections(own_nats, settings, job), replayed
+        return await _detections(own_bus, job), replayed
 
     events, second = asyncio.run(scenario())
     assert [e.kind for e in events] == ["slowdown"], events
@@ -86,8 +89,8 @@ def test_a_crash_mid_slowdown_loses_nothing_and_reports_once(own_nats: str, tmp_
 
 
 def test_a_failed_detection_publish_is_retried_and_its_batch_observed_once(
-        own_nats: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+        own_bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(nats_url=own_bus.url, data_dir=tmp_path)
     job = "pubfail"
     x = _series(160, slow_from=100, seed=5)
     real = client.publish
@@ -102,11 +105,11 @@ def test_a_failed_detection_publish_is_retried_and_its_batch_observed_once(
     monkeypatch.setattr("services.tracker.service.publish", once_down)
 
     async def scenario() -> tuple[list[Any], Tracker, Consumer[Any]]:
-        async with _tracker(own_nats, settings) as (tracker, consumer):
-            sent = await _send(tracker.ctx, job, x, 0, 160)
+        async with _tracker(own_bus, settings) as (tracker, consumer):
+            sent = await _send(own_bus, job, x, 0, 160)
             await _until(lambda: consumer.stats.handled >= sent)
             await _until(lambda: not tracker.state[job].pending)
-            return await _detections(own_nats, settings, job), tracker, consumer
+            return await _detections(own_bus, job), tracker, consumer
 
     events, tracker, consumer = asyncio.run(scenario())
     assert [e.kind for e in events] == ["slowdown"] and events[0].event_id == failures[0]
@@ -115,52 +118,52 @@ def test_a_failed_detection_publish_is_retried_and_its_batch_observed_once(
     assert tracker.jobs[job].updates == RANKS * 160  # each value once
 
 
-def test_an_idle_job_leaves_memory_and_comes_back_with_its_state(own_nats: str,
+def test_an_idle_job_leaves_memory_and_comes_back_with_its_state(own_bus: Bus,
                                                                  tmp_path: Path) -> None:
-    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+    settings = Settings(nats_url=own_bus.url, data_dir=tmp_path)
     job = "idle"
     x = _series(200, slow_from=100, seed=8)
 
     async def scenario() -> None:
-        ctx = await start_service("tracker-idle", settings, need_db=False,
-                                  backends=Backends(nats_url=own_nats, database_url=""))
+        ctx = await start_service("tracker", settings, need_db=False,
+                                  backends=own_bus.backends("tracker"))
         store = await TrackerStateStore(ctx.js).open()
         tracker = Tracker(ctx, store=store,
                           settings=TrackerSettings(tracker_idle_evict_s=0.5))
         consumer = tracker.consumer(tracker_spec(settings))
         task = asyncio.create_task(consumer.run(idle=tracker.tick))
         try:
-            sent = await _send(ctx, job, x, 0, 130)
+            sent = await _send(own_bus, job, x, 0, 130)
             await _until(lambda: consumer.stats.handled >= sent)
             assert tracker.jobs[job].slow
             await _until(lambda: job not in tracker.state, timeout_s=30)
             assert tracker.stats.evicted == 1
             saved = await store.load(job)
             assert saved is not None and saved["tracker"]["slow"] is True
-            sent += await _send(ctx, job, x, 130, 140)
+            sent += await _send(own_bus, job, x, 130, 140)
             await _until(lambda: consumer.stats.handled >= sent)
             assert tracker.jobs[job].slow  # back, with what it knew
         finally:
             consumer.stop()
             await task
             await ctx.close()
-        events = await _detections(own_nats, settings, job)
+        events = await _detections(own_bus, job)
         assert [e.kind for e in events] == ["slowdown"]
 
     asyncio.run(scenario())
 
 
-def test_the_state_bucket_gets_its_limits_even_when_it_existed(own_nats: str) -> None:
+def test_the_state_bucket_gets_its_limits_even_when_it_existed(own_bus: Bus) -> None:
     async def scenario() -> None:
-        settings = Settings(nats_url=own_nats)
-        ctx = await start_service("tracker-bucket", settings, need_db=False,
-                                  backends=Backends(nats_url=own_nats, database_url=""))
+        settings = Settings(nats_url=own_bus.url)
+        ctx = await start_service("tracker", settings, need_db=False,
+                                  backends=own_bus.backends("tracker"))
         try:
-            await ctx.js.create_object_store("gh-limits", config=ObjectStoreConfig(
-                bucket="gh-limits"))  # as older trackers made it: no limits
-            store = await TrackerStateStore(ctx.js, "gh-limits", ttl_s=3600.0,
+            await ctx.js.create_object_store(BUCKET, config=ObjectStoreConfig(
+                bucket=BUCKET))  # as older trackers made it: no limits
+            store = await TrackerStateStore(ctx.js, BUCKET, ttl_s=3600.0,
                                             max_bytes=64 << 20).open()
-            info = await ctx.js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket="gh-limits"))
+            info = await ctx.js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=BUCKET))
             assert info.config.max_age == 3600.0 and info.config.max_bytes == 64 << 20
             await store.save("j", {"x": 1})
             assert await store.load("j") == {"x": 1}
@@ -168,3 +171,35 @@ def test_the_state_bucket_gets_its_limits_even_when_it_existed(own_nats: str) ->
             await ctx.close()
 
     asyncio.run(scenario())
+
+
+class _Unreadable(TrackerStateStore):
+    """A state bucket whose objects cannot be read back, for the reason given."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    async def load(self, job: str) -> dict[str, Any] | None:
+        raise self.exc
+
+    async def save(self, job: str, state: dict[str, Any]) -> None:
+        return None
+
+
+def _iteration_batch(job: str) -> IterationBatch:
+    return IterationBatch(job_id=job, agent_id="a0", rank=[0, 1], iteration=[1, 1],
+                          end_ns=[1, 1], duration_s=[0.1, 0.1])
+
+
+async def test_a_saved_state_no_retry_can_read_starts_the_job_afresh() -> None:
+    """The bus refusing the read (or an object that does not decode): the job is tracked from
+    here, not every one of its messages failed in turn."""
+    ctx = cast(ServiceContext, SimpleNamespace(sessions=None, js=None))
+    refused = PermissionDenied(Refusal("publish", "$js.api.stream.names", 0.0), "tracker")
+    tracker = Tracker(ctx, store=_Unreadable(refused))
+    await tracker.handle(Subjects.iterations("unread", "a0"), _iteration_batch("unread"))
+    assert tracker.jobs["unread"].updates == 2 and tracker.stats.corrupt_states == 1
+    flaky = Tracker(ctx, store=_Unreadable(nats.errors.TimeoutError()))
+    with pytest.raises(nats.errors.TimeoutError):  # the bus slow: retried, the job held
+        await flaky.handle(Subjects.iterations("slow", "a0"), _iteration_batch("slow"))
+    assert "slow" not in flaky.jobs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -11,26 +10,27 @@ from typing import Any
 
 import numpy as np
 import pytest
+from nats.js import JetStreamContext
 
+from services.common.bus.auth import agent_user
 from services.common.bus.client import Consumer, publish
 from services.common.bus.contract import DetectionEvent, IterationBatch, Subjects
 from services.common.bus.streams import EVENTS, tracker_spec
-from services.common.embedded import EmbeddedNats
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.runtime import start_service
 from services.common.settings import Settings
 from services.tracker.service import Tracker
 from services.tracker.state_store import TrackerStateStore
+from tests.conftest import Bus, new_bus
 
 RANKS = 8
 
 
 @pytest.fixture()
-def own_nats() -> Iterator[str]:
-    """A private server: these tests bind the tracker's durables, which the e2e stack also uses."""
-    with tempfile.TemporaryDirectory(prefix="gh-trk-") as d:
-        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
-        yield server.start()
-        server.stop()
+def own_bus() -> Iterator[Bus]:
+    """A private bus per test: these tests bind the tracker's durables, which the e2e stack also
+    uses, and restart trackers on its saved state."""
+    with new_bus("gh-trk-") as b:
+        yield b
 
 
 def _series(iterations: int, slow_from: int, seed: int) -> np.ndarray:
@@ -40,8 +40,23 @@ def _series(iterations: int, slow_from: int, seed: int) -> np.ndarray:
     return x
 
 
-async def _send(ctx: ServiceContext, job: str, x: np.ndarray, start: int, stop: int) -> int:
-    """One message per two iterations of all ranks, as an agent flush; returns messages sent."""
+async def _send(bus: Bus, job: str, x: np.ndarray, start: int, stop: int) -> int:
+    """One message per two iterations of all ranks, as agent a0 flushes them; returns messages
+    sent."""
+    async with _agent(bus) as js:
+        return await _send_js(js, job, x, start, stop)
+
+
+@asynccontextmanager
+async def _agent(bus: Bus) -> AsyncIterator[JetStreamContext]:
+    nc = await bus.connect(agent_user("a0"))
+    try:
+        yield nc.jetstream()
+    finally:
+        await nc.close()
+
+
+async def _send_js(js: JetStreamContext, job: str, x: np.ndarray, start: int, stop: int) -> int:
     sent = 0
     for it in range(start, stop, 2):
         its = list(range(it, min(it + 2, stop)))
@@ -51,16 +66,15 @@ async def _send(ctx: ServiceContext, job: str, x: np.ndarray, start: int, stop: 
                              end_ns=[i * 100_000_000 for i in iteration],
                              duration_s=[float(x[r, i]) for r, i in zip(rank, iteration,
                                                                          strict=True)])
-        await publish(ctx.js, Subjects.iterations(job, "a0"), msg)
+        await publish(js, Subjects.iterations(job, "a0"), msg)
         sent += 1
     return sent
 
 
 @asynccontextmanager
-async def _tracker(url: str, settings: Settings) -> AsyncIterator[tuple[Tracker, Consumer[Any]]]:
+async def _tracker(bus: Bus, settings: Settings) -> AsyncIterator[tuple[Tracker, Consumer[Any]]]:
     """A running tracker (its consumer in a task); stopped the way run_tracker stops it."""
-    ctx = await start_service("tracker-test", settings, need_db=False,
-                              backends=Backends(nats_url=url, database_url=""))
+    ctx = await start_service("tracker", settings, need_db=False, backends=bus.backends("tracker"))
     store = await TrackerStateStore(ctx.js).open()
     tracker = Tracker(ctx, store=store)
     consumer = tracker.consumer(tracker_spec(settings))
@@ -82,10 +96,10 @@ async def _until(cond: Any, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _detections(url: str, settings: Settings, job: str) -> list[DetectionEvent]:
-    ctx = await start_service("reader", settings, need_db=False,
-                              backends=Backends(nats_url=url, database_url=""))
-    sub = await ctx.js.pull_subscribe(Subjects.detection(job), stream=EVENTS)
+async def _detections(bus: Bus, job: str) -> list[DetectionEvent]:
+    """What the tracker published for ``job``, read by the operator."""
+    nc = await bus.connect()
+    sub = await nc.jetstream().pull_subscribe(Subjects.detection(job), stream=EVENTS)
     out: list[DetectionEvent] = []
     try:
         while True:
@@ -94,27 +108,27 @@ async def _detections(url: str, settings: Settings, job: str) -> list[DetectionE
     except TimeoutError:
         pass
     await sub.unsubscribe()  # a pull subscription left open holds the drain for its timeout
-    await ctx.close()
+    await nc.close()
     return out
 
 
 @pytest.mark.parametrize("restart_at", [102, 125])
-def test_restart_mid_slowdown_reports_it_once(own_nats: str, tmp_path: Path,
+def test_restart_mid_slowdown_reports_it_once(own_bus: Bus, tmp_path: Path,
                                               restart_at: int) -> None:
     """102: the slowdown began but was not yet confirmed; 125: it was already reported."""
-    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+    settings = Settings(nats_url=own_bus.url, data_dir=tmp_path)
     job = f"restart-{restart_at}"
     x = _series(200, slow_from=100, seed=restart_at)
 
     async def scenario() -> list[DetectionEvent]:
-        async with _tracker(own_nats, settings) as (tracker, consumer):
-            sent = await _send(tracker.ctx, job, x, 0, restart_at)
+        async with _tracker(own_bus, settings) as (tracker, consumer):
+            sent = await _send(own_bus, job, x, 0, restart_at)
             await _until(lambda: consumer.stats.handled >= sent)
-        async with _tracker(own_nats, settings) as (tracker, consumer):
-            sent = await _send(tracker.ctx, job, x, restart_at, 200)
+        async with _tracker(own_bus, settings) as (tracker, consumer):
+            sent = await _send(own_bus, job, x, restart_at, 200)
             await _until(lambda: consumer.stats.handled >= sent)
             assert tracker.jobs[job].slow
-        return await _detections(own_nats, settings, job)
+        return await _detections(own_bus, job)
 
     events = asyncio.run(scenario())
     assert [e.kind for e in events] == ["slowdown"], events
@@ -122,47 +136,47 @@ def test_restart_mid_slowdown_reports_it_once(own_nats: str, tmp_path: Path,
     assert events[0].after_s / events[0].before_s == pytest.approx(1.5, rel=0.05)
 
 
-def test_partitions_share_the_jobs_each_job_on_one_tracker(own_nats: str, tmp_path: Path) -> None:
+def test_partitions_share_the_jobs_each_job_on_one_tracker(tmp_path: Path) -> None:
     jobs = [f"job-{k}" for k in range(8)]
     x = _series(20, slow_from=20, seed=7)
 
-    async def scenario() -> list[set[str]]:
-        parts = [Settings(nats_url=own_nats, data_dir=tmp_path, tracker_partitions=2,
+    async def scenario(bus: Bus) -> list[set[str]]:
+        parts = [Settings(nats_url=bus.url, data_dir=tmp_path, tracker_partitions=2,
                           tracker_partition=i) for i in range(2)]
-        async with _tracker(own_nats, parts[0]) as (t0, c0), \
-                _tracker(own_nats, parts[1]) as (t1, c1):
+        async with _tracker(bus, parts[0]) as (t0, c0), _tracker(bus, parts[1]) as (t1, c1):
             sent = 0
             for job in jobs:
-                sent += await _send(t0.ctx, job, x, 0, 20)
+                sent += await _send(bus, job, x, 0, 20)
             await _until(lambda: c0.stats.handled + c1.stats.handled >= sent)
             await asyncio.sleep(0.3)  # nothing else may arrive: each message went to one tracker
             assert c0.stats.handled + c1.stats.handled == sent
             assert c0.spec.durable != c1.spec.durable
             return [set(t0.jobs), set(t1.jobs)]
 
-    owned = asyncio.run(scenario())
+    with new_bus("gh-trk-parts-", tracker_partitions=2) as bus:  # grants for two partitions
+        owned = asyncio.run(scenario(bus))
     assert owned[0] and owned[1], owned
     assert not owned[0] & owned[1]
     assert owned[0] | owned[1] == set(jobs)
 
 
-def test_a_second_fault_is_a_detection_of_its_own(own_nats: str, tmp_path: Path) -> None:
+def test_a_second_fault_is_a_detection_of_its_own(own_bus: Bus, tmp_path: Path) -> None:
     """Slow from 100 (x1.5), slower from 200 (x1.3 more), back to the first level at 300: the
     tracker publishes the onset, the further slowdown and the partial recovery, each with the
     levels either side and the healthy one; a restart in between changes nothing."""
-    settings = Settings(nats_url=own_nats, data_dir=tmp_path)
+    settings = Settings(nats_url=own_bus.url, data_dir=tmp_path)
     job = "second-fault"
     x = _series(360, slow_from=100, seed=11)
     x[:, 200:300] *= 1.3
 
     async def scenario() -> list[DetectionEvent]:
-        async with _tracker(own_nats, settings) as (tracker, consumer):
-            sent = await _send(tracker.ctx, job, x, 0, 230)
+        async with _tracker(own_bus, settings) as (_, consumer):
+            sent = await _send(own_bus, job, x, 0, 230)
             await _until(lambda: consumer.stats.handled >= sent)
-        async with _tracker(own_nats, settings) as (tracker, consumer):
-            sent = await _send(tracker.ctx, job, x, 230, 360)
+        async with _tracker(own_bus, settings) as (_, consumer):
+            sent = await _send(own_bus, job, x, 230, 360)
             await _until(lambda: consumer.stats.handled >= sent)
-        return await _detections(own_nats, settings, job)
+        return await _detections(own_bus, job)
 
     events = asyncio.run(scenario())
     assert [(e.kind, e.evidence["change"]) for e in events] == [

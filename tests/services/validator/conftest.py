@@ -4,8 +4,7 @@ agent's hellos) and validator on their own NATS server and a fresh database per 
 from __future__ import annotations
 
 import asyncio
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,27 +14,19 @@ import pytest
 from greyhound.fakejob import native_build_dir
 from services.agent.service import run_agent
 from services.agent.settings import AgentSettings
-from services.common.bus.client import publish
+from services.common.bus.auth import agent_user
+from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import IncidentEvent, Subjects, Suspicion
 from services.common.db import repository as repo
 from services.common.db.models import Incident
-from services.common.embedded import EmbeddedNats
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import run_tracker
 from services.validator.service import Validator, run_validator
 from services.validator.settings import ValidatorSettings, for_cpu_fake
+from tests.conftest import Bus
 
 AGENT = "val-agent"
-
-
-@pytest.fixture(scope="module")
-def own_nats() -> Iterator[str]:
-    """Not the session's server: the durable 'tracker' and 'validator' consumers start empty."""
-    with tempfile.TemporaryDirectory(prefix="gh-val-nats-") as d:
-        server = EmbeddedNats(Path(d), auth=False)  # an open bus: these tests connect without users
-        yield server.start()
-        server.stop()
 
 
 @dataclass
@@ -43,6 +34,7 @@ class MiniStack:
     settings: Settings
     ctx: ServiceContext
     validator: Validator
+    analyzer: BusClient  # sends the suspicions, as the analyzer does
     events: list[IncidentEvent] = field(default_factory=list)
 
     async def open_incident(self, job: str) -> str:
@@ -78,7 +70,7 @@ class MiniStack:
                 inc.culprit = {**inc.culprit, "compute_ranks": list(s.ranks),
                                "comm_ids": list(s.comm_ids)}
                 await session.commit()
-        await publish(self.ctx.js, Subjects.suspicion(s.job_id), s)
+        await publish(self.analyzer.jetstream(), Subjects.suspicion(s.job_id), s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
@@ -98,25 +90,30 @@ def validator_config() -> ValidatorSettings:
 
 
 @pytest.fixture()
-async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path,
+async def mini_stack(own_bus: Bus, fresh_db_url: str, tmp_path: Path,
                      validator_config: ValidatorSettings,
                      monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MiniStack]:
+    """A bus of the module's own: the durable 'tracker' and 'validator' consumers start empty."""
     # the in-process agent's fake NVML reads the fault file of the job in tmp_path / "w"
     monkeypatch.setenv("FAKE_NCCL_FAULTS", str(tmp_path / "w" / "faults.txt"))
-    settings = Settings(nats_url=own_nats, database_url=fresh_db_url, shm_dir=tmp_path / "shm",
-                        data_dir=tmp_path / "data")
-    backends = Backends(nats_url=own_nats, database_url=fresh_db_url)
-    ctx = await start_service("validator-test", settings, backends=backends)
-    tracker_ctx = await start_service("tracker-test", settings, backends=backends)
-    agent_ctx = await start_service("agent-test", settings, need_db=False, backends=backends)
+    settings = Settings(nats_url=own_bus.url, database_url=fresh_db_url,
+                        shm_dir=tmp_path / "shm", data_dir=tmp_path / "data")
+    ctx = await start_service("validator", settings,
+                              backends=own_bus.backends("validator", fresh_db_url))
+    tracker_ctx = await start_service("tracker", settings,
+                                      backends=own_bus.backends("tracker", fresh_db_url))
+    agent_ctx = await start_service("agent", settings, need_db=False,
+                                    backends=own_bus.backends(agent_user(AGENT)))
+    analyzer = await own_bus.connect("analyzer")
+    watcher = await own_bus.connect()  # the operator, to hear every incident event
     stop = asyncio.Event()
     validator = Validator(ctx, validator_config)
-    stack = MiniStack(settings, ctx, validator)
+    stack = MiniStack(settings, ctx, validator, analyzer)
 
     async def on_event(msg: Any) -> None:
         stack.events.append(IncidentEvent.model_validate_json(msg.data))
 
-    sub = await ctx.nc.subscribe(Subjects.ALL_INCIDENTS, cb=on_event)
+    sub = await watcher.subscribe(Subjects.ALL_INCIDENTS, cb=on_event)
     tasks = [
         asyncio.create_task(run_agent(agent_ctx, stop, agent_id=AGENT,
                                       settings=AgentSettings(
@@ -132,6 +129,8 @@ async def mini_stack(own_nats: str, fresh_db_url: str, tmp_path: Path,
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await sub.unsubscribe()
+        for nc in (watcher, analyzer):
+            await nc.close()
         await agent_ctx.close()
         await tracker_ctx.close()
         await ctx.close()

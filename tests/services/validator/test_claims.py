@@ -12,21 +12,28 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
+from services.common.bus.client import BusClient
 from services.common.bus.contract import Subjects, Suspicion
 from services.common.db import repository as repo
 from services.common.db.models import ValidationClaim
-from services.common.runtime import Backends, ServiceContext, start_service
-from services.common.settings import Settings
+from services.common.runtime import ServiceContext
 from services.validator.service import Validator
 from services.validator.settings import ValidatorSettings
+from tests.conftest import Bus
 
 
 @pytest.fixture()
-async def ctx(nats_url: str, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
-    c = await start_service("claims-test", Settings(nats_url=nats_url, database_url=fresh_db_url),
-                            backends=Backends(nats_url=nats_url, database_url=fresh_db_url))
-    yield c
-    await c.close()
+async def ctx(bus: Bus, fresh_db_url: str) -> AsyncIterator[ServiceContext]:
+    async with bus.service("validator", fresh_db_url) as c:
+        yield c
+
+
+@pytest.fixture()
+async def operator(bus: Bus) -> AsyncIterator[BusClient]:
+    """Watches the control subjects: only the operator may hear every agent's."""
+    nc = await bus.connect()
+    yield nc
+    await nc.close()
 
 
 async def localized(ctx: ServiceContext, job: str) -> Suspicion:
@@ -57,24 +64,26 @@ async def claim_of(ctx: ServiceContext, s: Suspicion) -> ValidationClaim:
         return got
 
 
-async def control_requests(ctx: ServiceContext, job: str) -> list[Any]:
+async def control_requests(operator: BusClient, job: str) -> list[Any]:
     """Every control request sent for the job (nobody answers: the validator sees no agents)."""
     seen: list[Any] = []
 
     async def note(msg: Msg) -> None:
         seen.append(msg.subject)
 
-    await ctx.nc.subscribe(f"{Subjects.control(job, 'x').rsplit('.', 1)[0]}.*", cb=note)
+    await operator.subscribe(f"{Subjects.control(job, 'x').rsplit('.', 1)[0]}.*", cb=note)
+    await operator.flush()
     return seen
 
 
 @pytest.mark.parametrize("state", ["done", "abandoned", "running"])
 async def test_a_live_or_finished_claim_is_not_validated_again(ctx: ServiceContext,
+                                                               operator: BusClient,
                                                                state: str) -> None:
     job = f"claimed-{uuid.uuid4().hex[:6]}"
     s = await localized(ctx, job)
     await claim_row(ctx, s, state=state, attempts=1, lease_s=60.0)
-    seen = await control_requests(ctx, job)
+    seen = await control_requests(operator, job)
     v = Validator(ctx, ValidatorSettings())
     await v.handle(Subjects.suspicion(job), s)  # a redelivery
     assert await v.resume_once() == 0  # nothing lapsed, nothing lost
@@ -99,11 +108,11 @@ async def test_a_dead_validators_claim_is_taken_over_once(ctx: ServiceContext) -
 
 
 async def test_out_of_attempts_is_recorded_as_abandoned_without_a_pause(
-        ctx: ServiceContext) -> None:
+        ctx: ServiceContext, operator: BusClient) -> None:
     job = f"spent-{uuid.uuid4().hex[:6]}"
     s = await localized(ctx, job)
     await claim_row(ctx, s, state="running", attempts=2, lease_s=-1.0)
-    seen = await control_requests(ctx, job)
+    seen = await control_requests(operator, job)
     v = Validator(ctx, ValidatorSettings(max_attempts=2))
     await v.resume_once()
     claim = await claim_of(ctx, s)

@@ -14,14 +14,17 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
-from services.common.bus.client import publish
+from services.common.bus.auth import agent_user
+from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import ControlReply, ControlRequest, Subjects, Suspicion
+from services.common.bus.permissions import bind_agent
 from services.common.bus.streams import EVENTS
 from services.common.db import repository as repo
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.validator.service import Validator, run_validator
 from services.validator.settings import ValidatorSettings
+from tests.conftest import Bus
 from tests.services.common.support import letters_for, until
 
 AGENT = "standin"
@@ -48,13 +51,15 @@ class Running:
     validator: Validator
     agent: StandIn
     job: str
+    forger: BusClient  # holds the analyzer's bus password: it may publish suspicions
+    operator: BusClient  # reads the dead letters
 
 
 @pytest.fixture()
-async def running(own_nats: str, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Running]:
-    settings = Settings(nats_url=own_nats, database_url=fresh_db_url, data_dir=tmp_path)
-    ctx = await start_service("validator-forged", settings, backends=Backends(
-        nats_url=own_nats, database_url=fresh_db_url))
+async def running(own_bus: Bus, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Running]:
+    settings = Settings(nats_url=own_bus.url, database_url=fresh_db_url, data_dir=tmp_path)
+    ctx = await start_service("validator", settings,
+                              backends=own_bus.backends("validator", fresh_db_url))
     job = f"forged{uuid.uuid4().hex[:8]}"
     async with ctx.db()() as session:
         await repo.touch_job(session, job, world_size=WORLD)
@@ -63,18 +68,23 @@ async def running(own_nats: str, fresh_db_url: str, tmp_path: Path) -> AsyncIter
             for r in range(WORLD)])
         await session.commit()
     agent = StandIn()
-    subs = [await ctx.nc.subscribe(s, cb=agent.answer)
+    agent_nc = await own_bus.connect(agent_user(AGENT))
+    subs = [await agent_nc.subscribe(bind_agent(s, AGENT), cb=agent.answer)
             for s in (Subjects.ALL_CONTROL, Subjects.ALL_VALIDATION)]
+    await agent_nc.flush()  # subscribed before the validator asks, on another connection
+    forger, operator = await own_bus.connect("analyzer"), await own_bus.connect()
     validator = Validator(ctx, ValidatorSettings(status_timeout_s=2.0))
     stop = asyncio.Event()
     task = asyncio.create_task(run_validator(ctx, stop, validator=validator))
     try:
-        yield Running(ctx, validator, agent, job)
+        yield Running(ctx, validator, agent, job, forger, operator)
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
         for sub in subs:
             await sub.unsubscribe()
+        for nc in (agent_nc, forger, operator):
+            await nc.close()
         await ctx.close()
 
 
@@ -118,12 +128,12 @@ async def test_forged_suspicions_are_dead_lettered_and_ask_no_agent(running: Run
         "were not localised": s(localized, ranks=[3]),
     }
     for msg in forged.values():
-        await publish(r.ctx.js, Subjects.suspicion(r.job), msg)
+        await publish(r.forger.jetstream(), Subjects.suspicion(r.job), msg)
     subject = Subjects.suspicion(r.job)
     found: list[str] = []
 
     async def letters() -> int:
-        found[:] = [x.reason for x in await letters_for(r.ctx.js, EVENTS, subject)]
+        found[:] = [x.reason for x in await letters_for(r.operator.jetstream(), EVENTS, subject)]
         return len(found)
 
     loop = asyncio.get_running_loop()
@@ -137,7 +147,7 @@ async def test_forged_suspicions_are_dead_lettered_and_ask_no_agent(running: Run
     assert r.agent.asked == [] and not r.validator.runs  # nobody was asked to do anything
 
     # The same check lets a suspicion of what was localised through: it reaches the agent.
-    await publish(r.ctx.js, subject, s(localized))
+    await publish(r.forger.jetstream(), subject, s(localized))
     await until(lambda: len(r.validator.runs) == 1, timeout_s=60, what="the real validation")
     assert r.agent.asked and r.agent.asked[0].action == "status"
     assert r.validator.runs[0].failure is not None  # the stand-in refused: nothing paused

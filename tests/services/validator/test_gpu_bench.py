@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
+from services.common.bus.auth import agent_user
+from services.common.bus.client import BusClient
 from services.common.bus.contract import (
     BenchItem,
     BenchOutcome,
@@ -22,10 +24,11 @@ from services.common.bus.contract import (
     Suspicion,
 )
 from services.common.db.models import Rank
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.validator.service import Validator
 from services.validator.settings import ValidatorSettings
+from tests.conftest import Bus
 
 JOB, AGENT, WORLD, COMM = "gpubench", "gpu-agent", 4, 0xABC
 MS = 1_000_000
@@ -75,19 +78,28 @@ class StandInAgent:
 
 
 @pytest.fixture()
-async def ctx(nats_url: str) -> AsyncIterator[ServiceContext]:
-    c = await start_service("gpu-bench-test", Settings(nats_url=nats_url), need_db=False,
-                            backends=Backends(nats_url=nats_url, database_url=""))
+async def ctx(bus: Bus) -> AsyncIterator[ServiceContext]:
+    """The validator's connection; the stand-in agent answers on its own (``agent_nc``)."""
+    c = await start_service("validator", Settings(nats_url=bus.url), need_db=False,
+                            backends=bus.backends("validator"))
     yield c
     await c.close()
 
 
+@pytest.fixture()
+async def agent_nc(bus: Bus) -> AsyncIterator[BusClient]:
+    nc = await bus.connect(agent_user(AGENT))
+    yield nc
+    await nc.close()
+
+
 async def test_drain_is_recorded_per_rank_and_a_late_peer_is_not_a_slow_link(
-        ctx: ServiceContext) -> None:
+        ctx: ServiceContext, agent_nc: BusClient) -> None:
     agent = StandInAgent()
     # status on the control subject; pause, bench and resume on the validation subject
-    subs = [await ctx.nc.subscribe(subject, cb=agent.answer)
+    subs = [await agent_nc.subscribe(subject, cb=agent.answer)
             for subject in (Subjects.control(JOB, AGENT), Subjects.validation(JOB, AGENT))]
+    await agent_nc.flush()  # subscribed before the validator asks, on another connection
     ranks = [Rank(job_id=JOB, rank=r, host="node0", node=0, device=r, pid=10 + r,
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])

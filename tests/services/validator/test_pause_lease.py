@@ -9,13 +9,24 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.aio.msg import Msg
 
+from services.common.bus.client import BusClient
 from services.common.bus.contract import ControlRequest, Subjects, Suspicion
 from services.common.db.models import Rank
-from services.common.runtime import Backends, ServiceContext, start_service
+from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.validator.service import Validator
 from services.validator.settings import ValidatorSettings
-from tests.services.validator.test_gpu_bench import AGENT, COMM, JOB, WORLD, StandInAgent
+from tests.conftest import Bus
+from tests.services.validator.test_gpu_bench import (
+    AGENT,
+    COMM,
+    JOB,
+    WORLD,
+    StandInAgent,
+    agent_nc,
+)
+
+__all__ = ["agent_nc"]  # the fixture
 
 
 class LeaseRecorder(StandInAgent):
@@ -31,17 +42,20 @@ class LeaseRecorder(StandInAgent):
 
 
 @pytest.fixture()
-async def ctx(nats_url: str) -> AsyncIterator[ServiceContext]:
-    c = await start_service("lease-test", Settings(nats_url=nats_url), need_db=False,
-                            backends=Backends(nats_url=nats_url, database_url=""))
+async def ctx(bus: Bus) -> AsyncIterator[ServiceContext]:
+    """The validator's connection; the stand-in agent answers on its own (``agent_nc``)."""
+    c = await start_service("validator", Settings(nats_url=bus.url), need_db=False,
+                            backends=bus.backends("validator"))
     yield c
     await c.close()
 
 
-async def test_the_pause_carries_a_lease_sized_to_the_validation(ctx: ServiceContext) -> None:
+async def test_the_pause_carries_a_lease_sized_to_the_validation(
+ctx: ServiceContext, agent_nc: BusClient) -> None:
     agent = LeaseRecorder()
-    subs = [await ctx.nc.subscribe(subject, cb=agent.answer)
+    subs = [await agent_nc.subscribe(subject, cb=agent.answer)
             for subject in (Subjects.control(JOB, AGENT), Subjects.validation(JOB, AGENT))]
+    await agent_nc.flush()  # subscribed before the validator asks, on another connection
     ranks = [Rank(job_id=JOB, rank=r, host="node0", node=0, device=r, pid=10 + r,
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])
