@@ -75,7 +75,7 @@ class _Behind:
         pass
 
 
-def test_a_run_the_tracker_did_not_follow_says_so(nats_url: str, pg_url: str, tmp_path: Path,
+def test_a_run_the_tracker_did_not_follow_says_so(pg_url: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A run that ends with telemetry the tracker has not read must not report a healthy job."""
     import stack.sim_live as sim_live
@@ -85,8 +85,7 @@ def test_a_run_the_tracker_did_not_follow_says_so(nats_url: str, pg_url: str, tm
     j = job(tp=2, dp=2, pp=1, gpus_per_node=2, microbatches=4, microbatch_compute_s=0.02,
             dp_allreduce_bytes=1e6)
     sc = scenario(j, [], duration_s=10.0, name="behind-test")
-    settings = Settings(nats_url=nats_url, database_url=pg_url, data_dir=tmp_path / "data",
-                        shm_dir=tmp_path / "shm")
+    settings = Settings(database_url=pg_url, data_dir=tmp_path / "data", shm_dir=tmp_path / "shm")
     out, err = io.StringIO(), io.StringIO()
     rc = run_live(sc, settings, port=_free_port(), speed=5.0, as_json=True, out=out, err=err,
                   settle_s=0.5)
