@@ -28,8 +28,9 @@ from pathlib import Path
 from types import TracebackType
 
 _REPO = Path(__file__).resolve().parent.parent
-_OUTPUTS = ("gh_workload", "libghworkload.so", "fake/libnccl.so.2", "fake/libcudart.so.12",
-            "fake/libcublas.so.12", "fake/libnvidia-ml.so.1")
+_OUTPUTS = ("gh_workload", "gh_workload_static", "libghworkload.so", "fake/libnccl.so.2",
+            "fake/libcudart.so.12", "fake/libcuda.so.1", "fake/libcublas.so.12",
+            "fake/libnvidia-ml.so.1")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class FakeJobSpec:
     verbose: bool = True  # one line per iteration in rank<N>.out: progress and timing for tests
     kernels: int = 4  # compute_ms is launched as this many kernels
     launch_us: float | None = None  # host cost of every launch instead of compute_busy's share
+    # The executable in native/build: gh_workload_static has the CUDA runtime compiled in (nvcc's
+    # default), so its process has no libcudart, only the driver (libcuda.so.1).
+    workload: str = "gh_workload"
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,7 @@ class FakeJob:
                 with open(self.workdir / f"rank{rank}.out", "wb") as out, \
                         open(self.workdir / f"rank{rank}.err", "wb") as err:
                     p = subprocess.Popen(
-                        [str(build / "gh_workload")], env=self.rank_env(rank, build),
+                        [str(build / self.spec.workload)], env=self.rank_env(rank, build),
                         stdout=out, stderr=err, stdin=subprocess.DEVNULL, process_group=pgid,
                     )
                 self.procs.append(p)

@@ -71,7 +71,7 @@ struct ncclComm {
   ncclUniqueId id;
   int rank, nranks, global_rank;
   int nonblocking; /* made by InitRankConfig: may report ncclInProgress */
-  uint32_t coll_seq, split_seq;
+  uint32_t coll_seq, split_seq, shrink_seq;
   uint32_t sent[FK_MAX_RANKS], recvd[FK_MAX_RANKS]; /* numbered by the host at enqueue */
   _Atomic int aborted;     /* abort (or destroy with work still queued): the device lets go */
   _Atomic int refs;        /* the handle + enqueued batches: the last one frees the comm */

@@ -13,6 +13,12 @@
  * launches); `slow_host R f` multiplies it, which matters once the host can no longer stay ahead.
  * `slow_rank` slows the device's kernels (fake CUDA), `skip_call R it` keeps the host from ever
  * launching iteration it (H1), `mismatch R it` launches a DP all-reduce one element longer (H2).
+ *
+ * GH_INIT_IDS=n makes the world communicator as PyTorch does for large worlds: with
+ * ncclCommInitRankScalable and n unique ids (rank 0 makes them all here; every rank passes the
+ * same list). GH_SHRINK_LAST=1 (TP = PP = 1) takes the highest rank out as a fault-tolerant job
+ * takes out a dead one: the others ncclCommShrink the world without it and train on the result;
+ * it calls nothing more and exits.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -30,8 +36,10 @@
 #define GH_EXPORT __attribute__((visibility("default")))
 #define MAT 48
 
+#define MAX_IDS 8
+
 struct cfg {
-  int rank, world, iters, tp, pp, ckpt_every, verbose, nonblocking, kernels;
+  int rank, world, iters, tp, pp, ckpt_every, verbose, nonblocking, kernels, nids, shrink_last;
   double compute_ms, busy, ckpt_ms, launch_us;
   size_t bytes;
   const char *rdzv;
@@ -52,23 +60,24 @@ static int fail(const char *what, int code) {
   return 1;
 }
 
-/* Rank 0 publishes the unique id by an atomic rename; the others poll for the file. */
-static int rendezvous(const struct cfg *c, ncclUniqueId *id) {
+/* Rank 0 publishes the unique ids by an atomic rename; the others poll for the file. */
+static int rendezvous(const struct cfg *c, ncclUniqueId *id, int n) {
   char path[4096], tmp[4200];
   snprintf(path, sizeof path, "%s/nccl_id", c->rdzv);
   if (c->rank == 0) {
-    if (ncclGetUniqueId(id) != ncclSuccess) return -1;
+    for (int i = 0; i < n; i++)
+      if (ncclGetUniqueId(&id[i]) != ncclSuccess) return -1;
     snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
     FILE *f = fopen(tmp, "wb");
     if (f == NULL) return -1;
-    int ok = fwrite(id, sizeof *id, 1, f) == 1;
+    int ok = fwrite(id, sizeof *id, (size_t)n, f) == (size_t)n;
     ok = (fclose(f) == 0) && ok;
     return ok && rename(tmp, path) == 0 ? 0 : -1;
   }
   for (int tries = 0; tries < 6000; tries++) {
     FILE *f = fopen(path, "rb");
     if (f != NULL) {
-      int ok = fread(id, sizeof *id, 1, f) == 1;
+      int ok = fread(id, sizeof *id, (size_t)n, f) == (size_t)n;
       fclose(f);
       if (ok) return 0;
     }
@@ -208,15 +217,38 @@ static int64_t gpu_at(const struct gpu_marks *g, int i) {
   return g->anchor_ns + (int64_t)((double)ms * 1e6);
 }
 
+static ncclResult_t init_world(const struct cfg *c, ncclComm_t *world, ncclUniqueId *ids) {
+  if (c->nids > 0) return ncclCommInitRankScalable(world, c->world, c->rank, c->nids, ids, NULL);
+  return c->nonblocking ? ncclCommInitRankConfig(world, c->world, ids[0], c->rank, NULL)
+                        : ncclCommInitRank(world, c->world, ids[0], c->rank);
+}
+
+/* The highest rank leaves; the others shrink the world without it and train on the result. */
+static ncclResult_t shrink_last(const struct cfg *c, struct comms *m, int *leaving) {
+  *leaving = c->rank == c->world - 1;
+  if (*leaving) return ncclSuccess;
+  int excluded[1] = {c->world - 1};
+  ncclComm_t shrunk = NULL;
+  ncclResult_t r = ncclCommShrink(m->world, excluded, 1, &shrunk, NULL, NCCL_SHRINK_DEFAULT);
+  if (r != ncclSuccess) return r;
+  report(c, "shrunk", shrunk);
+  m->dp = shrunk;
+  return ncclSuccess;
+}
+
 static int run(const struct cfg *c) {
-  ncclUniqueId id;
+  ncclUniqueId ids[MAX_IDS];
   struct comms m = {0};
-  if (rendezvous(c, &id) != 0) return fail("rendezvous failed", errno);
-  ncclResult_t r = c->nonblocking ? ncclCommInitRankConfig(&m.world, c->world, id, c->rank, NULL)
-                                  : ncclCommInitRank(&m.world, c->world, id, c->rank);
-  r = settle(m.world, r);
+  if (rendezvous(c, ids, c->nids > 0 ? c->nids : 1) != 0) return fail("rendezvous failed", errno);
+  ncclResult_t r = settle(m.world, init_world(c, &m.world, ids));
   if (r != ncclSuccess) return fail("ncclCommInitRank", r);
   if ((r = make_comms(c, &m)) != ncclSuccess) return fail("ncclCommSplit", r);
+  int leaving = 0;
+  if (c->shrink_last && (r = shrink_last(c, &m, &leaving)) != ncclSuccess) return fail("ncclCommShrink", r);
+  if (leaving) {
+    if (c->verbose) printf("left the job\n");
+    return 0;
+  }
   for (int i = 0; i < MAT * MAT; i++) g_a[i] = g_b[i] = (float)(i % 7) * 0.25f;
   struct gpu_marks g = {0};
   for (int i = 0; c->verbose && i < 3; i++)
@@ -287,6 +319,8 @@ GH_EXPORT int gh_workload_main(int argc, char **argv) {
       .verbose = (int)env_long("GH_VERBOSE", 0),
       .nonblocking = (int)env_long("GH_NONBLOCKING", 0),
       .kernels = (int)env_long("GH_KERNELS", 4),
+      .nids = (int)env_long("GH_INIT_IDS", 0),
+      .shrink_last = (int)env_long("GH_SHRINK_LAST", 0),
       .compute_ms = env_double("GH_COMPUTE_MS", 10.0),
       .busy = env_double("GH_COMPUTE_BUSY", 1.0),
       .ckpt_ms = env_double("GH_CKPT_MS", 0.0),
@@ -295,12 +329,15 @@ GH_EXPORT int gh_workload_main(int argc, char **argv) {
       .rdzv = getenv("GH_RDZV"),
   };
   if (c.rdzv == NULL || c.world < 1 || c.rank < 0 || c.rank >= c.world || c.tp < 1 || c.pp < 1 ||
-      c.world % (c.tp * c.pp) != 0 || c.kernels < 1) {
+      c.world % (c.tp * c.pp) != 0 || c.kernels < 1 || c.nids < 0 || c.nids > MAX_IDS || c.nids > c.world ||
+      (c.shrink_last && (c.tp != 1 || c.pp != 1 || c.world < 2))) {
     fprintf(stderr,
             "gh_workload: set RANK, WORLD_SIZE, GH_RDZV (dir); optional GH_ITERS, GH_COMPUTE_MS (device "
             "time), GH_KERNELS (>= 1), GH_COMPUTE_BUSY (0..1, host launch work as a share of it), "
             "GH_LAUNCH_US (host cost per launch instead), GH_BYTES, GH_TP, GH_PP (WORLD_SIZE %% (TP*PP) == 0), "
-            "GH_CKPT_EVERY, GH_CKPT_MS, GH_NONBLOCKING (InitRankConfig, poll ncclInProgress), GH_VERBOSE\n");
+            "GH_CKPT_EVERY, GH_CKPT_MS, GH_NONBLOCKING (InitRankConfig, poll ncclInProgress), GH_INIT_IDS (1..8: "
+            "InitRankScalable with that many ids), GH_SHRINK_LAST (TP = PP = 1: shrink the last rank out), "
+            "GH_VERBOSE\n");
     return 2;
   }
   if (c.busy < 0) c.busy = 0;
