@@ -145,11 +145,32 @@ static inline void gh_publish(struct gh_record *r, uint64_t index) {
   __atomic_store_n(&r->stamp, index + 1, __ATOMIC_RELEASE);
 }
 
+/* The comm entry's seqlocks (layout 5): host_ver around the host fields, written by the one thread
+ * inside a call on the communicator (NCCL allows no more), gpu_ver around the gpu_* fields, written
+ * by the poller under the marks lock. Odd while the fields change: a reader takes a row whose
+ * versions are even and the same before and after it. On x86 the fence costs no instruction. */
+static inline uint32_t gh_ver_begin(uint32_t *ver) {
+  uint32_t v = __atomic_load_n(ver, __ATOMIC_RELAXED) + 1;
+  __atomic_store_n(ver, v, __ATOMIC_RELAXED);
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+  return v;
+}
+static inline void gh_ver_end(uint32_t *ver, uint32_t v) { __atomic_store_n(ver, v + 1, __ATOMIC_RELEASE); }
+
 /* comm.c: communicator registry (handle -> entry index), stable ids. */
 struct gh_comm_entry *gh_comm_lookup(ncclComm_t comm);
+/* A communicator being created (id known before the call): an entry in state INIT with the call
+ * in flight (life_op, inflight_enter_ns), not in the handle map; NULL when the table is full. */
+struct gh_comm_entry *gh_comm_begin(uint64_t id, uint64_t parent, int color, int rank, int nranks,
+                                    uint16_t op, uint64_t enter_ns);
+/* `reserved`: the entry gh_comm_begin gave for it (or NULL): taken over when still its own. */
 struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t parent, int color,
-                                       int rank, int nranks, int device);
+                                       int rank, int nranks, int device, struct gh_comm_entry *reserved);
+void gh_comm_abandon(struct gh_comm_entry *reserved, uint64_t id); /* the creation failed */
 void gh_comm_forget(ncclComm_t comm, uint32_t state);
+/* forget, only if comm's entry is still `e` with that id (not a new communicator at a reused
+ * address, registered while the destroy ran) */
+void gh_comm_forget_entry(ncclComm_t comm, struct gh_comm_entry *e, uint64_t id, uint32_t state);
 uint64_t gh_hash_bytes(const void *p, size_t n, uint64_t seed);
 ncclComm_t gh_comm_handle(uint64_t comm_id);
 /* wrap_comm.c: register a communicator the hook did not see created (ids are then per-process). */
@@ -205,8 +226,11 @@ struct gh_cuda {
 #define GH_CUDA_NOT_READY 600 /* cudaErrorNotReady */
 #define GH_EVENT_DISABLE_TIMING 0x2u
 extern struct gh_cuda gh_cu;
-int gh_cuda_ready(void); /* 1 once the runtime resolved; 0 for good in a process without one */
-int gh_cuda_capturing(cudaStream_t stream);
+int gh_cuda_ready(void); /* 1 once the runtime or the driver resolved; 0 for good without either */
+int gh_cuda_api(void);   /* enum gh_gpu_api: what resolved (decided at the first call) */
+int gh_cuda_capturing(cudaStream_t stream); /* 1 capturing, or the query failed: record nothing */
+void gh_cuda_note_context(int device);      /* the poller's context: this thread's (driver API) */
+void gh_gpu_identity(int device);           /* header gpu_api and, once, pci_bus_id of device */
 int gh_cuda_thread_local(void); /* switch this thread's capture mode; returns the old one */
 void gh_cuda_restore_mode(int mode);
 void gh_cuda_fork_child(void);
@@ -246,6 +270,11 @@ struct gh_mark_slot {
   uint32_t meta;    /* GH_MARK_META of the first call */
   uint32_t pad[3];  /* 64 bytes: the hot path indexes with a shift */
 };
+/* What the poller last published into a comm entry's gpu_* fields. */
+struct gpu_fields {
+  uint64_t calls, seq, lost, pend_seq, count, pend_ns;
+  uint32_t op, dtype;
+};
 struct gh_marks {
   /* the producer: the one thread inside this communicator's calls (NCCL allows no more) */
   uint64_t head;          /* slots published (release) */
@@ -262,6 +291,7 @@ struct gh_marks {
   uint64_t done_call, done_seq, calls_done, seq_done, lost_seen[3];
   int device, ev_device;  /* the communicator's CUDA device; the one its events belong to */
   uint32_t active, failed;
+  struct gpu_fields shown;
   uint8_t pad1[48];
   struct gh_mark_slot slot[GH_MARKS];
 };
