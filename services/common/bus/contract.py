@@ -206,13 +206,18 @@ class RankInfo(BaseModel):
 
 
 class AgentHello(Message):
-    """An agent announces the ranks it watches; the tracker and API learn the job's shape from it."""
+    """An agent announces the ranks it watches; the tracker and API learn the job's shape from it.
+
+    ``marks_off`` lists those of ``ranks`` whose hook found neither a CUDA runtime nor the driver
+    API in their process: they have no GPU completion marks and no GPU times, so their hang watch
+    and every timing rest on host time alone (an agent says it again when it learns it later)."""
 
     kind: Literal["hello"] = "hello"
     agent_id: Token
     host: Name
     ranks: list[RankInfo] = Field(max_length=MAX_LISTED)
     world_size: Size | None = None
+    marks_off: list[Rank] = Field(default_factory=list, max_length=MAX_LISTED)
 
 
 class Columnar(Message):
