@@ -38,8 +38,17 @@ GH_EXPORT ncclResult_t pncclGetUniqueId(ncclUniqueId *uniqueId) {
 }
 GH_WEAK_ALIAS(ncclGetUniqueId);
 
+/* Real NCCL's (static) CUDA runtime makes a primary context current on the thread that makes a
+ * communicator, as any runtime call does: a driver-API caller then finds one there. */
+static void runtime_context(void) {
+  CUcontext ctx = NULL;
+  if (cuInit(0) == 0 && cuCtxGetCurrent(&ctx) == 0 && ctx == NULL && cuDevicePrimaryCtxRetain(&ctx, 0) == 0)
+    cuCtxSetCurrent(ctx);
+}
+
 static ncclResult_t init_rank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
   if (comm == NULL) return ncclInvalidArgument;
+  runtime_context();
   struct ncclComm *c = NULL;
   ncclResult_t r = fk_attach(&c, &id, nranks, rank, fk_global_rank(rank));
   if (r != ncclSuccess) return r;

@@ -44,6 +44,25 @@ ncclResult_t pncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId 
   *comm = make(rank, nranks, config != NULL);
   return config != NULL ? ncclInProgress : ncclSuccess;
 }
+ncclResult_t pncclCommInitRankScalable(ncclComm_t *comm, int nranks, int rank, int nId, ncclUniqueId *ids,
+                                       ncclConfig_t *config) {
+  if (ids == NULL || nId < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+  *comm = make(rank, nranks, config != NULL);
+  return config != NULL ? ncclInProgress : ncclSuccess;
+}
+/* The excluded ranks never call it; the others close the gaps. */
+ncclResult_t pncclCommShrink(ncclComm_t comm, int *exclude, int n, ncclComm_t *newcomm, ncclConfig_t *config,
+                             int flags) {
+  (void)config;
+  (void)flags;
+  int below = 0;
+  for (int i = 0; i < n; i++) {
+    if (exclude[i] == comm->rank) return ncclInvalidArgument;
+    below += exclude[i] < comm->rank;
+  }
+  *newcomm = make(comm->rank - below, comm->nranks - n, 0);
+  return ncclSuccess;
+}
 ncclResult_t pncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
   (void)devlist;
   for (int i = 0; i < ndev; i++) comms[i] = make(i, ndev, 0);
@@ -119,6 +138,8 @@ ALIAS(ncclGetUniqueId)
 ALIAS(ncclCommInitRank)
 ALIAS(ncclCommInitRankConfig)
 ALIAS(ncclCommInitAll)
+ALIAS(ncclCommInitRankScalable)
+ALIAS(ncclCommShrink)
 ALIAS(ncclCommSplit)
 ALIAS(ncclCommDestroy)
 ALIAS(ncclCommAbort)

@@ -82,6 +82,31 @@ int main(void) {
   CHECK(expect_op(GH_OP_COMM_INIT)->comm_id == cid);
   CHECK(ncclCommDestroy(comm2) == ncclSuccess);
   CHECK(expect_op(GH_OP_COMM_DESTROY)->comm_id == cid);
+  /* No CUDA in this process: the header says the marks are off; no bus id. */
+  CHECK(v.h->gpu_api == GH_GPU_API_NONE && v.h->pci_bus_id[0] == '\0');
+  /* InitRankScalable is named by the first of its ids, as InitRank by its one. */
+  ncclUniqueId ids[2] = {id, {{9, 9, 9}}};
+  CHECK(ncclCommInitRankScalable(&comm2, 4, 3, 2, ids, NULL) == ncclSuccess);
+  CHECK(expect_op(GH_OP_COMM_INIT)->comm_id == cid);
+  struct gh_comm_entry *se = ring_comm(&v, cid);
+  CHECK(se != NULL && se->state == GH_COMM_ACTIVE && se->life_op == 0 && se->inflight_enter_ns == 0);
+  /* Shrinks: one id per (parent, shrink index, excluded ranks, sorted): a new one the second time,
+   * with the same ranks excluded (listed in another order). */
+  ncclComm_t shr1, shr2;
+  int ex1[2] = {2, 0}, ex2[2] = {0, 2};
+  CHECK(ncclCommShrink(comm2, ex1, 2, &shr1, NULL, NCCL_SHRINK_DEFAULT) == ncclSuccess);
+  r = expect_op(GH_OP_COMM_SHRINK);
+  uint64_t sh1 = r->comm_id;
+  CHECK(sh1 != 0 && sh1 != cid && r->comm_rank == 1 && r->nranks == 2);
+  struct gh_comm_entry *she = ring_comm(&v, sh1);
+  CHECK(she != NULL && she->parent_id == cid && se->life_op == 0 && (se->host_ver & 1) == 0);
+  CHECK(ncclCommShrink(comm2, ex2, 2, &shr2, NULL, NCCL_SHRINK_DEFAULT) == ncclSuccess);
+  uint64_t sh2 = expect_op(GH_OP_COMM_SHRINK)->comm_id;
+  CHECK(sh2 != 0 && sh2 != sh1);
+  CHECK(ncclCommDestroy(shr2) == ncclSuccess && ncclCommDestroy(shr1) == ncclSuccess);
+  CHECK(expect_op(GH_OP_COMM_DESTROY)->comm_id == sh2 && expect_op(GH_OP_COMM_DESTROY)->comm_id == sh1);
+  CHECK(ncclCommDestroy(comm2) == ncclSuccess);
+  CHECK(expect_op(GH_OP_COMM_DESTROY)->comm_id == cid);
 
   errno = 0;
   CHECK(ncclAllReduce(NULL, NULL, 1000, ncclFloat32, ncclSum, comm, (cudaStream_t)0x55) == ncclSuccess);
