@@ -148,11 +148,18 @@ static inline void gh_publish(struct gh_record *r, uint64_t index) {
 /* The comm entry's seqlocks (layout 5): host_ver around the host fields, written by the one thread
  * inside a call on the communicator (NCCL allows no more), gpu_ver around the gpu_* fields, written
  * by the poller under the marks lock. Odd while the fields change: a reader takes a row whose
- * versions are even and the same before and after it. On x86 the fence costs no instruction. */
+ * versions are even and the same before and after it. On x86 the fence costs no instruction. Its
+ * readers are other processes, which ThreadSanitizer does not see (nor does it model fences): its
+ * builds get the compiler barrier alone. */
+#if defined(__SANITIZE_THREAD__)
+#define GH_VER_FENCE() __atomic_signal_fence(__ATOMIC_RELEASE)
+#else
+#define GH_VER_FENCE() __atomic_thread_fence(__ATOMIC_RELEASE)
+#endif
 static inline uint32_t gh_ver_begin(uint32_t *ver) {
   uint32_t v = __atomic_load_n(ver, __ATOMIC_RELAXED) + 1;
   __atomic_store_n(ver, v, __ATOMIC_RELAXED);
-  __atomic_thread_fence(__ATOMIC_RELEASE);
+  GH_VER_FENCE();
   return v;
 }
 static inline void gh_ver_end(uint32_t *ver, uint32_t v) { __atomic_store_n(ver, v + 1, __ATOMIC_RELEASE); }

@@ -152,7 +152,7 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, int fast, uint16_t op, ncclResult_
   if (fast || e != NULL) {
     /* The enter's version, carried: no thread but this one writes the host fields meanwhile. */
     __atomic_store_n(&e->host_ver, c->ver + 1, __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_RELEASE);
+    GH_VER_FENCE();
     if (!GH_IS_P2P(op)) __atomic_store_n(&e->last_seq_completed, seq, __ATOMIC_RELAXED);
     else if (res == ncclSuccess || res == ncclInProgress) seq = gh_p2p_count(e, op, peer);
     __atomic_store_n(&e->inflight_enter_ns, 0, __ATOMIC_RELAXED);
