@@ -14,10 +14,9 @@ from typing import cast
 
 import pytest
 
-from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec, FaultFile, native_build_dir
-from services.agent.collector import Collector
 from services.agent import visible_devices as vd
+from services.agent.collector import Collector
 from services.agent.nvml import GpuMonitor, NvmlSampler, job_gpus
 from tests.native.helpers import hook_lib, wait_for
 
