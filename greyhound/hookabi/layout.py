@@ -243,6 +243,8 @@ COMM_DTYPE = _struct(
         ("host_ver", "<u4", 1448),
         ("gpu_ver", "<u4", 1452),
         ("life_op", "<u4", 1456),
+        # named so that no padding trails the last field (numpy's stack and concatenate drop it)
+        ("pad1", "<u4", 1460),
     ],
     1464,
 )
