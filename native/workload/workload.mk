@@ -5,8 +5,8 @@ BUILD ?= build
 CC ?= cc
 WL_CFLAGS = $(or $(CFLAGS_COMMON),-O2 -Wall -Wextra -Werror) -std=c11 -fPIC -fvisibility=hidden \
             -D_GNU_SOURCE -Iinclude
-WL_SRC := workload/workload.c fake/fk_faults.c
-WL_HDRS := include/nccl_abi.h fake/fk_faults.h fake/fk_time.h fake/cuda_fake.h
+WL_SRC := workload/workload.c workload/watchdog.c fake/fk_faults.c
+WL_HDRS := include/nccl_abi.h workload/watchdog.h fake/fk_faults.h fake/fk_time.h fake/cuda_fake.h
 WL_LIBS := -L$(BUILD)/fake -Wl,--no-as-needed -lnccl -lcublas -lcudart -Wl,--as-needed -lpthread \
            -Wl,-rpath,'$$ORIGIN/fake' -Wl,--enable-new-dtags
 WL_DEPS := $(BUILD)/fake/libnccl.so $(BUILD)/fake/libcublas.so $(BUILD)/fake/libcudart.so
