@@ -16,7 +16,7 @@
  *
  * The DP step is GH_DP_BUCKETS collectives per iteration (a comma list: one count per pipeline
  * stage, the last repeated, so that stages' DP communicators advance at different rates, as
- * Megatron's buckets do), all-reduces by default; with GH_DP_GROUPED=1 they are one coalesced
+ * Megatron's buckets do; bucket b holds b + 1 shares of the gradients), all-reduces by default; with GH_DP_GROUPED=1 they are one coalesced
  * reduce-scatter (ncclGroupStart, a reduce-scatter per bucket, ncclGroupEnd: Megatron's
  * _coalescing_manager), so the DP communicator is used only inside groups, as the pipeline's
  * batched send/receive is (batch_isend_irecv). GH_PG_TIMEOUT_MS > 0 runs the model of PyTorch's
@@ -186,22 +186,31 @@ static int dp_buckets(const struct cfg *c, int pp_rank) {
   return c->dp_buckets[pp_rank < c->n_buckets ? pp_rank : c->n_buckets - 1];
 }
 
+/* Bucket b of `buckets` holds (b + 1) shares of the gradients (sizes differ, as Megatron's
+ * buckets do); at least one element. */
+static size_t bucket_count(size_t count, int b, int buckets) {
+  size_t shares = (size_t)buckets * (size_t)(buckets + 1) / 2;
+  size_t n = count * (size_t)(b + 1) / shares;
+  return n > 0 ? n : 1;
+}
+
 /* The iteration's DP gradient reduction: `buckets` all-reduces, or one coalesced reduce-scatter
  * of `buckets` calls in a group (the DP communicator then never sees a call outside a group). The
- * first call carries the H2 mismatch. */
-static ncclResult_t dp_step(const struct cfg *c, const struct comms *m, float *buf, size_t count, size_t first,
+ * first call carries the H2 mismatch (`extra` elements). */
+static ncclResult_t dp_step(const struct cfg *c, const struct comms *m, float *buf, size_t count, size_t extra,
                             int it) {
   int buckets = dp_buckets(c, m->pp_rank);
-  size_t each = count / (size_t)buckets > 0 ? count / (size_t)buckets : 1;
   int dp_size = 1;
   ncclCommCount(m->dp, &dp_size);
   int64_t stamp = gh_watchdog_stamp();
   ncclResult_t r = ncclSuccess;
   if (c->dp_grouped) {
-    size_t part = each / (size_t)dp_size > 0 ? each / (size_t)dp_size : 1;
     if ((r = ncclGroupStart()) != ncclSuccess) return r;
-    for (int b = 0; b < buckets && r == ncclSuccess; b++)
-      r = ncclReduceScatter(buf, buf, b == 0 ? part + (first - count) : part, ncclFloat32, ncclSum, m->dp, NULL);
+    for (int b = 0; b < buckets && r == ncclSuccess; b++) {
+      size_t part = bucket_count(count, b, buckets) / (size_t)dp_size;
+      r = ncclReduceScatter(buf, buf, (part > 0 ? part : 1) + (b == 0 ? extra : 0), ncclFloat32, ncclSum, m->dp,
+                            NULL);
+    }
     ncclResult_t end = ncclGroupEnd();
     r = settle(m->dp, r != ncclSuccess ? r : end);
     gh_watchdog_issued(stamp, "dp coalesced reduce_scatter", it);
@@ -209,7 +218,8 @@ static ncclResult_t dp_step(const struct cfg *c, const struct comms *m, float *b
   }
   for (int b = 0; b < buckets && r == ncclSuccess; b++) {
     if (b > 0) stamp = gh_watchdog_stamp();
-    r = settle(m->dp, ncclAllReduce(buf, buf, b == 0 ? first - count + each : each, ncclFloat32, ncclSum, m->dp, NULL));
+    size_t n = bucket_count(count, b, buckets) + (b == 0 ? extra : 0);
+    r = settle(m->dp, ncclAllReduce(buf, buf, n, ncclFloat32, ncclSum, m->dp, NULL));
     gh_watchdog_issued(stamp, "dp all_reduce", it);
   }
   return r;
@@ -289,9 +299,9 @@ static int run(const struct cfg *c) {
     if (c->tp > 1 && (r = ncclAllReduce(buf, buf, count, ncclFloat32, ncclSum, m.tp, NULL)) != ncclSuccess)
       return fail("tp all-reduce", r);
     if (c->tp > 1) gh_watchdog_issued(stamp, "tp all_reduce", it);
-    size_t n = count + (fk_fault_find(FK_MISMATCH, c->rank, it, NULL) ? 1 : 0); /* H2 */
+    size_t extra = fk_fault_find(FK_MISMATCH, c->rank, it, NULL) ? 1 : 0; /* H2 */
     host_launch_cost(c, nccl_launch_us(c));
-    if ((r = dp_step(c, &m, buf, count, n, it)) != ncclSuccess) return fail("dp all-reduce", r);
+    if ((r = dp_step(c, &m, buf, count, extra, it)) != ncclSuccess) return fail("dp all-reduce", r);
     if (c->verbose) gpu_mark(&g, 2);
     int64_t t1 = fk_now_ns();
     if (c->verbose) {
