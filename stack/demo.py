@@ -346,6 +346,8 @@ def _fill(res: DemoResult, fault: DemoFault, incident: dict[str, Any], t0: float
         fault.kind == "hang" or fault.outcome_ok(res.validation_outcome))
     if fault.kind in ("grouped", "bench-peer-dies"):  # never harm the job
         res.ok = res.ok and bool(res.job_alive) and (res.job_iterations_after or 0) >= AFTER_ITERS
+    if fault.kind == "grouped":  # the ranks parked at the groups' boundary: the checks ran
+        res.ok = res.ok and res.validated is not None
 
 
 def report(res: DemoResult, fault: DemoFault, out: TextIO | None = None) -> int:
