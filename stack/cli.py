@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from services.common.runtime import resolve_backends, start_service
 from services.common.settings import Settings, get_settings
 from services.registry import SERVICES, Service
+from stack.demo_faults import FAULT_KINDS
 
 if TYPE_CHECKING:
     from greyhound.sim.scenario import Scenario
@@ -127,9 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["token"].set_defaults(func=cmd_token)
 
     demo = sub.add_parser("demo", help="a small fake-NCCL job with one fault, found end to end")
-    demo.add_argument("--fault", choices=("slow", "link", "hang"), default="slow",
-                      help="a slow GPU (default), a slow link between two ranks, or a collective "
-                      "that never completes on one rank's GPU")
+    demo.add_argument("--fault", choices=FAULT_KINDS, default="slow",
+                      help="a slow GPU (default), a slow link between two ranks, a collective "
+                      "that never completes on one rank's GPU, a slow GPU in a job whose DP "
+                      "communicators are used only inside groups (grouped), or a slow link "
+                      "whose validation loses a node's agent mid-benchmark (bench-peer-dies)")
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--rank", "--slow-rank", dest="rank", type=int, default=None,
                       help="the slow GPU, the hung rank, or the slow link's first end (the other "

@@ -26,6 +26,8 @@ BENCH_MAX_GEMM_N = 16384  # a GEMM of N takes 3 N^2 floats of scratch on the ran
 BENCH_MAX_P2P_BYTES = 1 << 30
 PAUSE_LEASE_DEFAULT_MS = 30_000  # the hook's lease for a pause requested without one
 PAUSE_LEASE_MAX_MS = 600_000  # a deadline further out is brought in to this
+PAUSE_TIMEOUT_SHARE = 4  # a pause lasts at most this share of the job's collective timeout
+BENCH_MAX_COMMS = 16  # benchmark communicators alive at once on one rank
 NO_REDOP = 255
 
 
@@ -99,9 +101,14 @@ LIFECYCLE_OPS: tuple[Op, ...] = (
 
 
 class BenchKind(IntEnum):
+    """SEND and RECV run on the benchmark communicator SPLIT made from their comm_id, never on
+    the job's own; DRAIN only waits for the rank's queued GPU work."""
+
     SEND = 1
     RECV = 2
     GEMM = 3
+    DRAIN = 4
+    SPLIT = 5
 
 
 class BenchState(IntEnum):
@@ -278,9 +285,14 @@ CONTROL_DTYPE = _struct(
         ("pause_seq", "<u8", 32),
         ("pause_lease_ns", "<u8", 40),
         ("lease_expired", "<u8", 48),
+        ("job_timeout_ms", "<u4", 56),
+        ("pause_cap_ms", "<u4", 60),
         ("slots", (BENCH_SLOT_DTYPE, (BENCH_SLOTS,)), 64),
+        ("pause_shortened", "<u8", 9280),
+        ("bench_comms_made", "<u8", 9288),
+        ("bench_comms_aborted", "<u8", 9296),
     ],
-    9280,
+    9344,
 )
 
 FINAL_BENCH_STATES = frozenset({BenchState.DONE, BenchState.UNSUPPORTED, BenchState.FAILED})

@@ -21,6 +21,7 @@ from greyhound.hookabi.layout import (
     FINAL_BENCH_STATES,
     PAUSE_LEASE_MAX_MS,
     RECORD_DTYPE,
+    BenchKind,
     BenchRequest,
     BenchResult,
     BenchState,
@@ -48,8 +49,10 @@ def _field(name: str) -> tuple[int, np.dtype[np.generic]]:
     return int(offset), dtype
 
 
-_MODE, _PAUSE_REQUEST, _PAUSE_COMM, _PAUSE_SEQ, _PAUSE_LEASE = (
-    _field(n) for n in ("mode", "pause_request", "pause_comm_id", "pause_seq", "pause_lease_ns"))
+_MODE, _PAUSE_REQUEST, _PAUSE_COMM, _PAUSE_SEQ, _PAUSE_LEASE, _JOB_TIMEOUT = (
+    _field(n) for n in ("mode", "pause_request", "pause_comm_id", "pause_seq", "pause_lease_ns",
+                        "job_timeout_ms"))
+_MAX_TIMEOUT_MS = (1 << 32) - 1
 _SLOTS_AT = _field("slots")[0]
 _STATE_AT = int(BENCH_SLOT_DTYPE.fields["state"][1])  # type: ignore[index]
 
@@ -134,14 +137,28 @@ class Control:
     def paused(self) -> bool:
         return bool(self._ring.control_block()["paused"])
 
+    def job_timeout_s(self) -> float | None:
+        """The job's collective (process-group) timeout as the rank reported it, None unknown.
+        A pause of that rank never lasts longer than PAUSE_TIMEOUT_SHARE of it."""
+        ms = int(self._ring.control_block()["job_timeout_ms"])
+        return ms / 1000 if ms else None
+
+    def report_job_timeout(self, seconds: float) -> None:
+        """Write the job's collective timeout into the control block (the framework integration,
+        in the training process, for a ring made before it knew the timeout)."""
+        if not 0 < seconds * 1000 <= _MAX_TIMEOUT_MS:
+            raise ValueError(f"job timeout {seconds!r} s is out of range")
+        _put(self._ring, _JOB_TIMEOUT, max(1, round(seconds * 1000)))
+
     def resume(self) -> None:
         _put(self._ring, _PAUSE_REQUEST, 0)
 
     def submit(self, req: BenchRequest) -> int:
         if not 1 <= req.repeat <= BENCH_MAX_REPEAT:
             raise ValueError(f"repeat must be in 1..{BENCH_MAX_REPEAT}")
-        if not 0 < req.size < _MAX_INDEX:
-            raise ValueError(f"benchmark size {req.size} is out of range")
+        sized = req.kind in (BenchKind.GEMM, BenchKind.SEND, BenchKind.RECV)
+        if not (req.size > 0 if sized else req.size == 0) or req.size >= _MAX_INDEX:
+            raise ValueError(f"benchmark size {req.size} is out of range for {req.kind.name}")
         if not -1 <= req.peer < 1 << 31:
             raise ValueError(f"benchmark peer {req.peer} is out of range")
         free = np.flatnonzero(self._slots()["state"] == BenchState.EMPTY)

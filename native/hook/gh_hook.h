@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 
 #include "greyhound_ring.h"
@@ -209,8 +210,21 @@ void gh_bench_run(struct gh_bench_slot *s, uint64_t deadline_ns);
 void gh_bench_cancel(struct gh_bench_slot *s);
 void gh_bench_release(void);
 
-/* control.c: pause point, run at depth 0 outside groups before a data-path call. */
+/* The job's collective (process-group) timeout as the launcher or the framework integration
+ * reports it, GREYHOUND_PG_TIMEOUT_S (seconds, fractions allowed), in ms; 0 when unset or not a
+ * positive number. Read when the ring is made and again at each pause. */
+static inline uint32_t gh_env_timeout_ms(void) {
+  const char *e = getenv("GREYHOUND_PG_TIMEOUT_S");
+  double s = e != NULL ? strtod(e, NULL) : 0.0;
+  return s > 0.0 && s < 4.0e6 ? (uint32_t)(s * 1000.0) : 0u;
+}
+
+/* control.c: pause point, run at depth 0 outside groups before a data-path call; and after the
+ * outermost ncclGroupEnd, for a targeted pause on a communicator the group used (`reached`: the
+ * group took the target communicator's collective seq to pause_seq or beyond). */
 void gh_pause_point_slow(ncclComm_t comm);
+int gh_pause_group_target_reached(void); /* before gh_marks_group_end forgets the group */
+void gh_pause_after_group(int reached);
 static inline void gh_pause_point(ncclComm_t comm) {
   const gh_ctl_word_t *w = __atomic_load_n(&gh_ctl_word, __ATOMIC_ACQUIRE);
   if (GH_UNLIKELY(GH_CTL_PAUSE(__atomic_load_n(w, __ATOMIC_RELAXED)) != 0)) gh_pause_point_slow(comm);
@@ -308,7 +322,12 @@ void gh_marks_unlock(void);
 void gh_marks_attach(int idx, int device); /* a communicator took entry idx (marks lock held) */
 void gh_marks_detach(int idx);  /* it was destroyed/aborted: pending marks dropped (lock held) */
 void gh_marks_poll(void);        /* poller thread */
-void gh_marks_group_end(void);   /* after the outermost ncclGroupEnd */
+/* After the outermost ncclGroupEnd, with its result: marks published when it enqueued the group,
+ * lost otherwise (failed: nothing enqueued; ncclInProgress: not on its stream yet). */
+void gh_marks_group_end(ncclResult_t res);
+/* Whether the open group has a collective on the communicator of comm_id whose seq is >= seq
+ * (before gh_marks_group_end forgets the group). */
+int gh_marks_group_reached(uint64_t comm_id, uint64_t seq);
 int gh_streams_seen(cudaStream_t *out, int max); /* streams of this process's data-path calls */
 
 /* Real NCCL entry points used outside their own wrapper (benchmarks, comm registry). */

@@ -147,12 +147,26 @@ void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaSt
   errno = saved;
 }
 
-void gh_marks_group_end(void) {
+/* A group that failed enqueued nothing, and one in progress (non-blocking communicators) is not
+ * on its streams yet, so an event recorded now could complete before it: lost, as a single call
+ * in that state is (gh_mark_slow). */
+void gh_marks_group_end(ncclResult_t res) {
   if (ngroup == 0) return;
   int saved = errno;
-  for (int i = 0; i < ngroup; i++) publish(&group[i], GH_MARK_CHECK);
+  for (int i = 0; i < ngroup; i++) {
+    if (res == ncclSuccess) publish(&group[i], GH_MARK_CHECK);
+    else lost(group[i].m, &group[i], res == ncclInProgress);
+  }
   ngroup = 0;
   errno = saved;
+}
+
+int gh_marks_group_reached(uint64_t comm_id, uint64_t seq) {
+  for (int i = 0; i < ngroup; i++) {
+    const struct pending *p = &group[i];
+    if (p->ncoll > 0 && p->upto >= seq && gh_comms[p->m - gh_marks].comm_id == comm_id) return 1;
+  }
+  return 0;
 }
 
 void gh_marks_attach(int idx, int device) {

@@ -32,6 +32,14 @@
  * further out than the maximum is brought in to it. */
 #define GH_PAUSE_LEASE_DEFAULT_MS 30000
 #define GH_PAUSE_LEASE_MAX_MS 600000
+/* (v5) A pause never lasts longer than this share of the job's collective timeout (the process
+ * group's, as the rank reports it: GREYHOUND_PG_TIMEOUT_S, written into job_timeout_ms): the
+ * parked call was stamped by the framework before the hook parked it, so the pause counts toward
+ * that collective's timeout (PyTorch's watchdog aborts the communicator, and the process, once it
+ * passes). */
+#define GH_PAUSE_TIMEOUT_SHARE 4
+/* (v5) Benchmark communicators (split from the job's for P2P checks) alive at once. */
+#define GH_BENCH_MAX_COMMS 16
 
 /* Operation codes; values are part of the layout. */
 enum gh_op {
@@ -76,7 +84,13 @@ enum gh_comm_state { GH_COMM_FREE = 0, GH_COMM_ACTIVE = 1, GH_COMM_DESTROYED = 2
  * linked statically, or none), or nothing (no CUDA in the process: host times only). */
 enum gh_gpu_api { GH_GPU_API_UNKNOWN = 0, GH_GPU_API_RUNTIME = 1, GH_GPU_API_DRIVER = 2, GH_GPU_API_NONE = 3 };
 
-enum gh_bench_kind { GH_BENCH_SEND = 1, GH_BENCH_RECV = 2, GH_BENCH_GEMM = 3 };
+/* P2P checks never run on a job's communicator: NCCL runs one communicator's operations in order
+ * on the GPU, so a send whose peer never posts would hold every later training collective behind
+ * it. SPLIT (v5) makes a benchmark communicator from comm_id (every rank of comm_id must ask for
+ * it, all parked), and SEND/RECV naming comm_id run on that child, which is aborted when one of
+ * them fails. DRAIN (v5) waits for the rank's queued GPU work only (drain_ns), so that transfers
+ * are issued once both ends have drained. */
+enum gh_bench_kind { GH_BENCH_SEND = 1, GH_BENCH_RECV = 2, GH_BENCH_GEMM = 3, GH_BENCH_DRAIN = 4, GH_BENCH_SPLIT = 5 };
 
 /* Slot states: the agent moves EMPTY->SUBMITTED and any final state->EMPTY; the hook the rest. */
 enum gh_bench_state {
@@ -192,7 +206,7 @@ struct gh_bench_slot {
   uint64_t req_id;   /*  0 agent-chosen, nonzero */
   uint32_t state;    /*  8 enum gh_bench_state */
   uint32_t kind;     /* 12 enum gh_bench_kind */
-  uint64_t comm_id;  /* 16 P2P: the job communicator to use */
+  uint64_t comm_id;  /* 16 P2P, SPLIT: the job communicator (P2P runs on its benchmark child) */
   uint64_t size;     /* 24 P2P: bytes; GEMM: matrix dimension N */
   int32_t peer;      /* 32 P2P peer rank within the comm */
   int32_t repeat;    /* 36 <= GH_BENCH_MAX_REPEAT */
@@ -214,16 +228,24 @@ struct gh_control {
   uint64_t pause_lease_ns; /* 40 (v4) CLOCK_MONOTONIC deadline of the pause, agent writes before
                             * pause_request (0: the hook's default lease, which it writes here) */
   uint64_t lease_expired;  /* 48 (v4) hook: pauses it ended itself because their lease ran out */
-  uint8_t pad[8];          /* 56 */
+  uint32_t job_timeout_ms; /* 56 (v5) the job's collective timeout as the rank reported it, 0 unknown:
+                            * the hook writes GREYHOUND_PG_TIMEOUT_S here at start-up, the framework
+                            * integration may write it later */
+  uint32_t pause_cap_ms;   /* 60 (v5) hook: the longest pause it holds now (a share of the above),
+                            * 0 when only GH_PAUSE_LEASE_MAX_MS bounds it */
   struct gh_bench_slot slots[GH_BENCH_SLOTS]; /* 64 */
-};                                            /* 9280 bytes */
+  uint64_t pause_shortened;     /* 9280 (v5) hook: pauses ended at pause_cap_ms before their lease */
+  uint64_t bench_comms_made;    /* 9288 (v5) hook: benchmark communicators split so far */
+  uint64_t bench_comms_aborted; /* 9296 (v5) hook: of which aborted (a transfer failed or timed out) */
+  uint64_t reserved_v5[5];      /* 9304 */
+};                              /* 9344 bytes */
 
 #ifndef __cplusplus
 _Static_assert(sizeof(struct gh_ring_header) == 384, "header layout");
 _Static_assert(sizeof(struct gh_record) == 128, "record layout");
 _Static_assert(sizeof(struct gh_comm_entry) == 1464, "comm layout");
 _Static_assert(sizeof(struct gh_bench_slot) == 576, "bench slot layout");
-_Static_assert(sizeof(struct gh_control) == 9280, "control layout");
+_Static_assert(sizeof(struct gh_control) == 9344, "control layout");
 #endif
 
 #endif

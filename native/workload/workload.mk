@@ -7,8 +7,8 @@ BUILD ?= build
 CC ?= cc
 WL_CFLAGS = $(or $(CFLAGS_COMMON),-O2 -Wall -Wextra -Werror) -std=c11 -fPIC -fvisibility=hidden \
             -D_GNU_SOURCE -Iinclude
-WL_SRC := workload/workload.c fake/fk_faults.c
-WL_HDRS := include/nccl_abi.h fake/fk_faults.h fake/fk_time.h fake/cuda_fake.h
+WL_SRC := workload/workload.c workload/watchdog.c fake/fk_faults.c
+WL_HDRS := include/nccl_abi.h workload/watchdog.h fake/fk_faults.h fake/fk_time.h fake/cuda_fake.h
 WL_RPATH := -Wl,-rpath,'$$ORIGIN/fake' -Wl,--enable-new-dtags
 WL_LIBS := -L$(BUILD)/fake -Wl,--no-as-needed -lnccl -lcublas -lcudart -l:libcuda.so.1 -Wl,--as-needed -lpthread $(WL_RPATH)
 WL_STATIC_LIBS := -L$(BUILD)/fake -Wl,--no-as-needed -lnccl -lcublas -l:libcuda.so.1 -Wl,--as-needed -lpthread \
