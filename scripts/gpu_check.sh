@@ -20,7 +20,11 @@
 #   driver   the hook in a process without a shared CUDA runtime (real NCCL and the driver only,
 #            no torch): marks and profile times through the driver API, the bus id it records;
 #   nvml     real NVML through the agent's sampler, or through ctypes where pydantic or pynvml is
-#            missing (a bare PyTorch image): every GPU's health and PCI bus id, against nvidia-smi.
+#            missing (a bare PyTorch image): every GPU's health and PCI bus id, against nvidia-smi;
+#   pause    scripts/gpu_check_pause.py: a coalesced reduce-scatter and a self batch_isend_irecv
+#            whose marks clear after GroupEnd and whose group-only communicator a targeted pause
+#            parks; a benchmark send with no receiver (on the split benchmark communicator), then
+#            training going on; a 25 s pause against a 20 s process-group timeout: cut, the job lives.
 # Exits non-zero with a clear message when something needed is missing or a check fails.
 set -euo pipefail
 
@@ -74,6 +78,7 @@ step() {
     timeout "$limit" "$@" > "$RES/$name.log" 2>&1 || rc=$?
   local last
   last=$(tail -1 "$RES/$name.log" 2>/dev/null || true)
+  last=${last#RESULT }  # a script that ends with RESULT {json}
   if "$PY" -c 'import json, sys; json.loads(sys.argv[1])' "$last" 2>/dev/null; then
     echo "$last" > "$RES/$name.json"
   else
@@ -94,10 +99,8 @@ GH_CHECK=async GH_MODE=monitor step async 100 1 "$PY" "$TRAIN"
 step driver 60 1 "$PY" "$ROOT/scripts/gpu_check_driver.py"
 step nvml 60 0 "$PY" "$ROOT/scripts/gpu_check_nvml.py"
 
-# ---- issue 19 part A's checks (the pause bounded by the process-group timeout, the benchmark on a
-# split communicator, grouped pauses) go here: scripts/gpu_check_pause.py, as one step, e.g.
-#   step pause 120 1 "$PY" "$ROOT/scripts/gpu_check_pause.py"
-# and its "pause" entry in scripts/gpu_check_summary.py. (Wired in by the lead when both parts
-# are merged.) ------------------------------------------------------------------------------------
+# The pause script starts its own hooked PyTorch child (its parent plays the agent, unhooked) and
+# writes its rings and its child's log under $RES/pause.
+step pause 150 0 "$PY" "$ROOT/scripts/gpu_check_pause.py" --out "$RES/pause"
 
 "$PY" "$ROOT/scripts/gpu_check_summary.py" "$RES"

@@ -34,6 +34,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -262,7 +263,8 @@ def child(pg_timeout_s: float, stop: Path) -> int:
     shards = [torch.empty_like(g) for g in grads]
     send, recv = torch.randn(1 << 16, device="cuda"), torch.empty(1 << 16, device="cuda")
     it = 0
-    while not stop.exists():
+    parent = os.getppid()
+    while not stop.exists() and os.getppid() == parent:  # never outlive the checks
         y = x @ x  # the step's compute
         with c10d._coalescing_manager(device=torch.device("cuda", 0), async_ops=True) as cm:
             for g, s in zip(grads, shards, strict=True):  # Megatron's coalesced DP reduce-scatter
@@ -307,7 +309,7 @@ class TorchRank:
     def finish(self) -> int | None:
         self.stop.touch()
         try:
-            return self.proc.wait(timeout=60)
+            return self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return None
@@ -343,10 +345,16 @@ def _torch_cuda() -> str | None:
     return f"PyTorch with CUDA and NCCL is not usable here: {last}"
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    """A SIGTERM (the step's timeout) ends the checks through their cleanup: the child stopped."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args.pg_timeout, args.out / "stop")
+    signal.signal(signal.SIGTERM, _terminated)
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"check": "gpu_check_pause", "pg_timeout_s": args.pg_timeout,
                               "pause_s": args.pause, "bench_timeout_s": args.bench_timeout}

@@ -41,6 +41,7 @@ def summarise(res_dir: Path) -> dict[str, Any]:
     base, mon, prof = load("base"), load("monitor"), load("profile")
     cap = {m: load(f"capture_{m}") for m in ("base", "monitor", "profile")}
     gpt, asy, drv, nvml = load("gputime"), load("async"), load("driver"), load("nvml")
+    pause = load("pause")
     train_ok = bool(mon.get("records", 0) > 0 and mon.get("gpu_marks") == 1
                     and prof.get("gpu_done", 0) > 0 and prof.get("gemm_ok"))
     q, h = asy.get("queued", {}), asy.get("hang", {})
@@ -59,16 +60,18 @@ def summarise(res_dir: Path) -> dict[str, Any]:
     runs = (("unhooked", base), ("monitor", mon), ("profile", prof))
     res: dict[str, Any] = {
         "ok": bool(train_ok and q.get("ok") and h.get("ok") and cap_ok and gpt.get("ok")
-                   and drv.get("ok") and nvml.get("ok") and pci_ok and mem["ok"]),
+                   and drv.get("ok") and nvml.get("ok") and pci_ok and mem["ok"]
+                   and pause.get("ok")),
         "train_ok": train_ok, "queued_ok": q.get("ok"), "hang_ok": h.get("ok"), "capture_ok": cap_ok,
         "capture_unhooked_ok": cap["base"].get("ok"), "gputime_ok": gpt.get("ok"),
         "driver_ok": drv.get("ok"), "nvml_ok": nvml.get("ok"), "pci_ok": pci_ok, "memory_ok": mem["ok"],
+        "pause_ok": bool(pause.get("ok")),
         "ms_per_step": {k: r.get("ms_per_step") for k, r in runs},
         "us_per_allreduce_call": {k: r.get("us_per_allreduce_call") for k, r in runs},
         "gpu_memory": mem,
         "pci_bus_id": {"hook": mon.get("pci_bus_id_hook"), "torch": mon.get("pci_bus_id_torch"),
                        "nvml": nvml_ids},
-        "gputime": gpt, "capture": cap, "driver": drv, "queued": q, "hang": h,
+        "gputime": gpt, "capture": cap, "driver": drv, "queued": q, "hang": h, "pause": pause,
         "nvml_via": nvml.get("via"), "device": prof.get("device"),
         "skipped": sorted(p.stem for p in res_dir.glob("*.json")
                           if p.stem != "result" and "skipped" in json.loads(p.read_text())),
@@ -92,10 +95,16 @@ def main() -> int:
     print(f"GPU memory {mem}; PCI bus id {res['pci_bus_id']} -> {'ok' if res['pci_ok'] else 'FAILED'}")
     print(f"driver API only (no libcudart): api {drv.get('gpu_api')}, marks {drv.get('marks')}, gate "
           f"{drv.get('gate')} -> {'ok' if res['driver_ok'] else 'FAILED: ' + str(drv.get('error', ''))}")
+    pz = res["pause"]
+    print(f"pause: groups {(pz.get('groups') or {}).get('ok')}, lonely send "
+          f"{(pz.get('lonely_send') or {}).get('ok')}, 25 s pause against a 20 s timeout "
+          f"{(pz.get('timeout_cap') or {}).get('ok')} (held "
+          f"{(pz.get('timeout_cap') or {}).get('held_s')} s) -> "
+          f"{'ok' if res['pause_ok'] else 'FAILED: ' + str(pz.get('error', ''))}")
     print(f"queued {res['queued_ok']}, hung on the GPU {res['hang_ok']} (hang watch: "
           f"{res['hang'].get('hang_watch')}); nvml via {res['nvml_via']}: {res['nvml_ok']}; "
           f"skipped {res['skipped'] or 'none'}; results in {res_dir}")
-    brief = {k: v for k, v in res.items() if k not in ("capture", "driver", "queued", "hang")}
+    brief = {k: v for k, v in res.items() if k not in ("capture", "driver", "queued", "hang", "pause")}
     print("RESULT " + json.dumps(brief))
     return 0 if res["ok"] else 1
 

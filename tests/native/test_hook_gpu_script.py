@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ TRAIN = SCRIPT.with_name("gpu_check_train.py")
 DRIVER = SCRIPT.with_name("gpu_check_driver.py")
 NVML = SCRIPT.with_name("gpu_check_nvml.py")
 SUMMARY = SCRIPT.with_name("gpu_check_summary.py")
+PAUSE = SCRIPT.with_name("gpu_check_pause.py")
 
 
 def test_gpu_check_is_valid_bash() -> None:
@@ -60,7 +62,7 @@ def _embedded(name: str) -> str:
 
 
 def test_gpu_check_programs_compile() -> None:
-    for prog in (TRAIN, DRIVER, NVML, SUMMARY):
+    for prog in (TRAIN, DRIVER, NVML, SUMMARY, PAUSE):
         subprocess.run([sys.executable, "-m", "py_compile", str(prog)], check=True)
     for name in ("_AGENT", "_WATCHER"):
         compile(_embedded(name), name, "exec")
@@ -143,6 +145,8 @@ def _steps(tmp_path: Path, **over: dict[str, object]) -> Path:
                                                              "gpu_duration_us": 31.0}}},
         "async": {"queued": {"ok": True}, "hang": {"ok": True}}, "driver": {"ok": True},
         "nvml": {"ok": True, "via": "ctypes", "bus_ids": {"0": "00000000:1B:00.0", "1": "00000000:43:00.0"}},
+        "pause": {"ok": True, "groups": {"ok": True}, "lonely_send": {"ok": True},
+                  "timeout_cap": {"ok": True, "held_s": 5.0}},
     }
     for name, value in over.items():
         steps[name] = value
@@ -178,3 +182,21 @@ def test_gpu_check_summary_fails_on_a_wrong_bus_id_memory_or_a_skipped_step(tmp_
     assert rc == 1 and not res["memory_ok"] and res["pci_ok"]
     rc, res = _summary(_steps(tmp_path / "c", driver={"ok": False, "skipped": "budget"}))
     assert rc == 1 and res["skipped"] == ["driver"]
+
+
+def test_gpu_check_summary_fails_when_the_pause_checks_fail_or_did_not_run(tmp_path: Path) -> None:
+    cut_late = {"ok": False, "groups": {"ok": True}, "lonely_send": {"ok": True},
+                "timeout_cap": {"ok": False, "held_s": 24.9}}
+    rc, res = _summary(_steps(tmp_path / "a", pause=cut_late))
+    assert rc == 1 and not res["ok"] and not res["pause_ok"] and res["pci_ok"], res
+    steps = _steps(tmp_path / "b")
+    (steps / "pause.json").unlink()
+    rc, res = _summary(steps)
+    assert rc == 1 and not res["pause_ok"]
+
+
+def test_gpu_check_runs_the_pause_step_before_the_summary() -> None:
+    text = SCRIPT.read_text()
+    step = re.search(r'^step pause \d+ 0 "\$PY" "\$ROOT/scripts/gpu_check_pause.py" --out "\$RES/pause"$',
+                     text, re.M)
+    assert step is not None and step.start() < text.index("gpu_check_summary.py\" \"$RES\"")
