@@ -28,7 +28,8 @@ def _ring(shm: Path, pid: int) -> Path:
 
 def test_the_timeout_goes_to_the_environment_and_into_this_process_ring(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(ENV, "0")  # registers the undo: the code under test sets it directly
+    monkeypatch.delenv(ENV)
     monkeypatch.setenv("GREYHOUND_SHM_DIR", str(tmp_path))
     monkeypatch.setenv("GREYHOUND_JOB_ID", "job")
     monkeypatch.setenv("RANK", "3")
@@ -45,7 +46,8 @@ def test_the_timeout_goes_to_the_environment_and_into_this_process_ring(
 
 def test_another_process_ring_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                             ) -> None:
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(ENV, "0")  # registers the undo: the code under test sets it directly
+    monkeypatch.delenv(ENV)
     ring = _ring(tmp_path, os.getpid() + 1)
     assert report_pg_timeout(7.5, ring=ring) is False
     reader = H.RingReader(ring)
