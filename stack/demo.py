@@ -191,6 +191,26 @@ def _inject(fj: FakeJob, fault: DemoFault, at: int, out: TextIO) -> tuple[str, f
     return line, time.time() - (time.monotonic_ns() - last_ns) / 1e9
 
 
+def _wait_served(base: str, fj: FakeJob, agent_of: dict[int, str]) -> None:
+    """Until every rank of the job is registered by the agent that serves it (``agent_of``:
+    ranks of a second node). A fault injected before an agent watches its ranks is profiled
+    without them: on a loaded machine the second node's agent can take seconds to start, and the
+    first localisation's window then never fills (half the ranks in monitor mode)."""
+    job, n = fj.spec.job_id, fj.spec.world_size
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        r = httpx.get(f"{base}/v1/jobs/{job}", timeout=10.0)
+        if r.status_code != 404:
+            r.raise_for_status()
+            served = {x["rank"]: x["agent_id"] for x in r.json()["ranks"]}
+            if len(served) == n and all(served.get(k) == a for k, a in agent_of.items()):
+                return
+        if time.monotonic() > deadline or not fj.running():
+            raise TimeoutError(f"the agents did not register every rank of job {job} within "
+                               f"{START_TIMEOUT_S:g} s")
+        time.sleep(0.2)
+
+
 def _gpu_ms_p50(fj: FakeJob, ranks: int, since_wall: float) -> float | None:
     """Median device time from a rank's GPU reaching its collectives to their end (the
     transfers plus the wait for late peers), over the iterations begun since the fault."""
@@ -230,6 +250,7 @@ def play(stack: Stack, fault: DemoFault, *, at: int = 100, timeout_s: float = 60
                 spec, workdir=work, hook=native_build_dir() / "libgreyhound_hook.so",
                 shm_dir=shm, shm_dir_of_rank=dirs))
             readers = _rings(fj, shm, dirs)
+            _wait_served(base, fj, {r: node.agent_id for r in dirs} if node else {})
             line, t0 = _inject(fj, fault, at, out)
             res = DemoResult(fault.kind, line, job, hang_floor_s=hang_floor_s)
             if node is not None:
