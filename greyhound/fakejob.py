@@ -28,8 +28,9 @@ from pathlib import Path
 from types import TracebackType
 
 _REPO = Path(__file__).resolve().parent.parent
-_OUTPUTS = ("gh_workload", "libghworkload.so", "fake/libnccl.so.2", "fake/libcudart.so.12",
-            "fake/libcublas.so.12", "fake/libnvidia-ml.so.1")
+_OUTPUTS = ("gh_workload", "gh_workload_static", "libghworkload.so", "fake/libnccl.so.2",
+            "fake/libcudart.so.12", "fake/libcuda.so.1", "fake/libcublas.so.12",
+            "fake/libnvidia-ml.so.1")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,21 @@ class FakeJobSpec:
     verbose: bool = True  # one line per iteration in rank<N>.out: progress and timing for tests
     kernels: int = 4  # compute_ms is launched as this many kernels
     launch_us: float | None = None  # host cost of every launch instead of compute_busy's share
+    # The executable in native/build: gh_workload_static has the CUDA runtime compiled in (nvcc's
+    # default), so its process has no libcudart, only the driver (libcuda.so.1).
+    workload: str = "gh_workload"
+    # DP collectives per iteration, per pipeline stage (the last repeats): stages whose DP
+    # communicators advance at different rates, as Megatron's buckets make them.
+    dp_buckets: tuple[int, ...] = (1,)
+    # The DP step as one coalesced reduce-scatter (a group of one reduce-scatter per bucket): the
+    # DP communicator is then used only inside groups, as the pipeline's batched send/recv is.
+    dp_grouped: bool = False
+    # The process group's collective timeout: the workload's model of PyTorch's watchdog aborts
+    # a rank whose collective has not completed on its GPU this long after it was issued.
+    pg_timeout_s: float | None = None
+    # The ranks report that timeout to the hook (GREYHOUND_PG_TIMEOUT_S), as the PyTorch
+    # integration does.
+    report_pg_timeout: bool = True
 
 
 @dataclass(frozen=True)
@@ -178,15 +194,22 @@ class FakeJob:
         hook: Path | None,
         shm_dir: Path | None,
         env: Mapping[str, str] | None = None,
+        shm_dir_of_rank: Mapping[int, Path] | None = None,
     ) -> None:
         if spec.world_size < 1 or spec.world_size % (spec.tp * spec.pp) != 0:
             raise ValueError("world_size must be a positive multiple of tp * pp")
         if spec.kernels < 1:
             raise ValueError("kernels must be >= 1")
+        if not spec.dp_buckets or min(spec.dp_buckets) < 1:
+            raise ValueError("dp_buckets must be one or more counts >= 1")
+        if spec.pg_timeout_s is not None and spec.pg_timeout_s <= 0:
+            raise ValueError("pg_timeout_s must be > 0")
         self.spec = spec
         self.workdir = workdir
         self.hook = hook
         self.shm_dir = shm_dir
+        # ranks whose rings go elsewhere (another "node": another agent's directory)
+        self.shm_dir_of_rank = dict(shm_dir_of_rank or {})
         self._extra_env = dict(env or {})
         workdir.mkdir(parents=True, exist_ok=True)
         self.faults = FaultFile(workdir / "faults.txt")
@@ -214,8 +237,17 @@ class FakeJob:
         )
         if s.launch_us is not None:
             env["GH_LAUNCH_US"] = str(s.launch_us)
-        if self.shm_dir is not None:
-            env["GREYHOUND_SHM_DIR"] = str(self.shm_dir)
+        env["GH_DP_BUCKETS"] = ",".join(map(str, s.dp_buckets))
+        env["GH_DP_GROUPED"] = "1" if s.dp_grouped else "0"
+        if s.pg_timeout_s is not None:
+            env["GH_PG_TIMEOUT_MS"] = str(round(s.pg_timeout_s * 1000))
+            if s.report_pg_timeout:
+                env["GREYHOUND_PG_TIMEOUT_S"] = f"{s.pg_timeout_s:g}"
+        if s.pg_timeout_s is None or not s.report_pg_timeout:
+            env.pop("GREYHOUND_PG_TIMEOUT_S", None)
+        shm = self.shm_dir_of_rank.get(rank, self.shm_dir)
+        if shm is not None:
+            env["GREYHOUND_SHM_DIR"] = str(shm)
         if self.hook is not None:
             env["LD_PRELOAD"] = str(self.hook)
         return env
@@ -232,7 +264,7 @@ class FakeJob:
                 with open(self.workdir / f"rank{rank}.out", "wb") as out, \
                         open(self.workdir / f"rank{rank}.err", "wb") as err:
                     p = subprocess.Popen(
-                        [str(build / "gh_workload")], env=self.rank_env(rank, build),
+                        [str(build / self.spec.workload)], env=self.rank_env(rank, build),
                         stdout=out, stderr=err, stdin=subprocess.DEVNULL, process_group=pgid,
                     )
                 self.procs.append(p)

@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
-# GPU check of the hook (issues 3 and 10): on a machine with an NVIDIA GPU and PyTorch, build the
-# hook and run single-rank PyTorch NCCL processes (scripts/gpu_check_train.py):
-#   train  a short training loop unhooked, hooked in monitor mode and in profile mode: records,
-#          completion marks, GPU timings, one GEMM benchmark through the pause path (after the
-#          drain), ms per step and host time per all_reduce call in each mode;
-#   async  (a) a collective queued behind a ~50 ms GPU spin: host time in the call, pending mark,
-#          GPU start and duration from profile mode; (b) a collective hung on the GPU
-#          (cuStreamWaitValue32 on a flag): pending and ageing in the comm table while the
-#          training thread waits in a stream synchronisation, the tracker's hang-watch core run
-#          on it when importable, and released by the flag;
-#   nvml   real NVML through the node agent's sampler (scripts/gpu_check_nvml.py): every GPU's
-#          clocks, throttle reasons, temperature, power, ECC, PCIe, NVLink idle and under a GEMM
-#          loop, Xid events, cross-checked with nvidia-smi (about 10 s).
-# Prints a summary and, last, RESULT {json}. About two minutes; at most 4 x 100 s + 60 s (under 8 min). Exits non-zero with a clear message
-# when something needed is missing or a check fails.
+# GPU check of the hook: one prepared run on a machine with an NVIDIA GPU and PyTorch (world size 1;
+# NCCL refuses two ranks on one GPU), at most 8 minutes (GH_CHECK_BUDGET_S, default 460 s: a step
+# that could not finish inside it is skipped and says so). Each step writes its JSON (and its log)
+# under $OUT/gpu_check (or a fresh directory it prints when OUT is unset); the summary goes to
+# result.json there and, last, to stdout as RESULT {json}.
+#   train    a short training loop unhooked, hooked in monitor mode and in profile mode: records,
+#            completion marks, GPU timings, one GEMM benchmark through the pause path, ms per step,
+#            host time per all_reduce call; the GPU memory each process holds (nvidia-smi
+#            --query-compute-apps, and cudaMemGetInfo) and the PCI bus id the hook recorded;
+#   capture  a CUDA graph captured in global mode of all-reduces while another thread calls NCCL on
+#            a communicator of its own, unhooked, in monitor and in profile mode: the capture holds
+#            and replays, nothing of the hook goes into it, the other thread's calls keep their
+#            marks and times;
+#   gputime  an out-of-place all-reduce (64 MiB, on a communicator made through the hook) behind
+#            ~50 ms of torch.cuda._sleep: pending on the GPU, its GPU start ~50 ms after the enqueue
+#            and a real GPU duration (a one-rank in-place all-reduce launches nothing);
+#   async    a collective queued behind a 50 ms GPU spin, and one hung on the GPU by
+#            cuStreamWaitValue32 with the tracker's hang watch run by a watcher process;
+#   driver   the hook in a process without a shared CUDA runtime (real NCCL and the driver only,
+#            no torch): marks and profile times through the driver API, the bus id it records;
+#   nvml     real NVML through the agent's sampler, or through ctypes where pydantic or pynvml is
+#            missing (a bare PyTorch image): every GPU's health and PCI bus id, against nvidia-smi;
+#   pause    scripts/gpu_check_pause.py: a coalesced reduce-scatter and a self batch_isend_irecv
+#            whose marks clear after GroupEnd and whose group-only communicator a targeted pause
+#            parks; a benchmark send with no receiver (on the split benchmark communicator), then
+#            training going on; a 25 s pause against a 20 s process-group timeout: cut, the job lives.
+# Exits non-zero with a clear message when something needed is missing or a check fails.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,71 +50,57 @@ make -s -C "$ROOT/native" hook >/dev/null || fail "building the hook failed"
 HOOK="$ROOT/native/build/libgreyhound_hook.so"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
+if [[ -n "${OUT:-}" ]]; then RES="$OUT/gpu_check"; else RES="$(mktemp -d)/gpu_check"; fi
+mkdir -p "$RES"
+BUDGET="${GH_CHECK_BUDGET_S:-460}"
+SECONDS=0
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export GREYHOUND_SHM_DIR="$WORK/shm" MASTER_ADDR=127.0.0.1 RANK=0 WORLD_SIZE=1
 export GH_STEPS="${GH_STEPS:-300}"
 
-# One run; $1 = label, $2 = check (train|async), $3 = mode (none|monitor|profile). Prints its JSON.
-run() {
-  local label=$1 check=$2 mode=$3 port
+# One step: $1 = name, $2 = timeout (s), $3 = hooked (1|0), then the command. Its last stdout line
+# (JSON) goes to $RES/<name>.json, the rest to <name>.log; a step that would overrun the budget,
+# fails or prints no JSON leaves {"ok": false, ...} there instead.
+step() {
+  local name=$1 limit=$2 hooked=$3 port
+  shift 3
+  if (( SECONDS + limit > BUDGET )); then
+    echo "{\"ok\": false, \"skipped\": \"the ${BUDGET} s budget would not hold it\"}" > "$RES/$name.json"
+    echo "gpu_check: $name skipped (budget)" >&2
+    return 0
+  fi
   port=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])")
   local preload=""
-  [[ "$mode" != none ]] && preload="$HOOK"
-  MASTER_PORT=$port GREYHOUND_JOB_ID="gpu-$label" GH_CHECK="$check" GH_MODE="$mode" LD_PRELOAD="$preload" \
-    timeout 100 "$PY" "$ROOT/scripts/gpu_check_train.py" || { echo "gpu_check: run '$label' failed" >&2; return 1; }
+  [[ "$hooked" == 1 ]] && preload="$HOOK"
+  local t0=$SECONDS rc=0
+  MASTER_PORT=$port GREYHOUND_JOB_ID="gpu-$name" LD_PRELOAD="$preload" \
+    timeout "$limit" "$@" > "$RES/$name.log" 2>&1 || rc=$?
+  local last
+  last=$(tail -1 "$RES/$name.log" 2>/dev/null || true)
+  last=${last#RESULT }  # a script that ends with RESULT {json}
+  if "$PY" -c 'import json, sys; json.loads(sys.argv[1])' "$last" 2>/dev/null; then
+    echo "$last" > "$RES/$name.json"
+  else
+    echo "{\"ok\": false, \"error\": \"exit $rc without a result (see $name.log)\"}" > "$RES/$name.json"
+  fi
+  echo "gpu_check: $name done in $((SECONDS - t0)) s (exit $rc)" >&2
 }
 
-base=$(run base train none | tail -1) || fail "the unhooked training run failed"
-mon=$(run monitor train monitor | tail -1) || fail "the monitor-mode training run failed"
-prof=$(run profile train profile | tail -1) || fail "the profile-mode training run failed"
-asy=$(run async async monitor | tail -1) || fail "the asynchronous-timeline run failed"
-"$PY" -c "import pynvml" >/dev/null 2>&1 || fail "pynvml is not importable by $PY (pip install nvidia-ml-py)"
-nvml_out=$(timeout 60 "$PY" "$ROOT/scripts/gpu_check_nvml.py" 2>&1) || true
-echo "$nvml_out" | sed '$d'
-nvml=$(echo "$nvml_out" | tail -1)
-"$PY" -c 'import json, sys; json.loads(sys.argv[1])' "$nvml" 2>/dev/null \
-  || nvml='{"ok": false, "error": "the NVML step printed no result"}'
-"$PY" - "$base" "$mon" "$prof" "$asy" "$nvml" <<'PYEOF'
-import json, sys
-base, mon, prof, asy, nvml = (json.loads(a) for a in sys.argv[1:])
-q, h = asy["queued"], asy["hang"]
-train_ok = (mon["records"] > 0 and mon["gpu_marks"] == 1 and prof["gpu_done"] > 0 and prof["gemm_ok"])
-res = {
-    "ok": bool(train_ok and q["ok"] and h["ok"] and nvml["ok"]),
-    "train_ok": train_ok, "queued_ok": q["ok"], "hang_ok": h["ok"], "nvml_ok": nvml["ok"],
-    "ms_per_step_unhooked": base["ms_per_step"],
-    "ms_per_step_monitor": mon["ms_per_step"],
-    "ms_per_step_profile": prof["ms_per_step"],
-    "overhead_monitor_pct": round(100 * (mon["ms_per_step"] / base["ms_per_step"] - 1), 3),
-    "overhead_profile_pct": round(100 * (prof["ms_per_step"] / base["ms_per_step"] - 1), 3),
-    "us_per_allreduce_unhooked": base["us_per_allreduce_call"],
-    "us_added_per_call_monitor": round(mon["us_per_allreduce_call"] - base["us_per_allreduce_call"], 3),
-    "us_added_per_call_profile": round(prof["us_per_allreduce_call"] - base["us_per_allreduce_call"], 3),
-    "allreduce_records_monitor": mon["records"],
-    "marks_monitor": {k: mon.get(k) for k in ("gpu_marks", "marks_behind", "marks_lost")},
-    "profiled_records_with_gpu_times": prof["gpu_done"],
-    "median_gpu_allreduce_us": prof["gpu_us_median"],
-    "gemm_benchmark_ns": prof["gemm_ns"], "gemm_drain_ns": prof["gemm_drain_ns"],
-    "queued": q, "hang": h, "device": prof["device"], "nvml": nvml,
-}
-print(f"training: unhooked {base['ms_per_step']:.3f} ms/step; monitor {mon['ms_per_step']:.3f}; "
-      f"profile {prof['ms_per_step']:.3f}; GPU-timed all-reduces: {prof['gpu_done']}; GEMM "
-      f"{'ok' if prof['gemm_ok'] else 'FAILED'} after a {prof['gemm_drain_ns']} ns drain")
-print(f"host time per all_reduce: {base['us_per_allreduce_call']} us unhooked, "
-      f"+{res['us_added_per_call_monitor']} us with the monitor-mode mark, "
-      f"+{res['us_added_per_call_profile']} us in profile mode")
-qm, qp = q["monitor"], q["profile"]
-print(f"(a) queued behind 50 ms: {qm['host_ms_in_all_reduce']} ms in all_reduce on the host, pending "
-      f"on the GPU: {qm['pending_while_queued']}; profile: GPU start {qp.get('gpu_start_after_enqueue_ms')} ms "
-      f"after enqueue, {qp.get('gpu_duration_ms')} ms on the GPU -> {'ok' if q['ok'] else 'FAILED'}")
-print(f"(b) hung on the GPU: pending seq {h.get('pending_seq_seen')} ageing {h.get('pending_age_first_s')} -> "
-      f"{h.get('pending_age_last_s')} s, host inside NCCL in {h.get('host_inside_nccl_samples')} samples, "
-      f"training thread blocked {h.get('blocked_in_sync_s')} s; hang watch: {h.get('hang_watch')} -> "
-      f"{'ok' if h['ok'] else 'FAILED: ' + str(h.get('error', ''))}")
-print(f"nvml: {nvml.get('gpus', 0)} GPU(s), {nvml.get('ms_per_sample_all_gpus')} ms per sample, "
-      f"absent fields {nvml.get('absent_fields')}, nvidia-smi agrees {nvml.get('nvidia_smi_agrees')} -> "
-      f"{'ok' if nvml['ok'] else 'FAILED: ' + str(nvml.get('error', ''))}")
-print("RESULT " + json.dumps(res))
-sys.exit(0 if res["ok"] else 1)
-PYEOF
+TRAIN="$ROOT/scripts/gpu_check_train.py"
+GH_CHECK=train GH_MODE=none step base 90 0 "$PY" "$TRAIN"
+GH_CHECK=train GH_MODE=monitor step monitor 90 1 "$PY" "$TRAIN"
+GH_CHECK=train GH_MODE=profile step profile 90 1 "$PY" "$TRAIN"
+GH_CHECK=capture GH_MODE=none step capture_base 60 0 "$PY" "$TRAIN"
+GH_CHECK=capture GH_MODE=monitor step capture_monitor 60 1 "$PY" "$TRAIN"
+GH_CHECK=capture GH_MODE=profile step capture_profile 60 1 "$PY" "$TRAIN"
+GH_CHECK=gputime step gputime 60 1 "$PY" "$TRAIN"
+GH_CHECK=async GH_MODE=monitor step async 100 1 "$PY" "$TRAIN"
+step driver 60 1 "$PY" "$ROOT/scripts/gpu_check_driver.py"
+step nvml 60 0 "$PY" "$ROOT/scripts/gpu_check_nvml.py"
+
+# The pause script starts its own hooked PyTorch child (its parent plays the agent, unhooked) and
+# writes its rings and its child's log under $RES/pause.
+step pause 150 0 "$PY" "$ROOT/scripts/gpu_check_pause.py" --out "$RES/pause"
+
+"$PY" "$ROOT/scripts/gpu_check_summary.py" "$RES"

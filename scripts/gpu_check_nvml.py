@@ -7,11 +7,18 @@ events, times a sample, and cross-checks SM clock and temperature against nvidia
 table per GPU and, last, one JSON line: ok is true when NVML opened, every GPU gave its SM
 clock, temperature and throttle reasons, and nvidia-smi agrees within tolerance (not compared
 without nvidia-smi, or when GREYHOUND_AGENT_NVML_LIB loads another library, e.g. the fake).
-Fields the GPU does not support are reported as absent, not as failures.
+Fields the GPU does not support are reported as absent, not as failures. ``bus_ids`` lists each
+GPU's PCI bus id as NVML gives it (what the agent matches the hook's against).
+
+A bare PyTorch image has neither pydantic nor pynvml, which the agent's sampler needs: then the
+same core facts (bus ids, SM clock, temperature, throttle reasons) are read straight from
+libnvidia-ml.so.1 through ctypes, the result says ``"via": "ctypes"`` and why the sampler did
+not run (GH_NVML_CTYPES=1 takes that path anyway).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -20,12 +27,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.agent.nvml import NvmlSampler
-from services.common.bus.contract import GpuSample
+if TYPE_CHECKING:
+    from services.common.bus.contract import GpuSample
 
 FIELDS = ("sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "throttle", "temperature_c",
           "power_w", "ecc_corrected", "ecc_uncorrected", "pcie_replays", "nvlink_links",
@@ -82,8 +89,95 @@ def table(title: str, samples: dict[int, GpuSample]) -> None:
               f"{','.join(g.throttle) or '-'}")
 
 
+def agree_with(ref: dict[int, tuple[int, int]], got: dict[int, tuple[int | None, int | None]]
+               ) -> dict[int, bool]:
+    """nvidia-smi's SM clock and temperature against ours, read a moment apart under load: clocks
+    move by a few bins, temperature by degrees."""
+    out = {}
+    for i, (sm, temp) in ref.items():
+        mine = got.get(i)
+        if mine is not None and mine[0] is not None and mine[1] is not None:
+            out[i] = abs(mine[0] - sm) <= max(150, 0.15 * sm) and abs(mine[1] - temp) <= 5
+    return out
+
+
+class PciInfo(ctypes.Structure):
+    """nvmlPciInfo_t (NVML 9.0+)."""
+
+    _fields_ = [("busIdLegacy", ctypes.c_char * 16), ("domain", ctypes.c_uint), ("bus", ctypes.c_uint),
+                ("device", ctypes.c_uint), ("pciDeviceId", ctypes.c_uint),
+                ("pciSubSystemId", ctypes.c_uint), ("busId", ctypes.c_char * 32)]
+
+
+def via_ctypes(lib: str | None, why: str) -> int:
+    """The core facts straight from libnvidia-ml.so.1, without pynvml or pydantic."""
+    res: dict[str, Any] = {"ok": False, "via": "ctypes", "sampler_not_run": why}
+    try:
+        nvml = ctypes.CDLL(lib or "libnvidia-ml.so.1")
+    except OSError as exc:
+        res["error"] = f"NVML did not open: {exc}"
+        print(json.dumps(res))
+        return 1
+    if nvml.nvmlInit_v2() != 0:
+        res["error"] = "NVML did not open"
+        print(json.dumps(res))
+        return 1
+    try:
+        count = ctypes.c_uint()
+        nvml.nvmlDeviceGetCount_v2(ctypes.byref(count))
+        stop, running = threading.Event(), threading.Event()
+        what: list[str] = []
+        worker = threading.Thread(target=lambda: what.append(busy(stop, running)), daemon=True)
+        worker.start()
+        running.wait(timeout=30)
+        time.sleep(1.0)
+        gpus: dict[int, dict[str, Any]] = {}
+        for i in range(count.value):
+            h = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(i), ctypes.byref(h)) != 0:
+                continue
+            def ask(fn: Any, *args: Any, out: Any) -> Any:
+                return out if fn(h, *args, ctypes.byref(out)) == 0 else None  # noqa: B023
+
+            pci = ask(nvml.nvmlDeviceGetPciInfo_v3, out=PciInfo())
+            sm = ask(nvml.nvmlDeviceGetClockInfo, 1, out=ctypes.c_uint())  # NVML_CLOCK_SM
+            sm_max = ask(nvml.nvmlDeviceGetMaxClockInfo, 1, out=ctypes.c_uint())
+            temp = ask(nvml.nvmlDeviceGetTemperature, 0, out=ctypes.c_uint())  # the GPU's
+            reasons = ask(getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                          or nvml.nvmlDeviceGetCurrentClocksThrottleReasons, out=ctypes.c_ulonglong())
+            gpus[i] = {"bus_id": pci.busId.decode() if pci is not None else None,
+                       "sm_clock_mhz": sm.value if sm is not None else None,
+                       "sm_clock_max_mhz": sm_max.value if sm_max is not None else None,
+                       "temperature_c": temp.value if temp is not None else None,
+                       "throttle_mask": reasons.value if reasons is not None else None}
+        ref = smi() if lib is None else {}
+        stop.set()
+        worker.join(timeout=15)
+    finally:
+        nvml.nvmlShutdown()
+    agree = agree_with(ref, {i: (g["sm_clock_mhz"], g["temperature_c"]) for i, g in gpus.items()})
+    core_ok = bool(gpus) and all(g["sm_clock_mhz"] is not None and g["temperature_c"] is not None
+                                 and g["throttle_mask"] is not None for g in gpus.values())
+    res.update(ok=core_ok and all(agree.values()), gpus=len(gpus),
+               bus_ids={str(i): g["bus_id"] for i, g in gpus.items()},
+               loaded={str(i): g for i, g in gpus.items()},
+               nvidia_smi_agrees={str(i): v for i, v in agree.items()},
+               load=what[0] if what else None)
+    for i, g in gpus.items():
+        print(f"{i:>3} {g['bus_id']} SM {g['sm_clock_mhz']}/{g['sm_clock_max_mhz']} MHz "
+              f"{g['temperature_c']} C throttle 0x{g['throttle_mask'] or 0:x}")
+    print(json.dumps(res))
+    return 0 if res["ok"] else 1
+
+
 def main() -> int:
     lib = os.environ.get("GREYHOUND_AGENT_NVML_LIB") or None
+    try:
+        if os.environ.get("GH_NVML_CTYPES") == "1":
+            raise ImportError("GH_NVML_CTYPES=1")
+        from services.agent.nvml import NvmlSampler  # needs pydantic and pynvml
+    except ImportError as exc:
+        return via_ctypes(lib, f"{type(exc).__name__}: {exc}")
     sampler = NvmlSampler(lib, host="local")
     if not sampler.open():
         print(json.dumps({"ok": False, "error": "NVML did not open"}))
@@ -107,19 +201,17 @@ def main() -> int:
         worker.join(timeout=15)
         table(f"under load ({what[0] if what else 'GEMM loop on GPU 0'}):", loaded)
         xids = sampler.poll_xids()
+        buses = {i: g.bus for i, g in sampler.gpus.items()}
     finally:
         sampler.close()
     missing = {i: [f for f in FIELDS if getattr(g, f) is None] for i, g in loaded.items()}
     core_ok = bool(loaded) and all(g.sm_clock_mhz is not None and g.temperature_c is not None
                                    and g.throttle_mask is not None for g in loaded.values())
-    agree = {}
-    for i, (sm, temp) in ref.items():
-        g = loaded.get(i)
-        if g is not None and g.sm_clock_mhz is not None and g.temperature_c is not None:
-            # read a moment apart under load: clocks move by a few bins, temperature by degrees
-            agree[i] = abs(g.sm_clock_mhz - sm) <= max(150, 0.15 * sm) and abs(g.temperature_c - temp) <= 5
+    agree = agree_with(ref, {i: (g.sm_clock_mhz, g.temperature_c) for i, g in loaded.items()})
     res: dict[str, Any] = {
-        "ok": core_ok and all(agree.values()), "gpus": len(loaded),
+        "ok": core_ok and all(agree.values()), "gpus": len(loaded), "via": "sampler",
+        "bus_ids": {str(i): None if b is None else "{:08X}:{:02X}:{:02X}.{}".format(*b)
+                    for i, b in buses.items()},
         "ms_per_sample_all_gpus": round(ms_per_sample, 3), "xids": [[i, e.code] for i, e in xids],
         "absent_fields": {str(i): f for i, f in missing.items() if f},
         "nvidia_smi_agrees": {str(i): v for i, v in agree.items()},

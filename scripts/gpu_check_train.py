@@ -8,6 +8,22 @@ profile mode, timing events cost on real NCCL). In profile mode it also drives o
 through the pause path from a separate agent process, as the node agent would (the benchmark
 first drains the rank's queued GPU work).
 
+In every mode it reports the GPU memory the process holds (nvidia-smi --query-compute-apps, and
+the device's used memory from cudaMemGetInfo), so a hooked run compares with an unhooked one, and,
+hooked, the PCI bus id the hook recorded next to the one PyTorch reports for the device.
+
+GH_CHECK=capture (GH_MODE none|monitor|profile): a CUDA graph captured in global mode (the
+default of torch.cuda.graph) of all-reduces while another thread keeps calling NCCL on a
+communicator of its own: the capture must succeed and replay, the hook must record nothing into
+it (profile: CAPTURED records; monitor: lost marks) while the other thread's calls keep their
+marks and times, and its poller must not invalidate the capture.
+
+GH_CHECK=gputime (hook preloaded): GPU durations on real NCCL. A one-rank in-place all-reduce
+launches nothing on the GPU, so this uses a communicator of its own through the hook's ncclX
+(ctypes) and an out-of-place all-reduce of 64 MiB behind ~50 ms of torch.cuda._sleep: its GPU start
+comes ~50 ms after the host enqueued it and its GPU duration is the copy's (the in-place one's, for
+comparison, is ~0).
+
 GH_CHECK=async (hook preloaded): the GPU timeline on real NCCL. (a) A collective queued behind a
 ~50 ms GPU spin (torch.cuda._sleep): the host returns from the NCCL call within a millisecond, the
 comm table shows it pending on the GPU, and profile mode reads its GPU start ~50 ms after the host
@@ -25,16 +41,18 @@ from __future__ import annotations
 import ctypes
 import importlib
 import json
-import mmap
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.gpu_check_flag import gpu_flag, unregister
 
 # Imported by name: torch exists only on the GPU machine, and mypy runs where it does not.
 torch = importlib.import_module("torch")
@@ -81,7 +99,7 @@ try:
         time.sleep(0.01)
     mon = col = None
     try:
-        from greyhound.agent.collector import Collector
+        from services.agent.collector import Collector
         from greyhound.core.job_hangs import COUNTER_FIELDS, JobHangMonitor
         col = Collector(Path(shm), job)
         col.scan()
@@ -133,6 +151,37 @@ def _ring() -> Path:
 def _init(dev: Any) -> None:
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+
+
+def gpu_memory() -> dict[str, Any]:
+    """What this process holds on the GPU: nvidia-smi's per-process figure (None where its PID
+    namespace hides the process) and the device's used memory from cudaMemGetInfo."""
+    mib = None
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              timeout=20, check=False).stdout
+        for line in text.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
+                mib = int(parts[1])
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    free, total = torch.cuda.mem_get_info()
+    return {"process_mib": mib, "device_used_mib": round((total - free) / 2**20),
+            "torch_reserved_mib": round(torch.cuda.memory_reserved() / 2**20)}
+
+
+def bus_ids(reader: Any | None) -> dict[str, Any]:
+    """The PCI bus id the hook recorded for the device, and PyTorch's for device 0."""
+    props = torch.cuda.get_device_properties(0)
+    torch_bus = None
+    if hasattr(props, "pci_bus_id"):
+        domain, dev = int(getattr(props, "pci_domain_id", 0)), int(getattr(props, "pci_device_id", 0))
+        torch_bus = f"{domain:04X}:{int(props.pci_bus_id):02X}:{dev:02X}.0"
+    hook_bus = reader.refresh_header().pci_bus_id if reader is not None else None
+    return {"pci_bus_id_hook": hook_bus, "pci_bus_id_torch": torch_bus,
+            "gpu_api": int(reader.header.gpu_api) if reader is not None else None}
 
 
 def _per_call_us(x: Any, calls: int = 500, rounds: int = 7) -> float:
@@ -217,9 +266,162 @@ def train(mode: str) -> dict[str, Any]:
                                  if len(live) else None),
                    marks_lost=int(live["gpu_marks_lost"].sum()) if len(live) else None)
     out.update(gemm_ok=gemm.get("state") == "DONE", gemm_ns=gemm.get("durations_ns", []),
-               gemm_drain_ns=gemm.get("drain_ns"))
+               gemm_drain_ns=gemm.get("drain_ns"), memory=gpu_memory(), **bus_ids(reader))
     dist.destroy_process_group()
     return out
+
+
+def capture(mode: str) -> dict[str, Any]:
+    """A global-mode graph capture of all-reduces while another thread calls NCCL."""
+    from greyhound import hookabi as H
+
+    dev = torch.device("cuda", 0)
+    _init(dev)
+    side_group = dist.new_group([0])  # a communicator of its own: one thread per communicator
+    x, y = torch.ones(1 << 20, device=dev), torch.ones(1 << 20, device=dev)
+    for _ in range(5):
+        dist.all_reduce(x)
+        dist.all_reduce(y, group=side_group)
+    torch.cuda.synchronize()
+    reader = None
+    if mode != "none":
+        reader = H.RingReader(_ring(), gpu_wait_ns=3_000_000_000)
+        reader.poll()
+        if mode == "profile":
+            reader.control().set_mode("profile")
+            dist.all_reduce(x)  # the event pool is made at a call on a stream not capturing
+            torch.cuda.synchronize()
+    stop, side_calls, side_err = threading.Event(), [0], []
+
+    def side() -> None:
+        s = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(s):
+                while not stop.is_set():
+                    dist.all_reduce(y, group=side_group)
+                    side_calls[0] += 1
+                    time.sleep(0.002)  # no synchronisation: illegal while another thread captures
+        except Exception as e:  # reported, never raised in the thread
+            side_err.append(f"{type(e).__name__}: {e}")
+
+    t = threading.Thread(target=side, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    g, err, replayed = torch.cuda.CUDAGraph(), None, 0
+    try:
+        with torch.cuda.graph(g, capture_error_mode="global"):
+            for _ in range(4):
+                dist.all_reduce(x)
+                time.sleep(0.02)  # the poller and the other thread act while we capture
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    stop.set()
+    t.join(timeout=10)
+    torch.cuda.synchronize()
+    if err is None:
+        for _ in range(5):
+            g.replay()
+            replayed += 1
+        torch.cuda.synchronize()
+    out: dict[str, Any] = {"mode": mode, "capture_error": err, "replayed": replayed,
+                           "side_calls": side_calls[0], "side_error": side_err[:1]}
+    if reader is not None:
+        time.sleep(0.3)
+        recs = reader.poll()
+        ar = recs[recs["op"] == H.Op.ALLREDUCE]
+        side_id = {int(c["comm_id"]) for c in reader.comms() if int(c["calls_entered"]) >= side_calls[0]}
+        captured = ar[(ar["flags"] & H.Flag.CAPTURED) != 0]
+        side_recs = ar[[int(c) in side_id for c in ar["comm_id"]]] if len(ar) else ar
+        comms = reader.comms()
+        out.update(captured_records=len(captured),
+                   side_records=len(side_recs),
+                   side_gpu_done=int(((side_recs["flags"] & H.Flag.GPU_DONE) != 0).sum()),
+                   marks_lost=int(comms["gpu_marks_lost"].sum()),
+                   marks=[{k: int(c[k]) for k in ("comm_id", "calls_entered", "gpu_calls_done",
+                                                  "gpu_marks_lost", "gpu_pending_ns")} for c in comms])
+    ok = err is None and replayed == 5 and side_calls[0] > 0 and not side_err
+    if mode == "profile":
+        ok = ok and out["captured_records"] >= 4 and out["side_gpu_done"] > 0
+    elif mode == "monitor":
+        ok = ok and out["marks_lost"] >= 4 and all(m["gpu_pending_ns"] == 0 for m in out["marks"])
+    out["ok"] = bool(ok)
+    dist.destroy_process_group()
+    return out
+
+
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
+def _loaded_nccl() -> ctypes.CDLL:
+    """The NCCL library torch loaded (RTLD_LOCAL: found by its path in /proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1] if "/" in line else ""
+        if "libnccl" in Path(path).name and "greyhound" not in path:
+            return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    raise RuntimeError("no libnccl in this process")
+
+
+def gputime() -> dict[str, Any]:
+    """GPU start and duration of an out-of-place all-reduce queued behind ~50 ms of GPU work."""
+    from greyhound import hookabi as H
+
+    dev = torch.device("cuda", 0)
+    _init(dev)
+    x = torch.ones(256, device=dev)
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    real, hook = _loaded_nccl(), ctypes.CDLL(None)  # hook: the preloaded ncclX, recorded
+    uid, comm = _UniqueId(), ctypes.c_void_p()
+    if (real.ncclGetUniqueId(ctypes.byref(uid)) != 0
+            or hook.ncclCommInitRank(ctypes.byref(comm), 1, uid, 0) != 0):
+        return {"ok": False, "error": "a communicator through the hook's ncclCommInitRank failed"}
+    n = 16 << 20  # floats: 64 MiB
+    src, dst = torch.ones(n, device=dev), torch.zeros(n, device=dev)
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+    def all_reduce(out: Any) -> int:
+        return int(hook.ncclAllReduce(ctypes.c_void_p(src.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                      ctypes.c_size_t(n), 7, 0, comm, stream))
+
+    reader = H.RingReader(_ring(), gpu_wait_ns=5_000_000_000)
+    cycles = _sleep_cycles_per_ms()
+    res: dict[str, Any] = {}
+    for mode in ("monitor", "profile"):
+        reader.control().set_mode(mode)
+        for _ in range(3):
+            all_reduce(dst)
+        torch.cuda.synchronize()
+        time.sleep(0.05)
+        reader.poll()
+        torch.cuda._sleep(int(50 * cycles))
+        rc = all_reduce(dst)
+        time.sleep(0.01)
+        during = _comm(reader)
+        rc |= all_reduce(src)  # in place, for comparison
+        torch.cuda.synchronize()
+        time.sleep(0.1)
+        recs = reader.poll()
+        ar = recs[(recs["op"] == H.Op.ALLREDUCE) & (recs["count"] == n)]
+        row: dict[str, Any] = {"rc": rc, "pending_while_queued": int(during["gpu_pending_ns"]) != 0,
+                               "host_inside_nccl_while_queued": int(during["inflight_enter_ns"]) != 0}
+        if mode == "profile" and len(ar) >= 2:
+            for name, rec in (("out_of_place", ar[-2]), ("in_place", ar[-1])):
+                start, end = int(rec["gpu_start_ns"]), int(rec["gpu_end_ns"])
+                if int(rec["flags"]) & H.Flag.GPU_DONE:
+                    row[name] = {"gpu_start_after_enqueue_ms": (start - int(rec["enter_ns"])) / 1e6,
+                                 "gpu_duration_us": (end - start) / 1e3}
+        res[mode] = row
+    reader.control().set_mode("monitor")
+    hook.ncclCommDestroy(comm)
+    oop = res["profile"].get("out_of_place", {})
+    mon = res["monitor"]
+    res["ok"] = bool(mon["rc"] == 0 and mon["pending_while_queued"]
+                     and not mon["host_inside_nccl_while_queued"]
+                     and oop.get("gpu_start_after_enqueue_ms", 0) > 40.0
+                     and oop.get("gpu_duration_us", 0) > 0.0)
+    dist.destroy_process_group()
+    return res
 
 
 def _sleep_cycles_per_ms() -> float:
@@ -293,20 +495,11 @@ def hang(reader: Any, x: Any) -> dict[str, Any]:
     libcuda = ctypes.CDLL("libcuda.so.1")
     wait = getattr(libcuda, "cuStreamWaitValue32_v2", None) or libcuda.cuStreamWaitValue32
     wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # tmpfs pages pin reliably
-    work = Path(tempfile.mkdtemp(prefix="gh-hang-", dir=shm))
-    flag_path, marker, seen_path = work / "flag", str(work / "sync"), work / "seen.json"
-    flag_path.write_bytes(b"\0" * 4096)
-    fd = os.open(flag_path, os.O_RDWR)
-    page = mmap.mmap(fd, 4096)
-    os.close(fd)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(page))
-    dptr = ctypes.c_uint64()
-    rc = libcuda.cuMemHostRegister_v2(ctypes.c_void_p(addr), ctypes.c_size_t(4096), ctypes.c_uint(0x02))
-    if rc == 0:
-        rc = libcuda.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(addr), ctypes.c_uint(0))
-    if rc != 0:
-        return {"ok": False, "error": f"registering the flag page failed (CUresult {rc})"}
+    flag = gpu_flag(libcuda, "gh-hang-")
+    if isinstance(flag, str):
+        return {"ok": False, "error": flag}
+    page, dptr, flag_path = flag.page, ctypes.c_uint64(flag.dptr), flag.path
+    marker, seen_path = str(flag_path.parent / "sync"), flag_path.parent / "seen.json"
     torch.cuda.synchronize()
     before = _comm(reader)
     watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(_ring()), str(flag_path), marker,
@@ -334,7 +527,7 @@ def hang(reader: Any, x: Any) -> dict[str, Any]:
     time.sleep(0.05)
     after = _comm(reader)
     seen = json.loads(seen_path.read_text()) if seen_path.exists() else {"samples": []}
-    libcuda.cuMemHostUnregister(ctypes.c_void_p(addr))
+    unregister(libcuda, flag)
     hung = int(before["last_seq_entered"]) + 1
     samples = [r for rows in seen["samples"] for r in rows if r["comm_id"] == int(before["comm_id"])]
     ages = [(r["now_ns"] - r["gpu_pending_ns"]) / 1e9 for r in samples if r["gpu_pending_ns"]]
@@ -379,8 +572,15 @@ def check_async() -> dict[str, Any]:
 
 
 def main() -> int:
-    check = os.environ.get("GH_CHECK", "train")
-    out = check_async() if check == "async" else train(os.environ.get("GH_MODE", "none"))
+    check, mode = os.environ.get("GH_CHECK", "train"), os.environ.get("GH_MODE", "none")
+    if check == "async":
+        out = check_async()
+    elif check == "capture":
+        out = capture(mode)
+    elif check == "gputime":
+        out = gputime()
+    else:
+        out = train(mode)
     print(json.dumps(out))
     return 0
 

@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_token_parser(sub)
     sub.choices["token"].set_defaults(func=cmd_token)
 
+    from stack.demo_faults import FAULT_KINDS
+
     from stack.run import add_parser as add_run_parser
 
     add_run_parser(sub)
@@ -174,9 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="play this scenario three ways (default: scenarios/paper-256.yaml)")
     demo.add_argument("--chart", type=Path, default=None,
                       help="where the chart goes (default: <data dir>/demo/<scenario>.png)")
-    demo.add_argument("--fault", choices=("slow", "link", "hang"), default=None,
+    demo.add_argument("--fault", choices=FAULT_KINDS, default=None,
                       help="instead: one fault in a small fake-NCCL job: a slow GPU, a slow link "
-                      "between two ranks, or a collective that never completes on one rank's GPU")
+                      "between two ranks, a collective that never completes on one rank's GPU, a "
+                      "slow GPU in a job whose DP communicators are used only inside groups "
+                      "(grouped), or a slow link whose validation loses a node's agent "
+                      "mid-benchmark (bench-peer-dies)")
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--rank", "--slow-rank", dest="rank", type=int, default=None,
                       help="the slow GPU, the hung rank, or the slow link's first end (the other "

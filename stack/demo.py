@@ -1,4 +1,5 @@
-"""``greyhound demo [--fault slow|link|hang]``: one fault played through every real layer.
+"""``greyhound demo [--fault slow|link|hang|grouped|bench-peer-dies]``: one fault played through
+every real layer.
 
 Real parts all the way: the native hook preloaded into the test workload's rank processes over
 the asynchronous fake NCCL/CUDA, the node agent draining their rings, NATS JetStream, the
@@ -6,14 +7,16 @@ tracker, the analyzer, the validator, Postgres and the REST API, from which the 
 the system found. The faults are in stack/demo_faults.py.
 
 The last line is ``RESULT {json}`` (kind, ranks, links, detected_s, localized_s,
-host_ms_in_nccl_p99, ...), for scripts and the tests; the exit status is 0 only when the
-incident named the injected fault. Host time inside NCCL is shown next to the GPU's time in the
-collectives: NCCL calls return once their work is enqueued, so the first says nothing about the
-fault, and the incident is found from the GPU timeline anyway.
+host_ms_in_nccl_p99, job_iterations_after, job_alive, ...), for scripts and the tests; the exit
+status is 0 only when the incident named the injected fault (and, for grouped and
+bench-peer-dies, the job trained on after the validation). Host time inside NCCL is shown next
+to the GPU's time in the collectives: NCCL calls return once their work is enqueued, so the
+first says nothing about the fault, and the incident is found from the GPU timeline anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -28,17 +31,22 @@ from typing import Any, TextIO
 import httpx
 import numpy as np
 
+from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec, native_build_dir
 from services.api.settings import ApiSettings
 from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import for_cpu_fake
 from stack.demo_faults import HANG_AHEAD, DemoFault, FaultKind, make_fault
+from stack.demo_node import KillOnTransfer, SecondNode, control_totals
 from stack.nccl_host_time import host_ns_in_nccl
 from stack.up import Stack, wait_api
 
 DEMO_HANG_FLOOR_S = 5.0  # the tracker's default (60 s) would make the hang demo last minutes
 START_TIMEOUT_S = 90.0  # the job reaching the injection iteration (a loaded machine is slow)
+RESUME_WAIT_S = 45.0  # the job's ranks running again after a validation (a dead agent's: its lease)
+AFTER_S = 10.0  # how long the job is watched after the validation ended ...
+AFTER_ITERS = 20  # ... at most: enough iterations to call it training
 
 
 @dataclass
@@ -61,6 +69,11 @@ class DemoResult:
     gpu_ms_in_collectives_p50: float | None = None  # iterations completed since the fault
     hang_floor_s: float | None = None
     incident_id: str | None = None
+    validation_outcome: str | None = None  # why the validation could not be carried out
+    job_iterations_after: int | None = None  # every rank's, after the fault / validation ended
+    job_alive: bool | None = None  # no rank process died (the watchdog model, a crash)
+    bench_comms_aborted: int = 0  # benchmark communicators the hooks aborted (a failed transfer)
+    pauses_shortened: int = 0  # pauses the hooks cut at a quarter of the job's timeout
 
 
 def _at_s(stamp: str) -> float:
@@ -178,6 +191,26 @@ def _inject(fj: FakeJob, fault: DemoFault, at: int, out: TextIO) -> tuple[str, f
     return line, time.time() - (time.monotonic_ns() - last_ns) / 1e9
 
 
+def _wait_served(base: str, fj: FakeJob, agent_of: dict[int, str]) -> None:
+    """Until every rank of the job is registered by the agent that serves it (``agent_of``:
+    ranks of a second node). A fault injected before an agent watches its ranks is profiled
+    without them: on a loaded machine the second node's agent can take seconds to start, and the
+    first localisation's window then never fills (half the ranks in monitor mode)."""
+    job, n = fj.spec.job_id, fj.spec.world_size
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        r = httpx.get(f"{base}/v1/jobs/{job}", timeout=10.0)
+        if r.status_code != 404:
+            r.raise_for_status()
+            served = {x["rank"]: x["agent_id"] for x in r.json()["ranks"]}
+            if len(served) == n and all(served.get(k) == a for k, a in agent_of.items()):
+                return
+        if time.monotonic() > deadline or not fj.running():
+            raise TimeoutError(f"the agents did not register every rank of job {job} within "
+                               f"{START_TIMEOUT_S:g} s")
+        time.sleep(0.2)
+
+
 def _gpu_ms_p50(fj: FakeJob, ranks: int, since_wall: float) -> float | None:
     """Median device time from a rank's GPU reaching its collectives to their end (the
     transfers plus the wait for late peers), over the iterations begun since the fault."""
@@ -190,13 +223,13 @@ def _gpu_ms_p50(fj: FakeJob, ranks: int, since_wall: float) -> float | None:
 def play(stack: Stack, fault: DemoFault, *, at: int = 100, timeout_s: float = 60.0,
          hang_floor_s: float | None = None, out: TextIO | None = None) -> DemoResult:
     """Run the demo's job on a running stack, inject the fault, and wait (at most
-    ``timeout_s`` after the fault began) for an incident that names it. Prints to ``out``
-    (default: the current sys.stdout)."""
+    ``timeout_s`` after the fault began) for an incident that names it; then watch the job
+    train on. Prints to ``out`` (default: the current sys.stdout)."""
     out = out or sys.stdout
     base = f"http://127.0.0.1:{stack.port}"
     shm = Path(stack.settings.shm_dir)
     job = f"demo-{fault.kind}-{uuid.uuid4().hex[:6]}"
-    spec = FakeJobSpec(job_id=job, iters=at + HANG_AHEAD + int(timeout_s * 1e3 / 20.0) + 200,
+    spec = FakeJobSpec(job_id=job, iters=at + HANG_AHEAD + int(timeout_s * 1e3 / 20.0) + 600,
                        compute_busy=0.1, **fault.job)
     ranks = spec.world_size
     print(f"  [3/4] job {job}: {ranks} ranks of the test workload over the asynchronous fake "
@@ -209,14 +242,36 @@ def play(stack: Stack, fault: DemoFault, *, at: int = 100, timeout_s: float = 60
     print(f"        expected: {fault.expects()}", file=out, flush=True)
     work = Path(tempfile.mkdtemp(prefix="gh-demo-"))
     try:
-        with FakeJob(spec, workdir=work, hook=native_build_dir() / "libgreyhound_hook.so",
-                     shm_dir=shm) as fj:
+        with contextlib.ExitStack() as held:
+            node = held.enter_context(SecondNode(stack, f"node-b-{job.rsplit('-', 1)[-1]}",
+                                                 work / "shm-node-b")) if fault.second_node else None
+            dirs = {r: node.shm_dir for r in fault.second_node} if node is not None else {}
+            fj = held.enter_context(FakeJob(
+                spec, workdir=work, hook=native_build_dir() / "libgreyhound_hook.so",
+                shm_dir=shm, shm_dir_of_rank=dirs))
             stack.lifeline.watch_group(fj.procs[0].pid)  # its ranks' group ends with the demo
+            readers = _rings(fj, shm, dirs)
+            _wait_served(base, fj, {r: node.agent_id for r in dirs} if node else {})
             line, t0 = _inject(fj, fault, at, out)
             res = DemoResult(fault.kind, line, job, hang_floor_s=hang_floor_s)
+            if node is not None:
+                first = [r for r in range(ranks) if r not in fault.second_node]
+                killer = KillOnTransfer([H.ring_path(shm, job, r) for r in first], node)
+                killer.start()
+                held.callback(killer.stop)
+                print(f"        the second node's agent ({node.agent_id}, ranks "
+                      f"{list(fault.second_node)}) is killed once a transfer is submitted to "
+                      f"ranks {first}", file=out, flush=True)
             print(f"        waiting up to {timeout_s:g} s for the tracker, analyzer and validator "
                   f"(timeline from the fault's start):", file=out, flush=True)
             incident = _wait(stack, base, job, fault, t0, timeout_s, out)
+            if node is not None and node.killed_at is not None:
+                print(f"        {_at_s_mono(node.killed_at) - t0:+6.1f} s  the second node's "
+                      f"agent was killed (SIGKILL) mid-benchmark", file=out, flush=True)
+            res.job_iterations_after, res.job_alive = _job_after(fj, readers, fault, out)
+            totals = control_totals(readers)
+            res.bench_comms_aborted = totals["bench_comms_aborted"]
+            res.pauses_shortened = totals["pauses_shortened"]
             host = host_ns_in_nccl(shm, job)
             if host.size:
                 res.host_ms_in_nccl_p99 = round(float(np.percentile(host, 99)) / 1e6, 4)
@@ -229,6 +284,49 @@ def play(stack: Stack, fault: DemoFault, *, at: int = 100, timeout_s: float = 60
     if incident is not None:
         _fill(res, fault, incident, t0)
     return res
+
+
+def _at_s_mono(mono: float) -> float:
+    """A time.monotonic() moment as a wall time."""
+    return time.time() - (time.monotonic() - mono)
+
+
+def _rings(fj: FakeJob, shm: Path, dirs: dict[int, Path]) -> list[H.RingReader]:
+    """Readers of every rank's ring (the agents read their own; the demo only looks), once the
+    hooks made them: a ring a rank removes at its exit stays readable through its reader."""
+    job = fj.spec.job_id
+    paths = [H.ring_path(dirs.get(r, shm), job, r) for r in range(fj.spec.world_size)]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline or not fj.running():
+            raise TimeoutError(f"the job's rings did not appear: {[str(p) for p in paths]}")
+        time.sleep(0.05)
+    return [H.RingReader(p) for p in paths]
+
+
+def _job_after(fj: FakeJob, readers: list[H.RingReader], fault: DemoFault, out: TextIO
+               ) -> tuple[int, bool]:
+    """Iterations every rank completed once the validation ended (all its ranks running again:
+    those of a dead agent at their lease's end), or since now for a hang; and whether every
+    rank process is alive (or finished cleanly)."""
+    if fault.validates:
+        deadline = time.monotonic() + RESUME_WAIT_S
+        while control_totals(readers)["parked"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    since = time.monotonic_ns()
+    end = time.monotonic() + (AFTER_S if fault.validates else 2.0)
+    done = 0
+    while time.monotonic() < end and fj.running():
+        done = min(sum(1 for x in fj.iterations(r) if x.start_ns >= since)
+                   for r in range(fj.spec.world_size))
+        if done >= AFTER_ITERS:
+            break
+        time.sleep(0.2)
+    alive = all(p.poll() in (None, 0) for p in fj.procs)
+    print(f"        after the {'validation' if fault.validates else 'fault'}: every rank "
+          f"completed {done} more iteration(s); the job is {'alive' if alive else 'DEAD'}",
+          file=out, flush=True)
+    return done, alive
 
 
 def _wait(stack: Stack, base: str, job: str, fault: DemoFault, t0: float, timeout_s: float,
@@ -254,6 +352,8 @@ def _wait(stack: Stack, base: str, job: str, fault: DemoFault, t0: float, timeou
 
 def _fill(res: DemoResult, fault: DemoFault, incident: dict[str, Any], t0: float) -> None:
     culprit = incident["culprit"] or {}
+    res.validation_outcome = ((incident.get("evidence") or {}).get("validation") or {}).get(
+        "outcome")
     res.incident_id = incident["id"]
     res.kind = incident["kind"]
     res.ranks = list(culprit.get("ranks") or [])
@@ -264,7 +364,12 @@ def _fill(res: DemoResult, fault: DemoFault, incident: dict[str, Any], t0: float
             res.validated = (entry.get("detail") or {}).get("verdict")
         if res.localized_s is None and fault.names_culprit(_entry_culprit(entry)):
             res.localized_s = round(_at_s(entry["at"]) - t0, 2)
-    res.ok = fault.kind_ok(res.kind) and fault.names_culprit(culprit)
+    res.ok = fault.kind_ok(res.kind) and fault.names_culprit(culprit) and (
+        fault.kind == "hang" or fault.outcome_ok(res.validation_outcome))
+    if fault.kind in ("grouped", "bench-peer-dies"):  # never harm the job
+        res.ok = res.ok and bool(res.job_alive) and (res.job_iterations_after or 0) >= AFTER_ITERS
+    if fault.kind == "grouped":  # the ranks parked at the groups' boundary: the checks ran
+        res.ok = res.ok and res.validated is not None
 
 
 def report(res: DemoResult, fault: DemoFault, out: TextIO | None = None) -> int:
@@ -279,7 +384,16 @@ def report(res: DemoResult, fault: DemoFault, out: TextIO | None = None) -> int:
               f"{res.localized_s:.1f} s after the fault began", file=out)
     else:
         print(f"  [4/4] FAILED: the incident says {res.kind}, ranks {res.ranks}, links "
-              f"{res.links}; the fault was {fault.expects()}", file=out)
+              f"{res.links}, validation {res.validated or res.validation_outcome}; job alive "
+              f"{res.job_alive}, {res.job_iterations_after} iterations after; the fault was "
+              f"{fault.expects()}", file=out)
+    if res.validation_outcome is not None:
+        print(f"        the validation: {res.validation_outcome}", file=out)
+    if fault.kind in ("grouped", "bench-peer-dies") and res.job_alive is not None:
+        print(f"        the job afterwards: {'alive' if res.job_alive else 'DEAD'}, "
+              f"{res.job_iterations_after} iterations on every rank since the validation ended; "
+              f"benchmark communicators aborted {res.bench_comms_aborted}, pauses cut at the "
+              f"job's timeout {res.pauses_shortened}", file=out)
     if res.host_ms_in_nccl_p99 is not None:
         gpu = (f"the hung all-reduce stayed pending on the GPU for {res.detected_s:.1f} s until "
                f"the hang was called" if fault.kind == "hang" and res.detected_s is not None

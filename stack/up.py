@@ -55,9 +55,10 @@ class Stack:
         if unknown:
             raise ValueError(f"unknown service(s) {unknown}; the registry has {sorted(BY_NAME)}")
 
-    def env(self, service: str | None = None) -> dict[str, str]:
+    def env(self, service: str | None = None, *, bus_user: str | None = None) -> dict[str, str]:
         """The children get this process's settings (however they were made) plus the URLs,
-        and ``service``'s own bus credentials when the embedded NATS hands them out."""
+        and ``service``'s own bus credentials when the embedded NATS hands them out (those of
+        ``bus_user`` when given: a second agent's, ``agent-<id>``)."""
         assert self.backends is not None
         env = dict(os.environ)
         for s in (self.settings, *self.service_settings):
@@ -66,9 +67,10 @@ class Stack:
         env["GREYHOUND_DATABASE_URL"] = self.backends.database_url
         env["GREYHOUND_DATA_DIR"] = str(Path(self.settings.data_dir).resolve())
         nats = self.backends.embedded_nats
-        if service is not None and nats is not None and nats.auth \
+        if (service is not None or bus_user is not None) and nats is not None and nats.auth \
                 and self.settings.nats_user is None:
-            creds = nats.credentials(BY_NAME[service].bus_user())
+            creds = nats.credentials(bus_user if bus_user is not None
+                                     else BY_NAME[str(service)].bus_user())
             env["GREYHOUND_NATS_USER"] = creds.user
             env["GREYHOUND_NATS_PASSWORD"] = creds.password
         return env

@@ -5,10 +5,18 @@ not completed on the GPU for longer than the job's adaptive threshold (HangPolic
 calls a hang "communication lasting longer than a threshold". NCCL calls are asynchronous: the
 host enqueues a collective and returns within microseconds, and a hung collective spins on the
 GPU while the host blocks later in a synchronisation outside NCCL. So the wait that counts is
-the age of the oldest call pending on the GPU (``gpu_pending_s``), never host time inside a
-call; only a process without GPU completion marks (``gpu_marks`` = 0, e.g. no CUDA runtime,
-where NCCL calls block the host) falls back to the host's ``inflight_s``, and each finding says
-which basis it used.
+the age of the oldest call pending on the GPU (``gpu_pending_s``). But NCCL's host also waits
+inside a call while the GPU idles: connection set-up at run time, bootstrap exchanges, a
+stalled proxy thread, and every communicator init, split, shrink and destroy (the hook reports
+those in flight too). So a rank's wait is the larger of its GPU pending age and its host's time
+inside a call (``inflight_s``); a process without GPU completion marks (``gpu_marks`` = 0: no
+CUDA runtime nor driver API) has only the latter. Each finding says which basis its rows had,
+and which members had no marks (their GPU view is off: a hang on their GPU shows only once it
+blocks their host inside NCCL).
+
+Lifecycle calls wait for every rank to arrive, and ranks reach the first init minutes apart
+when some load a model first: a wait inside one (``last_op`` an init/split/shrink/destroy while
+the host is in flight) is judged against ``max(threshold, setup_floor_s)``.
 
 Measuring a call's own pending time rather than the wall time since the counters last moved
 means that long phases without NCCL work (checkpoint saves, evaluation loops: nothing is pending
@@ -36,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from greyhound.core.hang import HangPolicy
+from greyhound.hookabi.layout import LIFECYCLE_OPS
 
 COUNTER_FIELDS = ("rank", "comm_id", "comm_rank", "nranks", "entered", "completed",
                   "last_seq_entered", "last_seq_completed", "inflight_s", "last_op",
@@ -47,16 +56,31 @@ _COMPLETED, _INFLIGHT = COUNTER_FIELDS.index("completed"), COUNTER_FIELDS.index(
 _MARKS = COUNTER_FIELDS.index("gpu_marks")
 _GPU_COMPLETED = COUNTER_FIELDS.index("gpu_completed")
 _GPU_PENDING = COUNTER_FIELDS.index("gpu_pending_s")
+_LAST_OP = COUNTER_FIELDS.index("last_op")
+_SETUP_OPS = frozenset(int(op) for op in LIFECYCLE_OPS)
 
 WaitBasis = Literal["gpu", "host", "mixed"]
 
 
-def row_wait_s(row: tuple[Any, ...]) -> float:
-    """How long the row's rank has been waiting on its communicator: the age of its oldest call
-    not done on the GPU, or, without GPU marks, its host thread's time inside NCCL (0 for a
-    value that is not a finite non-negative number)."""
-    wait = float(row[_GPU_PENDING] if row[_MARKS] else row[_INFLIGHT])
+def _age(value: Any) -> float:
+    wait = float(value)
     return wait if math.isfinite(wait) and wait > 0.0 else 0.0
+
+
+def row_wait_s(row: tuple[Any, ...]) -> float:
+    """How long the row's rank has been waiting on its communicator: the larger of the age of
+    its oldest call not done on the GPU (with GPU marks) and its host thread's time inside an
+    NCCL call (0 for a value that is not a finite non-negative number)."""
+    host = _age(row[_INFLIGHT])
+    return max(_age(row[_GPU_PENDING]), host) if row[_MARKS] else host
+
+
+def in_setup(row: tuple[Any, ...]) -> bool:
+    """True when the row's wait is its host's inside a lifecycle call (init, split, shrink,
+    destroy), not a call pending on the GPU."""
+    host = _age(row[_INFLIGHT])
+    return (int(row[_LAST_OP]) in _SETUP_OPS and host > 0.0
+            and (not row[_MARKS] or _age(row[_GPU_PENDING]) <= host))
 
 
 def _row_progress(row: tuple[Any, ...]) -> int:
@@ -76,6 +100,8 @@ class HangFinding:
     waiting_ranks: tuple[int, ...]  # members with a call pending (GPU) or inside NCCL (host)
     members: tuple[int, ...]  # every rank with a counter row on the communicator
     basis: WaitBasis  # where the waits were read: GPU completion marks, host, or both
+    marks_off: tuple[int, ...] = ()  # members without GPU completion marks: their GPU view is off
+    setup: bool = False  # the longest wait is inside a communicator init/split/shrink/destroy
 
 
 @dataclass
@@ -84,6 +110,7 @@ class _Comm:
     sampled_s: float = 0.0
     progress: int = -1  # calls done, summed over members (on the GPU where marks exist)
     longest_wait_s: float = 0.0  # longest wait seen since the last wait that ended
+    setup_wait: bool = False  # ... and it is a host wait inside a lifecycle call
     alarmed: bool = False
     restored: bool = False  # alarmed before a restart: no progress count to compare yet
 
@@ -94,6 +121,7 @@ class JobHangMonitor:
     multiple: float = 20.0
     stale_s: float = 10.0
     max_comms: int = 65_536
+    setup_floor_s: float = 300.0
     policy: HangPolicy = field(init=False)
     comms: dict[int, _Comm] = field(default_factory=dict)
     _recovered: list[int] = field(default_factory=list)
@@ -145,7 +173,17 @@ class JobHangMonitor:
         for comm_id in touched:
             comm = self.comms[comm_id]
             progress = sum(_row_progress(r) for r in comm.rows.values())
-            waiting = max(row_wait_s(r) for r in comm.rows.values())
+            longest = max(comm.rows.values(), key=row_wait_s)
+            waiting = row_wait_s(longest)
+            setup_now = waiting > 0.0 and in_setup(longest)
+            if comm.setup_wait and not setup_now and waiting < comm.longest_wait_s:
+                # The ranks left the lifecycle call they waited in: over, with or without a call
+                # completed since (a communicator may carry none), and not a normal phase to learn.
+                if comm.alarmed:
+                    self._recovered.append(comm_id)
+                comm.progress, comm.alarmed = max(comm.progress, progress), False
+                comm.longest_wait_s, comm.setup_wait = waiting, setup_now
+                continue
             if comm.restored:  # alarmed before a restart: over unless it still waits that long
                 comm.restored = False
                 comm.progress = progress
@@ -160,7 +198,7 @@ class JobHangMonitor:
                 # that long. (Progress alone is not enough on the GPU: calls on another stream
                 # may complete while the oldest pending one stays stuck.)
                 ended = comm.progress < 0 or waiting < comm.longest_wait_s
-                if comm.progress >= 0 and ended and (
+                if comm.progress >= 0 and ended and not comm.setup_wait and (
                         comm.alarmed or comm.longest_wait_s > self.multiple * self.policy.typical_s()):
                     # It came back: whatever that was, the job survives waits this long.
                     self.policy.observe_recovered_pause(comm.longest_wait_s)
@@ -169,23 +207,33 @@ class JobHangMonitor:
                     if comm.alarmed:
                         self._recovered.append(comm_id)
                     comm.longest_wait_s, comm.alarmed = waiting, False
+                    comm.setup_wait = setup_now
                     continue
-            comm.longest_wait_s = max(comm.longest_wait_s, waiting)
+            if waiting >= comm.longest_wait_s:
+                comm.longest_wait_s, comm.setup_wait = waiting, setup_now
 
     def check(self, now_s: float) -> list[HangFinding]:
         out: list[HangFinding] = []
         threshold = self.policy.threshold_s()
+        setup_threshold = max(threshold, self.setup_floor_s)
         for comm_id, comm in self.comms.items():
             if comm.alarmed or now_s - comm.sampled_s > self.stale_s:
                 continue
             waits = {r: row_wait_s(row) for r, row in comm.rows.items() if row_wait_s(row) > 0.0}
-            if not waits or max(waits.values()) <= threshold:
+            over = {r: w for r, w in waits.items()
+                    if w > (setup_threshold if in_setup(comm.rows[r]) else threshold)}
+            if not over:
                 continue
             comm.alarmed = True
+            worst = max(over, key=lambda r: over[r])
+            setup = in_setup(comm.rows[worst])
             out.append(HangFinding(
-                comm_id=comm_id, stalled_s=max(waits.values()), threshold_s=threshold,
+                comm_id=comm_id, stalled_s=over[worst],
+                threshold_s=setup_threshold if setup else threshold,
                 waiting_ranks=tuple(sorted(waits)), members=tuple(sorted(comm.rows)),
-                basis=wait_basis(list(comm.rows.values()))))
+                basis=wait_basis(list(comm.rows.values())),
+                marks_off=tuple(sorted(r for r, row in comm.rows.items() if not row[_MARKS])),
+                setup=setup))
         return out
 
     def rows_for(self, findings: list[HangFinding], limit: int = 8192) -> dict[str, list[Any]]:
@@ -220,13 +268,14 @@ class JobHangMonitor:
         """
         policy = self.policy
         return {"floor_s": self.floor_s, "multiple": self.multiple, "stale_s": self.stale_s,
-                "recent": list(policy._recent), "long": list(policy._long),
-                "alarmed": self.alarmed()}
+                "setup_floor_s": self.setup_floor_s, "recent": list(policy._recent),
+                "long": list(policy._long), "alarmed": self.alarmed()}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> JobHangMonitor:
         mon = cls(floor_s=float(state["floor_s"]), multiple=float(state["multiple"]),
-                  stale_s=float(state["stale_s"]))
+                  stale_s=float(state["stale_s"]),
+                  setup_floor_s=float(state.get("setup_floor_s", cls.setup_floor_s)))
         mon.policy._recent.extend(x for x in map(float, state["recent"])
                                   if math.isfinite(x) and x > 0.0)
         mon.policy._long.extend(x for x in map(float, state["long"])

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 MAGIC = 0x31474E4952484721
 HEADER_BYTES = 4096
 DEFAULT_RECORDS = 65536
@@ -26,6 +26,8 @@ BENCH_MAX_GEMM_N = 16384  # a GEMM of N takes 3 N^2 floats of scratch on the ran
 BENCH_MAX_P2P_BYTES = 1 << 30
 PAUSE_LEASE_DEFAULT_MS = 30_000  # the hook's lease for a pause requested without one
 PAUSE_LEASE_MAX_MS = 600_000  # a deadline further out is brought in to this
+PAUSE_TIMEOUT_SHARE = 4  # a pause lasts at most this share of the job's collective timeout
+BENCH_MAX_COMMS = 16  # benchmark communicators alive at once on one rank
 NO_REDOP = 255
 
 
@@ -47,6 +49,7 @@ class Op(IntEnum):
     COMM_DESTROY = 35
     COMM_ABORT = 36
     ASYNC_ERROR = 37
+    COMM_SHRINK = 38
 
 
 class Flag(IntFlag):
@@ -79,12 +82,33 @@ class CommState(IntEnum):
     ACTIVE = 1
     DESTROYED = 2
     ABORTED = 3
+    INIT = 4  # being created: its ranks are inside ncclCommInitRank* (a wait there is in flight)
+
+
+class GpuApi(IntEnum):
+    """What a rank's GPU completion marks and profile times rest on (header ``gpu_api``)."""
+
+    UNKNOWN = 0  # not decided yet (no communicator so far)
+    RUNTIME = 1  # the process's shared CUDA runtime
+    DRIVER = 2  # the CUDA driver API (a statically linked runtime, or a driver-API program)
+    NONE = 3  # no CUDA in the process: no marks, host times only
+
+
+# Lifecycle calls: while one is inside NCCL on a communicator (``life_op``), the agent reports
+# it as the row's last op, and the hang watch gives it the set-up allowance.
+LIFECYCLE_OPS: tuple[Op, ...] = (
+    Op.COMM_INIT, Op.COMM_INIT_ALL, Op.COMM_SPLIT, Op.COMM_DESTROY, Op.COMM_ABORT, Op.COMM_SHRINK)
 
 
 class BenchKind(IntEnum):
+    """SEND and RECV run on the benchmark communicator SPLIT made from their comm_id, never on
+    the job's own; DRAIN only waits for the rank's queued GPU work."""
+
     SEND = 1
     RECV = 2
     GEMM = 3
+    DRAIN = 4
+    SPLIT = 5
 
 
 class BenchState(IntEnum):
@@ -157,6 +181,8 @@ HEADER_DTYPE = _struct(
         ("ready", "<u4", 204),
         ("mono_anchor_ns", "<u8", 208),
         ("wall_anchor_ns", "<u8", 216),
+        ("gpu_api", "<u4", 224),
+        ("pci_bus_id", "S20", 228),
         ("head", "<u8", 256),
         ("dropped", "<u8", 264),
         ("gpu_dropped", "<u8", 272),
@@ -221,8 +247,13 @@ COMM_DTYPE = _struct(
         ("gpu_pending_dtype", "<u4", 1428),
         ("gpu_pending_count", "<u8", 1432),
         ("gpu_marks_lost", "<u8", 1440),
+        ("host_ver", "<u4", 1448),
+        ("gpu_ver", "<u4", 1452),
+        ("life_op", "<u4", 1456),
+        # named so that no padding trails the last field (numpy's stack and concatenate drop it)
+        ("pad1", "<u4", 1460),
     ],
-    1448,
+    1464,
 )
 
 BENCH_SLOT_DTYPE = _struct(
@@ -254,9 +285,14 @@ CONTROL_DTYPE = _struct(
         ("pause_seq", "<u8", 32),
         ("pause_lease_ns", "<u8", 40),
         ("lease_expired", "<u8", 48),
+        ("job_timeout_ms", "<u4", 56),
+        ("pause_cap_ms", "<u4", 60),
         ("slots", (BENCH_SLOT_DTYPE, (BENCH_SLOTS,)), 64),
+        ("pause_shortened", "<u8", 9280),
+        ("bench_comms_made", "<u8", 9288),
+        ("bench_comms_aborted", "<u8", 9296),
     ],
-    9280,
+    9344,
 )
 
 FINAL_BENCH_STATES = frozenset({BenchState.DONE, BenchState.UNSUPPORTED, BenchState.FAILED})
@@ -291,6 +327,13 @@ class RingHeader:
     dropped: int
     mono_anchor_ns: int
     wall_anchor_ns: int
+    gpu_api: GpuApi = GpuApi.UNKNOWN
+    pci_bus_id: str = ""  # the device's PCI bus id as CUDA names it, "" unknown
+
+    @property
+    def marks_off(self) -> bool:
+        """True when the hook found no CUDA in the process: no GPU completion marks or times."""
+        return self.gpu_api == GpuApi.NONE
 
     def to_wall_ns(self, mono_ns: int) -> int:
         return mono_ns - self.mono_anchor_ns + self.wall_anchor_ns

@@ -16,15 +16,18 @@ import numpy as np
 from greyhound.hookabi.layout import (
     BENCH_MAX_REPEAT,
     BENCH_SLOT_DTYPE,
+    COMM_DTYPE,
     CONTROL_DTYPE,
     FINAL_BENCH_STATES,
     PAUSE_LEASE_MAX_MS,
     RECORD_DTYPE,
+    BenchKind,
     BenchRequest,
     BenchResult,
     BenchState,
     CommState,
     Flag,
+    GpuApi,
     Mode,
     ModeName,
     RingHeader,
@@ -46,14 +49,23 @@ def _field(name: str) -> tuple[int, np.dtype[np.generic]]:
     return int(offset), dtype
 
 
-_MODE, _PAUSE_REQUEST, _PAUSE_COMM, _PAUSE_SEQ, _PAUSE_LEASE = (
-    _field(n) for n in ("mode", "pause_request", "pause_comm_id", "pause_seq", "pause_lease_ns"))
+_MODE, _PAUSE_REQUEST, _PAUSE_COMM, _PAUSE_SEQ, _PAUSE_LEASE, _JOB_TIMEOUT = (
+    _field(n) for n in ("mode", "pause_request", "pause_comm_id", "pause_seq", "pause_lease_ns",
+                        "job_timeout_ms"))
+_MAX_TIMEOUT_MS = (1 << 32) - 1
 _SLOTS_AT = _field("slots")[0]
 _STATE_AT = int(BENCH_SLOT_DTYPE.fields["state"][1])  # type: ignore[index]
 
 
 def _put(ring: RingFile, where: tuple[int, np.dtype[np.generic]], value: int) -> None:
     ring.write_control(where[0], np.array(value, where[1]))
+
+
+def _gpu_api(value: int) -> GpuApi:
+    try:
+        return GpuApi(value)
+    except ValueError:  # no hook writes it: say nothing rather than guess
+        return GpuApi.UNKNOWN
 
 
 def _header(ring: RingFile) -> RingHeader:
@@ -70,6 +82,8 @@ def _header(ring: RingFile) -> RingHeader:
         dropped=int(h["dropped"]),
         mono_anchor_ns=int(h["mono_anchor_ns"]),
         wall_anchor_ns=int(h["wall_anchor_ns"]),
+        gpu_api=_gpu_api(int(h["gpu_api"])),
+        pci_bus_id=bytes(h["pci_bus_id"].item()).decode("ascii", errors="replace"),
     )
 
 
@@ -123,14 +137,28 @@ class Control:
     def paused(self) -> bool:
         return bool(self._ring.control_block()["paused"])
 
+    def job_timeout_s(self) -> float | None:
+        """The job's collective (process-group) timeout as the rank reported it, None unknown.
+        A pause of that rank never lasts longer than PAUSE_TIMEOUT_SHARE of it."""
+        ms = int(self._ring.control_block()["job_timeout_ms"])
+        return ms / 1000 if ms else None
+
+    def report_job_timeout(self, seconds: float) -> None:
+        """Write the job's collective timeout into the control block (the framework integration,
+        in the training process, for a ring made before it knew the timeout)."""
+        if not 0 < seconds * 1000 <= _MAX_TIMEOUT_MS:
+            raise ValueError(f"job timeout {seconds!r} s is out of range")
+        _put(self._ring, _JOB_TIMEOUT, max(1, round(seconds * 1000)))
+
     def resume(self) -> None:
         _put(self._ring, _PAUSE_REQUEST, 0)
 
     def submit(self, req: BenchRequest) -> int:
         if not 1 <= req.repeat <= BENCH_MAX_REPEAT:
             raise ValueError(f"repeat must be in 1..{BENCH_MAX_REPEAT}")
-        if not 0 < req.size < _MAX_INDEX:
-            raise ValueError(f"benchmark size {req.size} is out of range")
+        sized = req.kind in (BenchKind.GEMM, BenchKind.SEND, BenchKind.RECV)
+        if not (req.size > 0 if sized else req.size == 0) or req.size >= _MAX_INDEX:
+            raise ValueError(f"benchmark size {req.size} is out of range for {req.kind.name}")
         if not -1 <= req.peer < 1 << 31:
             raise ValueError(f"benchmark peer {req.peer} is out of range")
         free = np.flatnonzero(self._slots()["state"] == BenchState.EMPTY)
@@ -188,9 +216,17 @@ class RingReader:
 
     poll() hands out complete records in slot order and publishes the consumed cursor (which is
     what lets the hook reuse slots). A profiled record is held back until the poller has written
-    its GPU times, or for at most gpu_wait_ns after its return, so callers see each record once
-    and in final form. A slot reserved by a writer that never completed it (a killed thread) is
-    skipped after stuck_ns and counted in `lost`, with the records the hook dropped.
+    its GPU times, for at most gpu_wait_ns after its return (the agent raises it to several of
+    the job's iterations: a call's GPU end comes an iteration or more after its host return) and
+    only while the ring is less than half full (the hook drops records it has no room for), so
+    callers see each record once and in final form. A slot reserved by a writer that never
+    completed it (a killed thread) is skipped after stuck_ns and counted in `lost`, with the
+    records the hook dropped.
+
+    A record is taken on its stamp, and its fields are read after the stamp was seen, never in
+    the same copy: a bulk copy may read a slot's words in any order, so a stamp read in it says
+    nothing of the fields beside it. The same goes for the GPU times the poller writes later:
+    the flags that say they are there come from the first read.
 
     A head behind the cursor or more than the capacity ahead of it is no state a hook can write
     (it reserves slots only while head - consumed < capacity): poll() raises a RingError.
@@ -210,7 +246,8 @@ class RingReader:
             self._ring.close()
             raise
         self._skipped = 0
-        self._gpu_wait_ns = gpu_wait_ns
+        self.torn = 0  # comm-table rows left out of a sample: caught mid-update every time
+        self.gpu_wait_ns = gpu_wait_ns
         self._stuck_ns = stuck_ns
         self._max_poll = max_poll
         self._stuck_at: tuple[int, int] | None = None  # (cursor, first seen monotonic ns)
@@ -253,24 +290,29 @@ class RingReader:
             n = min(n, max_records)
         if n <= 0:
             return np.empty(0, RECORD_DTYPE)
-        batch = self._ring.records(self._cursor, n)
+        lag = n
+        seen = self._ring.records(self._cursor, n)  # stamps and flags only count from here
         expect = np.arange(self._cursor + 1, self._cursor + n + 1, dtype=np.uint64)
-        bad = batch["stamp"] != expect
+        bad = seen["stamp"] != expect
         now = time.monotonic_ns()
-        flags = batch["flags"]
-        bad |= ((flags & _GPU_PENDING) != 0) & ((flags & _GPU_SETTLED) == 0) & (
-            batch["return_ns"].astype(np.int64) > now - self._gpu_wait_ns
-        )
+        flags = seen["flags"]
+        if lag < self._ring.geometry.capacity // 2:
+            bad |= ((flags & _GPU_PENDING) != 0) & ((flags & _GPU_SETTLED) == 0) & (
+                seen["return_ns"].astype(np.int64) > now - self.gpu_wait_ns
+            )
         take = int(np.argmax(bad)) if bad.any() else n
-        if take == 0 and batch["stamp"][0] != expect[0]:
+        if take == 0 and seen["stamp"][0] != expect[0]:
             take = self._skip_if_stuck(now)
-            batch = batch[:take]
         else:
             self._stuck_at = None
-            batch = batch[:take]
-        if take:
-            self._cursor += take
-            self._ring.set_consumed(self._cursor)
+        if take == 0:
+            return np.empty(0, RECORD_DTYPE)
+        # Published records: their slots stay theirs until the cursor moves, so this copy holds
+        # what was written before each stamp the first one saw.
+        batch = self._ring.records(self._cursor, take)
+        batch["flags"] = flags[:take]
+        self._cursor += take
+        self._ring.set_consumed(self._cursor)
         return batch
 
     def _skip_if_stuck(self, now: int) -> int:
@@ -285,11 +327,26 @@ class RingReader:
         self._stuck_at = None
         return 0
 
-    def comms(self) -> np.ndarray:
-        """Comm-table rows in use, as the ring has them (the agent sanitises what it sends)."""
+    def comms(self, tries: int = 8) -> np.ndarray:
+        """Comm-table rows in use, each as one consistent snapshot (the agent sanitises what it
+        sends). A row is read between two reads of its seqlock words (each its own read, so
+        the row's copy lies between them) that find them even and unchanged: no writer was
+        inside it meanwhile. A row caught mid-update ``tries`` times running is left out of this
+        sample and counted in ``torn``."""
         table = self._ring.comm_table()
-        rows: np.ndarray = table[table["state"] != CommState.FREE]
-        return rows
+        rows = []
+        for i in np.flatnonzero(table["state"] != CommState.FREE).tolist():
+            for _ in range(tries):
+                before = self._ring.comm_versions(i)
+                row = self._ring.comm_row(i)
+                if before == self._ring.comm_versions(i) and not (before[0] | before[1]) & 1:
+                    if int(row["state"]) != CommState.FREE:
+                        rows.append(row)
+                    break
+            else:
+                self.torn += 1
+        out: np.ndarray = np.array(rows, dtype=COMM_DTYPE)
+        return out
 
     def control(self) -> Control:
         """The control block of this very file (shared descriptor, see Control)."""

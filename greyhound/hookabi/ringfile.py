@@ -31,6 +31,8 @@ from greyhound.hookabi.layout import (
 from greyhound.hookabi.validation import Geometry, RingError, check_header
 
 _HEAD = HEADER_DTYPE.fields["head"][1]  # type: ignore[index]
+_VERS = COMM_DTYPE.fields["host_ver"][1]  # type: ignore[index]  # host_ver, gpu_ver: 8 bytes
+_U32X2 = np.dtype(("<u4", (2,)))
 _CONSUMED = HEADER_DTYPE.fields["consumed"][1]  # type: ignore[index]
 _U64 = np.dtype("<u8")
 
@@ -131,6 +133,19 @@ class RingFile:
 
     def comm_table(self) -> np.ndarray:
         return self._read(self.geometry.comms_offset, COMM_DTYPE, (MAX_COMMS,))
+
+    def comm_row(self, index: int) -> np.ndarray:
+        """One comm-table row (COMM_DTYPE scalar)."""
+        if not 0 <= index < MAX_COMMS:
+            raise ValueError(f"comm row {index} is outside 0..{MAX_COMMS - 1}")
+        return self._read(self.geometry.comms_offset + index * COMM_DTYPE.itemsize, COMM_DTYPE, ())
+
+    def comm_versions(self, index: int) -> tuple[int, int]:
+        """A row's seqlock words (host_ver, gpu_ver), read on their own."""
+        if not 0 <= index < MAX_COMMS:
+            raise ValueError(f"comm row {index} is outside 0..{MAX_COMMS - 1}")
+        v = self._read(self.geometry.comms_offset + index * COMM_DTYPE.itemsize + _VERS, _U32X2, ())
+        return int(v[0]), int(v[1])
 
     def control_block(self) -> np.ndarray:
         return self._read(self.geometry.control_offset, CONTROL_DTYPE, ())

@@ -38,7 +38,7 @@ _I64_MAX = np.uint64((1 << 63) - 1)
 _COUNTER_FIELDS = ("calls_entered", "calls_completed", "last_seq_entered", "last_seq_completed",
                    "inflight_enter_ns", "last_count", "gpu_calls_done", "gpu_seq_done",
                    "gpu_pending_ns", "gpu_pending_seq", "gpu_pending_count")
-_FIRST_LIVE, _LAST_LIVE = int(CommState.ACTIVE), int(CommState.ABORTED)  # DESTROYED between
+_FIRST_LIVE, _LAST_LIVE = int(CommState.ACTIVE), int(CommState.INIT)  # DESTROYED, ABORTED between
 _COUNTER_WORDS = np.array([COMM_DTYPE.fields[f][1] // 8 for f in _COUNTER_FIELDS])  # type: ignore[index]
 
 

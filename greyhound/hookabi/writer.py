@@ -34,6 +34,7 @@ from greyhound.hookabi.layout import (
     BenchRequest,
     BenchState,
     CommState,
+    GpuApi,
     ModeName,
     mode_name,
 )
@@ -141,7 +142,8 @@ class RingWriter:
 
     def __init__(self, path: Path, *, job: str, rank: int, host: str, pid: int, device: int,
                  capacity: int, comms: Sequence[CommRow] = (), mono_anchor_ns: int | None = None,
-                 wall_anchor_ns: int | None = None) -> None:
+                 wall_anchor_ns: int | None = None, gpu_api: GpuApi = GpuApi.UNKNOWN,
+                 pci_bus_id: str = "") -> None:
         if capacity < 16 or capacity & (capacity - 1):
             raise ValueError("capacity must be a power of two >= 16")
         if len(comms) > MAX_COMMS:
@@ -169,6 +171,8 @@ class RingWriter:
         hdr["rank"] = rank
         hdr["pid"] = pid
         hdr["device"] = device
+        hdr["gpu_api"] = int(gpu_api)
+        hdr["pci_bus_id"] = pci_bus_id.encode()[:19]
         hdr["mono_anchor_ns"] = time.monotonic_ns() if mono_anchor_ns is None else mono_anchor_ns
         hdr["wall_anchor_ns"] = time.time_ns() if wall_anchor_ns is None else wall_anchor_ns
         hdr["ready"] = 1

@@ -94,6 +94,10 @@ def answer_request(ctl: HookControl, model: ClusterModel, rank: int, req_id: int
             a, b = (me, peer_gpu) if req.kind == BenchKind.SEND else (peer_gpu, me)
             _finish(ctl, req_id, model.p2p_s(a, b, req.size, t), req.repeat, model, rng,
                     drain_ns)
+    elif req.kind in (BenchKind.DRAIN, BenchKind.SPLIT):
+        # A drain has waited already; a split needs nothing the model times (the simulated
+        # transfers never hold a job communicator's queue).
+        ctl.answer(req_id, BenchState.DONE, [], 0, drain_ns if req.kind == BenchKind.DRAIN else 0)
     else:
         ctl.answer(req_id, BenchState.UNSUPPORTED, [], 0, drain_ns)
 

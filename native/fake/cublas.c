@@ -1,7 +1,8 @@
 /*
  * A fake cuBLAS with a real (naive, column-major) CPU SGEMM, run on the fake device: the call
  * returns at once and the GEMM runs when the handle's stream reaches it, holding the device's SMs
- * (see gpu.h). `slow_rank R factor` stretches each GEMM of rank R to factor x its time by sleeping
+ * (see gpu.h), for 2mnk / FAKE_GPU_GFLOPS of device time whatever the CPU took (unset: what the
+ * CPU took). `slow_rank R factor` stretches each GEMM of rank R to factor x its time by sleeping
  * the difference, decided when the device runs it, so a validator's GEMM benchmark finds the slow
  * "GPU" without burning extra CPU.
  */
@@ -76,15 +77,14 @@ static void gemm_run(struct fakeGpuWork *w) {
       float *c = &g->C[i + (size_t)j * (size_t)g->ldc];
       *c = g->alpha * acc + (g->beta == 0.0f ? 0.0f : g->beta * *c);
     }
-  /* A GPU runs a GEMM at its own speed whatever the host does: with FAKE_GPU_GFLOPS set, the call
-   * lasts at least 2mnk / rate, so GEMM checks on 2 shared CPU cores measure the fake "GPU" and
-   * not the scheduler. A slow rank's GPU stretches that time by its factor. */
+  /* A GPU runs a GEMM at its own speed whatever the host does: with FAKE_GPU_GFLOPS set, the
+   * GEMM lasts 2mnk / rate on the device's timeline, however long the CPU took to compute its
+   * result (on 2 shared cores, other processes can stretch that several times, and a "GPU" whose
+   * speed followed the scheduler would make GEMM checks compare CPU contention). A slow rank's
+   * GPU stretches that time by its factor. Unset: what the CPU takes. */
   int64_t took = fk_now_ns() - t0;
   double rate = gpu_gflops();
-  if (rate > 0.0) {
-    int64_t nominal = (int64_t)(2.0 * (double)g->m * (double)g->n * (double)g->k / rate);
-    if (took < nominal) took = nominal;
-  }
+  if (rate > 0.0) took = (int64_t)(2.0 * (double)g->m * (double)g->n * (double)g->k / rate);
   took = (int64_t)((double)took * fakeGpuSlowFactor());
   w->end_ns = w->start_ns + took; /* on the device's timeline, from when the SMs took it */
   fk_sleep_until(w->end_ns);

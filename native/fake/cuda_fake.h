@@ -1,7 +1,10 @@
 /*
- * The slice of the CUDA runtime and cuBLAS ABI that the fakes implement, with the real
+ * The slice of the CUDA runtime, driver and cuBLAS ABI that the fakes implement, with the real
  * signatures and error values (CUDA 12), so code written against the real headers calls them,
  * plus a few fake-only entry points (named fake*) for the test workload and the other fakes.
+ * As in CUDA, the runtime (libcudart.so.12, or compiled into a program: a "static runtime") sits
+ * on the driver (libcuda.so.1), which owns the device; stream and event handles are the same
+ * objects in both APIs.
  */
 #ifndef GH_CUDA_FAKE_H
 #define GH_CUDA_FAKE_H
@@ -67,6 +70,7 @@ GH_CUDA_API(cudaError_t, cudaThreadExchangeStreamCaptureMode, (enum cudaStreamCa
 GH_CUDA_API(cudaError_t, cudaGetDevice, (int *device))
 GH_CUDA_API(cudaError_t, cudaSetDevice, (int device))
 GH_CUDA_API(cudaError_t, cudaGetDeviceCount, (int *count))
+GH_CUDA_API(cudaError_t, cudaDeviceGetPCIBusId, (char *pciBusId, int len, int device))
 GH_CUDA_API(cudaError_t, cudaStreamCreate, (cudaStream_t *stream))
 GH_CUDA_API(cudaError_t, cudaStreamCreateWithFlags, (cudaStream_t *stream, unsigned int flags))
 GH_CUDA_API(cudaError_t, cudaStreamDestroy, (cudaStream_t stream))
@@ -112,6 +116,9 @@ GH_CUDA_API(cudaError_t, fakeGpuSleep, (cudaStream_t stream, long long ns))
 struct fakeGpuWork {
   void (*run)(struct fakeGpuWork *self);
   void (*release)(struct fakeGpuWork *self);
+  /* optional: called under the stream's lock as the stream counts the item done, so what it
+   * publishes (an event reached) and the stream's idleness are seen together, as in CUDA */
+  void (*done)(struct fakeGpuWork *self);
   int compute;
   int64_t start_ns, end_ns; /* set by the device / by run() */
   /* owned by the device */
@@ -122,6 +129,40 @@ struct fakeGpuWork {
 GH_CUDA_API(cudaError_t, fakeGpuLaunch, (cudaStream_t stream, struct fakeGpuWork *work))
 /* Fake-only: the rank's `slow_rank` factor (>= 1) as the device applies it to compute work. */
 GH_CUDA_API(double, fakeGpuSlowFactor, (void))
+
+/* The driver API slice (libcuda.so.1): CUresult values equal the runtime's for the errors used
+ * here (0, 1, 2, 3, 101, 400, 600, 900); CUDA_ERROR_INVALID_CONTEXT is 201. */
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUevent_st *CUevent;
+typedef struct CUstream_st *CUstream;
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_INVALID_CONTEXT 201
+GH_CUDA_API(CUresult, cuInit, (unsigned int flags))
+GH_CUDA_API(CUresult, cuDriverGetVersion, (int *version))
+GH_CUDA_API(CUresult, cuDeviceGetCount, (int *count))
+GH_CUDA_API(CUresult, cuDeviceGet, (CUdevice *device, int ordinal))
+GH_CUDA_API(CUresult, cuDeviceGetPCIBusId, (char *pciBusId, int len, CUdevice dev))
+GH_CUDA_API(CUresult, cuDevicePrimaryCtxRetain, (CUcontext *pctx, CUdevice dev))
+GH_CUDA_API(CUresult, cuDevicePrimaryCtxRelease_v2, (CUdevice dev))
+GH_CUDA_API(CUresult, cuCtxSetCurrent, (CUcontext ctx))
+GH_CUDA_API(CUresult, cuCtxGetCurrent, (CUcontext *pctx))
+GH_CUDA_API(CUresult, cuCtxGetDevice, (CUdevice *device))
+GH_CUDA_API(CUresult, cuEventCreate, (CUevent *phEvent, unsigned int Flags))
+GH_CUDA_API(CUresult, cuEventRecord, (CUevent hEvent, CUstream hStream))
+GH_CUDA_API(CUresult, cuEventQuery, (CUevent hEvent))
+GH_CUDA_API(CUresult, cuEventSynchronize, (CUevent hEvent))
+GH_CUDA_API(CUresult, cuEventElapsedTime, (float *pMilliseconds, CUevent hStart, CUevent hEnd))
+GH_CUDA_API(CUresult, cuEventDestroy_v2, (CUevent hEvent))
+GH_CUDA_API(CUresult, cuStreamCreate, (CUstream *phStream, unsigned int Flags))
+GH_CUDA_API(CUresult, cuStreamDestroy_v2, (CUstream hStream))
+GH_CUDA_API(CUresult, cuStreamSynchronize, (CUstream hStream))
+GH_CUDA_API(CUresult, cuStreamQuery, (CUstream hStream))
+GH_CUDA_API(CUresult, cuStreamIsCapturing, (CUstream hStream, enum cudaStreamCaptureStatus *captureStatus))
+GH_CUDA_API(CUresult, cuThreadExchangeStreamCaptureMode, (enum cudaStreamCaptureMode *mode))
+GH_CUDA_API(CUresult, cuMemAlloc_v2, (uint64_t *dptr, size_t bytes))
+GH_CUDA_API(CUresult, cuMemFree_v2, (uint64_t dptr))
 #undef GH_CUDA_API
 
 #endif

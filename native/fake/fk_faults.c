@@ -32,7 +32,7 @@ static const char *const g_names[FK_NKINDS] = {
     [FK_GPU_LAG_MS] = "gpu_lag_ms",       [FK_CAPTURE] = "capture",
     [FK_SLOW_HOST] = "slow_host",         [FK_NVML_THROTTLE] = "nvml_throttle",
     [FK_NVML_XID] = "nvml_xid",           [FK_NVML_ECC] = "nvml_ecc",
-    [FK_NVML_NVLINK] = "nvml_nvlink",
+    [FK_NVML_NVLINK] = "nvml_nvlink",     [FK_HOST_STALL] = "host_stall",
 };
 
 /* NVML's clock event reason bits (nvmlClocksEventReason*), by the words a fault line uses. */
@@ -94,6 +94,7 @@ static void parse_line(const char *line) {
       case FK_SKIP_CALL:
       case FK_MISMATCH:
       case FK_NEVER_COMPLETE:
+      case FK_HOST_STALL:
       case FK_NVML_XID:
         if (got < 3) return;
         r.b = (long)x[1];
@@ -159,6 +160,7 @@ static int matches(const struct fk_rule *r, enum fk_kind kind, long a, long b) {
     case FK_SKIP_CALL:
     case FK_MISMATCH:
     case FK_NEVER_COMPLETE:
+    case FK_HOST_STALL:
       return r->a == a && r->b == b;
     default:
       return r->a == a;

@@ -174,10 +174,13 @@ static void *executor(void *arg) {
       set_other(d, s, 0);
     }
     if (w->end_ns > s->t_end) s->t_end = w->end_ns;
-    w->release(w);
     pthread_mutex_lock(&s->mu);
+    if (w->done != NULL) w->done(w);
     atomic_fetch_add(&s->done, 1);
     pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    w->release(w);
+    pthread_mutex_lock(&s->mu);
   }
   pthread_mutex_unlock(&s->mu);
   free_stream(s);
@@ -274,8 +277,11 @@ struct record_work {
   int64_t lag_ns;
 };
 
-/* The event's time is the device time its stream reached it. */
-static void record_run(struct fakeGpuWork *w) {
+/* The event's time is the device time its stream reached it; it is reached as the stream counts
+ * the record done (a query of the stream then agrees with one of the event). */
+static void record_run(struct fakeGpuWork *w) { (void)w; }
+
+static void record_done(struct fakeGpuWork *w) {
   struct record_work *r = (struct record_work *)w;
   int timed = !(r->e->flags & cudaEventDisableTiming) || r->lag_ns != 0;
   complete(r->e, r->gen, timed ? w->start_ns + r->lag_ns : 0);
@@ -296,7 +302,7 @@ cudaError_t fk_event_record(cudaEvent_t e, struct CUstream_st *s, int64_t lag_ns
   }
   struct record_work *r = malloc(sizeof *r);
   if (r != NULL) {
-    *r = (struct record_work){.w = {.run = record_run, .release = record_release}, .e = e, .gen = gen,
+    *r = (struct record_work){.w = {.run = record_run, .release = record_release, .done = record_done}, .e = e, .gen = gen,
                               .lag_ns = lag_ns};
     atomic_fetch_add(&e->refs, 1);
     cudaError_t rc = fk_launch(s, &r->w);

@@ -4,6 +4,12 @@
  * (nccl_device.c). Inside a group the calls wait in a per-thread queue until the outermost
  * ncclGroupEnd enqueues them as one batch. A non-blocking communicator under `inprogress R`
  * answers ncclInProgress and completes on later ncclCommGetAsyncError polls.
+ *
+ * `host_stall R seq`: rank R's collective with per-communicator sequence seq (from 0) blocks its
+ * host thread inside the call, before anything is enqueued, while the line stays, as real NCCL's
+ * host does in connection setup at run time (NCCL_RUNTIME_CONNECT, the default: a collective's
+ * first use of an algorithm connects to the peers over the bootstrap network), in a bootstrap
+ * exchange or behind a stalled proxy thread. Its GPU finishes what was queued before and idles.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -52,11 +58,21 @@ static ncclResult_t enqueued(const struct fk_call *calls, int n, ncclResult_t r)
   return r;
 }
 
+static void host_stall(const struct fk_call *k) {
+  struct ncclComm *c = k->comm;
+  if (k->op == FK_OP_SEND || k->op == FK_OP_RECV) return;
+  if (!fk_fault_find(FK_HOST_STALL, c->global_rank, (long)k->seq, NULL)) return;
+  fk_log("host_stall seq=%u rank=%d global=%d", k->seq, c->rank, c->global_rank);
+  while (fk_fault_find(FK_HOST_STALL, c->global_rank, (long)k->seq, NULL) && !atomic_load(&c->aborted))
+    fk_sleep_ns(1000000);
+}
+
 ncclResult_t fk_submit(struct fk_call *k) {
   if (fk_noop) return ncclSuccess;
   ncclResult_t r = validate(k);
   if (r != ncclSuccess) return r;
   number(k);
+  host_stall(k);
   if (t_group_depth == 0) return enqueued(k, 1, fk_enqueue(k, 1));
   if (t_queued == t_qcap) {
     int cap = t_qcap ? 2 * t_qcap : 16;

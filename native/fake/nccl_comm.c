@@ -3,6 +3,13 @@
  * names the shared-memory segment. A split child's id is a hash of the parent id, the color and
  * the parent's split count, so all ranks of one color derive the same child without exchanging
  * it; they still rendezvous on the parent to learn who else chose their color.
+ *
+ * As in NCCL 2.27+/2.28 (src/init.cc): ncclCommInitRankScalable takes nId unique ids, the same
+ * list in the same order on every rank (several bootstrap roots), and the communicator is named
+ * by the first; ncclCommShrink is called by the ranks that stay (never by those in
+ * excludeRanksList, which may be dead), which keep their order with the gaps closed; with
+ * NCCL_SHRINK_ABORT it first ends this rank's operations still queued or hung on the parent.
+ * The shrunk child's id derives from the parent's and its shrink count, like a split's.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -31,8 +38,17 @@ GH_EXPORT ncclResult_t pncclGetUniqueId(ncclUniqueId *uniqueId) {
 }
 GH_WEAK_ALIAS(ncclGetUniqueId);
 
+/* Real NCCL's (static) CUDA runtime makes a primary context current on the thread that makes a
+ * communicator, as any runtime call does: a driver-API caller then finds one there. */
+static void runtime_context(void) {
+  CUcontext ctx = NULL;
+  if (cuInit(0) == 0 && cuCtxGetCurrent(&ctx) == 0 && ctx == NULL && cuDevicePrimaryCtxRetain(&ctx, 0) == 0)
+    cuCtxSetCurrent(ctx);
+}
+
 static ncclResult_t init_rank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
   if (comm == NULL) return ncclInvalidArgument;
+  runtime_context();
   struct ncclComm *c = NULL;
   ncclResult_t r = fk_attach(&c, &id, nranks, rank, fk_global_rank(rank));
   if (r != ncclSuccess) return r;
@@ -68,6 +84,13 @@ GH_EXPORT ncclResult_t pncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncc
   return ncclSuccess;
 }
 GH_WEAK_ALIAS(ncclCommInitRankConfig);
+
+GH_EXPORT ncclResult_t pncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank, int nId,
+                                                 ncclUniqueId *commIds, ncclConfig_t *config) {
+  if (commIds == NULL || nId < 1 || nId > nranks) return ncclInvalidArgument;
+  return pncclCommInitRankConfig(newcomm, nranks, commIds[0], myrank, config);
+}
+GH_WEAK_ALIAS(ncclCommInitRankScalable);
 
 /* One process owns every rank: attach them all first, then wait, so no rank waits alone. */
 GH_EXPORT ncclResult_t pncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
@@ -108,6 +131,21 @@ static ncclUniqueId child_id(const ncclUniqueId *parent, int color, uint32_t spl
   return id;
 }
 
+/* A child communicator (split or shrink) every one of its ranks derives the same id for. */
+static ncclResult_t attach_child(const ncclUniqueId *id, int size, int rank, int global_rank,
+                                 ncclComm_t *newcomm) {
+  struct ncclComm *child = NULL;
+  ncclResult_t r = fk_attach(&child, id, size, rank, global_rank);
+  if (r != ncclSuccess) return r;
+  r = fk_wait_attached(child);
+  if (r != ncclSuccess) {
+    fk_comm_unref(child);
+    return r;
+  }
+  *newcomm = child;
+  return ncclSuccess;
+}
+
 static int split_voted(const struct ncclComm *c, const void *arg) {
   uint32_t need = *(const uint32_t *)arg + 1;
   for (int r = 0; r < c->nranks; r++)
@@ -139,18 +177,45 @@ GH_EXPORT ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclC
     if (k < key || (k == key && p < c->rank)) newrank++;
   }
   ncclUniqueId id = child_id(&c->id, color, n);
-  struct ncclComm *child = NULL;
-  r = fk_attach(&child, &id, size, newrank, c->global_rank);
-  if (r != ncclSuccess) return r;
-  r = fk_wait_attached(child);
-  if (r != ncclSuccess) {
-    fk_comm_unref(child);
-    return r;
-  }
-  *newcomm = child;
-  return ncclSuccess;
+  return attach_child(&id, size, newrank, c->global_rank, newcomm);
 }
 GH_WEAK_ALIAS(ncclCommSplit);
+
+static int cmp_int(const void *a, const void *b) {
+  int x = *(const int *)a, y = *(const int *)b;
+  return (x > y) - (x < y);
+}
+
+/* This rank's operations on c end (as an abort's do) and c stays usable: NCCL sets the abort
+ * flags, waits for its device stream, and clears them. */
+static void end_in_flight(struct ncclComm *c) {
+  atomic_store(&c->aborted, 1);
+  fk_bump(c->shm);
+  while (atomic_load(&c->refs) > 1) fk_sleep_ns(1000000);
+  atomic_store(&c->aborted, 0);
+}
+
+GH_EXPORT ncclResult_t pncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount,
+                                       ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags) {
+  (void)config;
+  if (!fk_comm_ok(comm) || newcomm == NULL || excludeRanksList == NULL || excludeRanksCount < 1 ||
+      excludeRanksCount >= comm->nranks)
+    return ncclInvalidArgument;
+  struct ncclComm *c = comm;
+  qsort(excludeRanksList, (size_t)excludeRanksCount, sizeof *excludeRanksList, cmp_int); /* as NCCL */
+  int below = 0;
+  for (int i = 0; i < excludeRanksCount; i++) {
+    if (excludeRanksList[i] < 0 || excludeRanksList[i] >= c->nranks) return ncclInvalidArgument;
+    if (excludeRanksList[i] == c->rank) return ncclInvalidArgument; /* excluded ranks do not call */
+    below += excludeRanksList[i] < c->rank;
+  }
+  if (shrinkFlags & NCCL_SHRINK_ABORT) end_in_flight(c);
+  *newcomm = NULL;
+  ncclUniqueId id = child_id(&c->id, -2 - (int)c->shrink_seq, 0x80000000u);
+  c->shrink_seq++;
+  return attach_child(&id, c->nranks - excludeRanksCount, c->rank - below, c->global_rank, newcomm);
+}
+GH_WEAK_ALIAS(ncclCommShrink);
 
 /* The handle is dead at once; this rank's queued and hung operations end (ncclInvalidUsage) when
  * their device sees the flag, and the memory goes with the last one that still holds it. */

@@ -8,6 +8,10 @@
  * fault, the moment it let go plus the transfer). Faults act here: `never_complete R seq` holds
  * rank R's collective on its device, a mismatch hangs the collective on every device; an abort
  * (or a destroy with work queued) releases them.
+ *
+ * A batch also waits for the previous batch of each of its communicators (its device queue, as
+ * NCCL's shared device stream orders a communicator's launches): it starts at the latest of its
+ * streams' arrivals and those batches' ends.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -22,13 +26,18 @@ struct fk_part {
   struct fk_batch *b;
 };
 
+/* Memory: `mem` counts the parts (as one) and every holder of a pointer to the batch (a
+ * communicator whose newest batch it is, a later batch of one that waits for it). The comms
+ * are let go once the parts are done, so a communicator and its newest batch never keep each
+ * other alive. */
 struct fk_batch {
-  _Atomic int arrived, refs;
-  int nparts, n, failed, done;
+  _Atomic int arrived, parts_left, mem;
+  int nparts, n, failed, done, nprev;
   int64_t end; /* device time the batch ended */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   struct fk_part *parts;
+  struct fk_batch **prev; /* the previous batch of each of its communicators, NULL once waited */
   struct fk_call calls[];
 };
 
@@ -173,12 +182,39 @@ static void finish(struct fk_batch *b) {
   pthread_mutex_unlock(&b->mu);
 }
 
+void fk_batch_put(struct fk_batch *b) {
+  if (atomic_fetch_sub(&b->mem, 1) != 1) return;
+  for (int i = 0; i < b->nprev; i++)
+    if (b->prev[i] != NULL) fk_batch_put(b->prev[i]);
+  pthread_mutex_destroy(&b->mu);
+  pthread_cond_destroy(&b->cv);
+  free(b);
+}
+
+/* The device time the communicators' previous batches ended (each waited for; an aborted one
+ * ends too, in error). */
+static int64_t after_previous(struct fk_batch *b) {
+  int64_t t = 0;
+  for (int i = 0; i < b->nprev; i++) {
+    struct fk_batch *p = b->prev[i];
+    if (p == NULL) continue;
+    pthread_mutex_lock(&p->mu);
+    while (!p->done) pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    if (p->end > t) t = p->end;
+    b->prev[i] = NULL;
+    fk_batch_put(p);
+  }
+  return t;
+}
+
 /* Each of the batch's streams reaches its part; the last one to arrive runs the batch, from the
- * latest of their device times (each part's start is written before its arrival is counted). */
+ * latest of their device times (each part's start is written before its arrival is counted) and
+ * of the ends of its communicators' previous batches. */
 static void part_run(struct fakeGpuWork *w) {
   struct fk_batch *b = ((struct fk_part *)w)->b;
   if (atomic_fetch_add(&b->arrived, 1) + 1 == b->nparts) {
-    int64_t arrival = 0;
+    int64_t arrival = after_previous(b);
     for (int p = 0; p < b->nparts; p++)
       if (b->parts[p].w.start_ns > arrival) arrival = b->parts[p].w.start_ns;
     execute(b, arrival);
@@ -193,20 +229,33 @@ static void part_run(struct fakeGpuWork *w) {
 
 static void part_release(struct fakeGpuWork *w) {
   struct fk_batch *b = ((struct fk_part *)w)->b;
-  if (atomic_fetch_sub(&b->refs, 1) != 1) return;
+  if (atomic_fetch_sub(&b->parts_left, 1) != 1) return;
   for (int i = 0; i < b->n; i++) fk_comm_unref(b->calls[i].comm);
-  pthread_mutex_destroy(&b->mu);
-  pthread_cond_destroy(&b->cv);
-  free(b);
+  fk_batch_put(b);
+}
+
+/* The batch becomes the newest of each of its communicators, after the one it replaces. */
+static void chain(struct fk_batch *b) {
+  for (int i = 0; i < b->n; i++) {
+    struct ncclComm *c = b->calls[i].comm;
+    int seen = 0;
+    for (int j = 0; j < i && !seen; j++) seen = b->calls[j].comm == c;
+    if (seen) continue;
+    b->prev[b->nprev++] = c->last; /* the comm's reference on it passes to this batch */
+    c->last = b;
+    atomic_fetch_add(&b->mem, 1);
+  }
 }
 
 ncclResult_t fk_enqueue(const struct fk_call *calls, int n) {
-  size_t bytes = sizeof(struct fk_batch) + (size_t)n * (sizeof(struct fk_call) + sizeof(struct fk_part));
+  size_t bytes = sizeof(struct fk_batch) +
+                 (size_t)n * (sizeof(struct fk_call) + sizeof(struct fk_part) + sizeof(struct fk_batch *));
   struct fk_batch *b = calloc(1, bytes);
   if (b == NULL) return ncclSystemError;
   memcpy(b->calls, calls, (size_t)n * sizeof *calls);
   b->n = n;
   b->parts = (struct fk_part *)(b->calls + n);
+  b->prev = (struct fk_batch **)(b->parts + n);
   for (int i = 0; i < n; i++) {
     int seen = 0;
     for (int p = 0; p < b->nparts && !seen; p++) seen = b->parts[p].w.stream == (void *)calls[i].stream;
@@ -218,10 +267,12 @@ ncclResult_t fk_enqueue(const struct fk_call *calls, int n) {
   }
   pthread_mutex_init(&b->mu, NULL);
   pthread_cond_init(&b->cv, NULL);
-  atomic_init(&b->refs, b->nparts);
+  atomic_init(&b->parts_left, b->nparts);
+  atomic_init(&b->mem, 1);
   for (int i = 0; i < n; i++) atomic_fetch_add(&calls[i].comm->refs, 1);
-  /* Once its last part is queued the device may run the batch and free it: nothing of the batch
-   * is read after a launch but what the launcher still owns (the parts not yet queued). */
+  chain(b);
+  /* Once its last part is queued the device may run the batch and let go of it: nothing of the
+   * batch is read after a launch but what the launcher still owns (the parts not yet queued). */
   int nparts = b->nparts, launched = 0;
   cudaError_t err = cudaSuccess;
   for (; launched < nparts; launched++)
@@ -229,8 +280,9 @@ ncclResult_t fk_enqueue(const struct fk_call *calls, int n) {
       break;
   if (launched == nparts) return ncclSuccess;
   fk_log("launch failed: cuda error %d, part %d of %d", (int)err, launched, nparts);
-  /* The parts not queued arrive here, failed: the batch ends without running, in error. The
-   * batch lives on: those parts still hold their references. */
+  /* The parts not queued arrive here, failed: the batch ends without running (and without
+   * waiting for the communicators' earlier work: this is the host thread), in error. The batch
+   * lives on: those parts still hold their references. */
   b->failed = 1;
   for (int p = launched; p < nparts; p++) {
     if (atomic_fetch_add(&b->arrived, 1) + 1 == nparts) {

@@ -9,6 +9,12 @@
  * device in libcudart) and the call returns at once: the host numbers the call, the device posts
  * it to the peers when the stream reaches it (the rank's GPU "arrival"), waits for them, and
  * models the transfer time there. Errors surface later, through ncclCommGetAsyncError.
+ *
+ * One communicator's operations run in order on the device, whatever streams they were enqueued
+ * on, as real NCCL's do (enqueue.cc: every launch of a communicator waits on its shared device
+ * stream and advances it): an operation starts once its stream reached it and the communicator's
+ * previous operation ended. So a send whose receiver never posts holds every later operation of
+ * its communicator, and the streams those were enqueued on, until the communicator is aborted.
  */
 #ifndef GH_NCCL_FAKE_H
 #define GH_NCCL_FAKE_H
@@ -71,13 +77,15 @@ struct ncclComm {
   ncclUniqueId id;
   int rank, nranks, global_rank;
   int nonblocking; /* made by InitRankConfig: may report ncclInProgress */
-  uint32_t coll_seq, split_seq;
+  uint32_t coll_seq, split_seq, shrink_seq;
   uint32_t sent[FK_MAX_RANKS], recvd[FK_MAX_RANKS]; /* numbered by the host at enqueue */
   _Atomic int aborted;     /* abort (or destroy with work still queued): the device lets go */
   _Atomic int refs;        /* the handle + enqueued batches: the last one frees the comm */
   _Atomic int async;       /* ncclInProgress while a non-blocking enqueue "completes" */
   _Atomic int async_polls; /* GetAsyncError calls left before an in-progress op is done */
   _Atomic int dev_err;     /* first error a device operation met, reported by GetAsyncError */
+  struct fk_batch *last;   /* its newest enqueued batch (host side: one thread uses a comm at a
+                              time); the next one waits for it on the device */
 };
 
 /* One operation, as the host enqueued it. */
@@ -110,7 +118,10 @@ int64_t fk_model_ns(const struct ncclComm *c, uint32_t op, uint64_t bytes, int p
 /* nccl_coll.c */
 ncclResult_t fk_submit(struct fk_call *call);
 
-/* nccl_device.c: enqueue one batch (a call, or a group's calls) on its streams. */
+/* nccl_device.c: enqueue one batch (a call, or a group's calls) on its streams; let go of a
+ * communicator's reference on its newest batch (when the communicator is freed). */
+struct fk_batch;
 ncclResult_t fk_enqueue(const struct fk_call *calls, int n);
+void fk_batch_put(struct fk_batch *b);
 
 #endif

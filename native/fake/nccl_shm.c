@@ -113,6 +113,7 @@ ncclResult_t fk_wait_attached(struct ncclComm *c) {
 /* The host's handle and every batch still on a device hold a reference; the last one unmaps. */
 void fk_comm_unref(struct ncclComm *c) {
   if (atomic_fetch_sub(&c->refs, 1) != 1) return;
+  if (c->last != NULL) fk_batch_put(c->last);
   c->magic = 0;
   munmap(c->shm, sizeof(struct fk_shm));
   free(c);

@@ -10,7 +10,8 @@
  * Environment: FAKE_NVML_GPUS (device count, default 8), FAKE_NVML_NVLINKS (active links per
  * device, default 4; 0: no NVLink, the calls answer NOT_SUPPORTED), FAKE_NVML_UNSUPPORTED
  * (comma-separated function names that answer NOT_SUPPORTED, as some GPUs do), and
- * FAKE_NVML_NO_DRIVER=1 (nvmlInit fails with DRIVER_NOT_LOADED).
+ * FAKE_NVML_NO_DRIVER=1 (nvmlInit fails with DRIVER_NOT_LOADED). Device g's PCI address and UUID
+ * are those the fake CUDA driver reports for physical GPU g (fk_pci.h).
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -19,6 +20,7 @@
 #include <time.h>
 
 #include "fk_faults.h"
+#include "fk_pci.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -180,7 +182,30 @@ API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned length) 
   nvmlReturn_t r = check(d, uuid, "nvmlDeviceGetUUID");
   if (r != NVML_SUCCESS) return r;
   if (length < 41) return NVML_ERROR_INSUFFICIENT_SIZE;
-  snprintf(uuid, length, "GPU-fa4e0000-0000-0000-0000-%012u", d->index);
+  snprintf(uuid, length, FK_UUID_FMT, d->index);
+  return NVML_SUCCESS;
+}
+
+/* nvmlPciInfo_t as NVML 9.0+ lays it out; the address is the one the fake driver reports for the
+ * same physical GPU (fk_pci.h), here with NVML's eight-digit domain. */
+typedef struct {
+  char busIdLegacy[16];
+  unsigned domain, bus, device, pciDeviceId, pciSubSystemId;
+  char busId[32];
+} nvmlPciInfo_t;
+
+API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci) {
+  nvmlReturn_t r = check(d, pci, "nvmlDeviceGetPciInfo_v3");
+  if (r != NVML_SUCCESS) return r;
+  memset(pci, 0, sizeof *pci);
+  pci->domain = fk_pci_domain(d->index);
+  pci->bus = fk_pci_bus(d->index);
+  pci->pciDeviceId = 0x233010DEu; /* an H100 SXM */
+  pci->pciSubSystemId = 0x16C110DEu;
+  unsigned short domain = (unsigned short)pci->domain;
+  unsigned char bus = (unsigned char)pci->bus;
+  snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04hX:%02hhX:00.0", domain, bus);
+  snprintf(pci->busId, sizeof pci->busId, "%08X:%02hhX:00.0", (unsigned)domain, bus);
   return NVML_SUCCESS;
 }
 

@@ -1,6 +1,19 @@
 /*
  * The validation benchmarks a parked training thread runs for the agent (control.c parks it):
- * P2P send/receive over the job's own communicators and a cuBLAS SGEMM, timed on the GPU.
+ * P2P send/receive and a cuBLAS SGEMM, timed on the GPU.
+ *
+ * P2P never runs on a job's communicator. NCCL runs all of a communicator's operations in order
+ * on the GPU (each launch waits on the communicator's shared device stream, enqueue.cc), so a send
+ * whose peer never posts (its agent died, its drain timed out, the validator went away) would
+ * stay queued on the job's communicator and every later training collective would wait behind it
+ * for ever. Transfers run on a benchmark communicator instead: a SPLIT request makes one from a
+ * job communicator (ncclCommSplit, color 0, keyed by the rank, so ranks keep their numbers; every
+ * rank of that communicator must ask, all of them parked: the validator sends the splits once all
+ * are parked and drained, in one order), with its own resources (splitShare 0: its own device
+ * stream and abort flag). A transfer that fails or times out aborts it (ncclCommAbort), which
+ * also ends the peer's side; the benchmark communicators left are destroyed when the pause ends.
+ * A job that forces shared split resources (NCCL_COMM_SPLIT_SHARE_RESOURCES=1) gets no benchmark
+ * communicator (UNSUPPORTED): its child would share the job's queue and abort flag.
  *
  * Parking the host does not park the GPU: the rank's already-enqueued work keeps running and
  * would share the SMs with a benchmark. So before measuring, each request waits for that work to
@@ -20,6 +33,7 @@
  * endless.
  */
 #define _GNU_SOURCE
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,6 +53,31 @@ typedef int (*blas_create_fn)(void **);
 typedef int (*blas_set_stream_fn)(void *, cudaStream_t);
 typedef int (*blas_sgemm_fn)(void *, int, int, int, int, int, const float *, const float *, int,
                              const float *, int, const float *, float *, int);
+typedef ncclResult_t (*split_fn)(ncclComm_t, int, int, ncclComm_t *, void *);
+typedef ncclResult_t (*comm_end_fn)(ncclComm_t);
+typedef ncclResult_t (*async_fn)(ncclComm_t, ncclResult_t *);
+
+/* The prefix of ncclConfig_t that NCCL has read since 2.17: it copies at most `size` bytes and
+ * gives every later field its default, by `version` (init.cc, parseCommConfig). Built here
+ * because nccl.h is not available to a CPU build (and the hook never reads a caller's config). */
+struct bench_config {
+  size_t size;
+  unsigned int magic, version;
+  int blocking, cga_cluster_size, min_ctas, max_ctas;
+  const char *net_name;
+  int split_share;
+};
+#define CONFIG_MAGIC 0xcafebeefu  /* NCCL_API_MAGIC */
+#define CONFIG_VERSION 21700u     /* NCCL_VERSION(2, 17, 0) */
+#define CONFIG_UNDEF INT_MIN      /* NCCL_CONFIG_UNDEF_INT: NCCL's default */
+#define TIMED (GH_BENCH_MAX_REPEAT + 1)
+
+/* One benchmark communicator: split from the job communicator parent_id during this pause. */
+struct child {
+  uint64_t parent_id;
+  ncclComm_t comm; /* NULL once aborted */
+  int aborted;
+};
 
 enum scratch_kind { SCRATCH_NONE, SCRATCH_HOST, SCRATCH_DEVICE, SCRATCH_ORDERED };
 
@@ -62,8 +101,10 @@ static struct {
   struct scratch retired[MAX_RETIRED]; /* cudaMalloc'd, on a stream with a transfer that timed out */
   int nretired;
   void *blas;
-  gh_cuda_event t0, t1;           /* timing events around each measured operation */
+  gh_cuda_event t[TIMED];         /* timing events between back-to-back repeats */
   gh_cuda_event drain[MAX_DRAIN]; /* one per stream being drained */
+  struct child child[GH_BENCH_MAX_COMMS];
+  int nchild;
   uint64_t timeout_ns;
   uint64_t deadline_ns; /* the request's hard end: the pause's lease */
 } bench;
@@ -84,8 +125,8 @@ static void bench_cuda(void) {
   bench.squery = (stream_fn)gh_cuda_sym("cudaStreamQuery");
   bench.sdestroy = (stream_fn)gh_cuda_sym("cudaStreamDestroy");
   int ok = bench.dmalloc != NULL && bench.dfree != NULL && gh_cuda_ready() &&
-           gh_private_stream(&bench.stream) == 0 && gh_cu.ev_create(&bench.t0, 0) == 0 &&
-           gh_cu.ev_create(&bench.t1, 0) == 0;
+           gh_private_stream(&bench.stream) == 0;
+  for (int i = 0; ok && i < TIMED; i++) ok = gh_cu.ev_create(&bench.t[i], 0) == 0;
   for (int i = 0; ok && i < MAX_DRAIN; i++) ok = gh_cu.ev_create(&bench.drain[i], GH_EVENT_DISABLE_TIMING) == 0;
   if (!ok) {
     bench.dmalloc = NULL; /* no usable CUDA runtime in the process */
@@ -195,16 +236,8 @@ static void *scratch(size_t n) {
   return s.p;
 }
 
-void gh_bench_release(void) {
-  if (bench.buf.p != NULL && !give_back(&bench.buf) && bench.nretired < MAX_RETIRED) {
-    bench.retired[bench.nretired++] = bench.buf;
-    bench.buf = (struct scratch){0};
-  }
-  sweep_retired();
-}
-
-/* After a transfer timed out its operation stays queued on the bench stream (its peer may post
- * it later): later requests get a fresh stream instead of queueing behind it. */
+/* After a transfer failed, its benchmark communicator is aborted and its operation ends once the
+ * abort reaches it; later requests get a fresh stream rather than wait for that. */
 static void replace_stream(void) {
   cudaStream_t fresh, old = bench.stream;
   if (gh_private_stream(&fresh) != 0) return;
@@ -215,21 +248,6 @@ static void replace_stream(void) {
 
 /* ---- measurements ------------------------------------------------------------------------ */
 
-/* GPU time of one operation enqueued by `issue` on the bench stream, bounded by the deadline. */
-static int gpu_time(int (*issue)(struct gh_bench_slot *, void *), struct gh_bench_slot *s, void *arg,
-                    uint64_t *dt) {
-  if (gh_cu.ev_record(bench.t0, bench.stream) != 0) return -1;
-  int rc = issue(s, arg);
-  if (rc != 0) return rc;
-  if (gh_cu.ev_record(bench.t1, bench.stream) != 0) return -1;
-  rc = wait_event(bench.t1, deadline_in(bench.timeout_ns));
-  if (rc != 0) return rc;
-  float ms = 0;
-  rc = gh_cu.ev_elapsed(&ms, bench.t0, bench.t1);
-  *dt = (uint64_t)((double)ms * 1e6);
-  return rc;
-}
-
 static void finish_slot(struct gh_bench_slot *s, uint32_t state, int result) {
   s->result = result;
   __atomic_store_n(&s->state, state, __ATOMIC_RELEASE);
@@ -239,6 +257,119 @@ static void record_duration(struct gh_bench_slot *s, int i, uint64_t dt) {
   s->durations_ns[i] = dt;
   s->total_ns += dt;
   s->n_done = (uint32_t)i + 1;
+}
+
+/* The repeats of one operation enqueued back to back on the bench stream, an event between each
+ * two (a host that re-synchronised each repeat would add its polling to every transfer), then one
+ * wait, bounded by the deadline; the durations of the repeats the GPU finished go in the slot.
+ * Returns the first error (an issue's, or cudaErrorNotReady: not finished in time). */
+static int gpu_time(int (*issue)(struct gh_bench_slot *, void *), struct gh_bench_slot *s, void *arg) {
+  if (gh_cu.ev_record(bench.t[0], bench.stream) != 0) return -1;
+  int n = 0, rc = 0;
+  while (n < s->repeat && rc == 0) {
+    rc = issue(s, arg);
+    if (rc == 0 && gh_cu.ev_record(bench.t[n + 1], bench.stream) != 0) rc = -1;
+    if (rc == 0) n++;
+  }
+  if (n == 0) return rc;
+  int waited = wait_event(bench.t[n], deadline_in(bench.timeout_ns));
+  if (rc == 0) rc = waited;
+  for (int i = 0; i < n && gh_cu.ev_query(bench.t[i + 1]) == 0; i++) {
+    float ms = 0;
+    if (gh_cu.ev_elapsed(&ms, bench.t[i], bench.t[i + 1]) != 0) break;
+    record_duration(s, i, (uint64_t)((double)ms * 1e6));
+  }
+  return rc;
+}
+
+/* ---- benchmark communicators -------------------------------------------------------------- */
+
+static void *nccl_fn(const char *name) { return gh_real(name, NULL); }
+
+static struct child *child_of(uint64_t parent_id) {
+  for (int i = 0; i < bench.nchild; i++)
+    if (bench.child[i].parent_id == parent_id) return &bench.child[i];
+  return NULL;
+}
+
+/* A transfer on it failed: abort it, so that nothing of the benchmark stays queued anywhere (its
+ * peer's side fails too) and no later request uses it. */
+static void abort_child(struct child *c) {
+  comm_end_fn abort_fn = (comm_end_fn)nccl_fn("ncclCommAbort");
+  if (c->comm != NULL && abort_fn != NULL) abort_fn(c->comm);
+  c->comm = NULL;
+  c->aborted = 1;
+  __atomic_fetch_add(&gh_ctl->bench_comms_aborted, 1, __ATOMIC_RELAXED);
+}
+
+static int shares_split_resources(void) {
+  const char *e = getenv("NCCL_COMM_SPLIT_SHARE_RESOURCES");
+  return e != NULL && e[0] != '\0' && strtol(e, NULL, 10) != 0;
+}
+
+/* A non-blocking parent makes the split non-blocking (NCCL decides by the parent): poll it to
+ * completion, at most until the deadline, then abort the half-made child. */
+static ncclResult_t settle_split(ncclComm_t child, ncclResult_t rc) {
+  async_fn async = (async_fn)nccl_fn("ncclCommGetAsyncError");
+  uint64_t deadline = deadline_in(bench.timeout_ns);
+  struct timespec nap = {0, POLL_NS};
+  while (rc == ncclInProgress && async != NULL && child != NULL) {
+    ncclResult_t st = ncclInProgress;
+    if (async(child, &st) != ncclSuccess) return ncclInternalError;
+    if (st != ncclInProgress) return st;
+    if (gh_now_ns() > deadline) return ncclInProgress;
+    nanosleep(&nap, NULL);
+  }
+  return rc;
+}
+
+static void run_split(struct gh_bench_slot *s) {
+  if (shares_split_resources()) {
+    finish_slot(s, GH_BENCH_UNSUPPORTED, ncclInvalidUsage);
+    return;
+  }
+  split_fn split = (split_fn)nccl_fn("ncclCommSplit");
+  ncclComm_t parent = gh_comm_handle(s->comm_id);
+  struct gh_comm_entry *e = gh_comm_lookup(parent);
+  struct child *c = child_of(s->comm_id);
+  if (c != NULL) { /* asked again: the one made this pause (or its abort) stands */
+    finish_slot(s, c->aborted ? GH_BENCH_FAILED : GH_BENCH_DONE, c->aborted ? ncclInvalidUsage : ncclSuccess);
+    return;
+  }
+  if (split == NULL || parent == NULL || e == NULL || bench.nchild == GH_BENCH_MAX_COMMS) {
+    finish_slot(s, GH_BENCH_FAILED, ncclInvalidArgument);
+    return;
+  }
+  struct bench_config cfg = {.size = sizeof cfg, .magic = CONFIG_MAGIC, .version = CONFIG_VERSION,
+                             .blocking = CONFIG_UNDEF, .cga_cluster_size = CONFIG_UNDEF,
+                             .min_ctas = CONFIG_UNDEF, .max_ctas = CONFIG_UNDEF, .net_name = NULL,
+                             .split_share = 0};
+  ncclComm_t child = NULL;
+  ncclResult_t rc = split(parent, 0, e->rank, &child, &cfg);
+  rc = settle_split(child, rc);
+  if (child != NULL) __atomic_fetch_add(&gh_ctl->bench_comms_made, 1, __ATOMIC_RELAXED);
+  if (rc != ncclSuccess || child == NULL) {
+    struct child half = {.comm = child};
+    if (child != NULL) abort_child(&half);
+    finish_slot(s, GH_BENCH_FAILED, rc != ncclSuccess ? (int)rc : ncclInternalError);
+    return;
+  }
+  bench.child[bench.nchild++] = (struct child){.parent_id = s->comm_id, .comm = child};
+  finish_slot(s, GH_BENCH_DONE, ncclSuccess);
+}
+
+/* End of the pause: the benchmark communicators go (every operation on a live one completed: a
+ * transfer that did not aborted it), and so does the scratch. */
+void gh_bench_release(void) {
+  comm_end_fn destroy = (comm_end_fn)nccl_fn("ncclCommDestroy");
+  for (int i = 0; i < bench.nchild; i++)
+    if (bench.child[i].comm != NULL && destroy != NULL) destroy(bench.child[i].comm);
+  bench.nchild = 0;
+  if (bench.buf.p != NULL && !give_back(&bench.buf) && bench.nretired < MAX_RETIRED) {
+    bench.retired[bench.nretired++] = bench.buf;
+    bench.buf = (struct scratch){0};
+  }
+  sweep_retired();
 }
 
 struct p2p_arg {
@@ -259,28 +390,31 @@ static void run_p2p(struct gh_bench_slot *s) {
   static gh_recv_fn recv;
   if (send == NULL) send = (gh_send_fn)gh_real("ncclSend", (void *)&ncclSend);
   if (recv == NULL) recv = (gh_recv_fn)gh_real("ncclRecv", (void *)&ncclRecv);
-  struct p2p_arg a = {.send = send, .recv = recv, .comm = gh_comm_handle(s->comm_id),
-                      .buf = scratch(s->size > 0 ? s->size : 1)};
-  if (a.comm == NULL || a.buf == NULL || send == NULL || recv == NULL) {
+  struct child *c = child_of(s->comm_id);
+  if (c == NULL || c->comm == NULL) { /* never the job's own communicator */
+    finish_slot(s, GH_BENCH_FAILED, ncclInvalidUsage);
+    return;
+  }
+  struct p2p_arg a = {.send = send, .recv = recv, .comm = c->comm, .buf = scratch(s->size > 0 ? s->size : 1)};
+  if (a.buf == NULL || send == NULL || recv == NULL) {
     finish_slot(s, GH_BENCH_FAILED, ncclInvalidArgument);
     return;
   }
-  for (int i = 0; i < s->repeat; i++) {
-    uint64_t dt = 0;
-    int rc;
-    if (bench.dmalloc != NULL) {
-      rc = gpu_time(issue_p2p, s, &a, &dt);
-      if (rc == GH_CUDA_NOT_READY) replace_stream(); /* the peer never posted */
-    } else {
+  int rc = 0;
+  if (bench.dmalloc != NULL) {
+    rc = gpu_time(issue_p2p, s, &a);
+  } else {
+    for (int i = 0; i < s->repeat && rc == 0; i++) {
       uint64_t t0 = gh_now_ns();
       rc = issue_p2p(s, &a);
-      dt = gh_now_ns() - t0;
+      if (rc == 0) record_duration(s, i, gh_now_ns() - t0);
     }
-    if (rc != 0) {
-      finish_slot(s, GH_BENCH_FAILED, rc);
-      return;
-    }
-    record_duration(s, i, dt);
+  }
+  if (rc != 0) {
+    abort_child(c); /* the peer never posted, or NCCL failed: nothing of it stays queued */
+    if (bench.dmalloc != NULL) replace_stream();
+    finish_slot(s, GH_BENCH_FAILED, rc);
+    return;
   }
   finish_slot(s, GH_BENCH_DONE, ncclSuccess);
 }
@@ -321,11 +455,7 @@ static void run_gemm(struct gh_bench_slot *s) {
   int rc = g.buf == NULL ? -1 : 0;
   if (rc == 0 && bench.blas == NULL) rc = create(&bench.blas);
   if (rc == 0 && set_stream != NULL) rc = set_stream(bench.blas, bench.stream);
-  for (int i = 0; rc == 0 && i < s->repeat; i++) {
-    uint64_t dt = 0;
-    rc = gpu_time(issue_gemm, s, &g, &dt);
-    if (rc == 0) record_duration(s, i, dt);
-  }
+  if (rc == 0) rc = gpu_time(issue_gemm, s, &g);
   finish_slot(s, rc == 0 ? GH_BENCH_DONE : GH_BENCH_FAILED, rc);
 }
 
@@ -335,6 +465,7 @@ static int out_of_bounds(const struct gh_bench_slot *s) {
   if (s->repeat < 1 || s->repeat > GH_BENCH_MAX_REPEAT) return 1;
   if (s->kind == GH_BENCH_GEMM) return s->size == 0 || s->size > GH_BENCH_MAX_GEMM_N;
   if (s->kind == GH_BENCH_SEND || s->kind == GH_BENCH_RECV) return s->size > GH_BENCH_MAX_P2P_BYTES;
+  if (s->kind == GH_BENCH_SPLIT) return s->comm_id == 0;
   return 0;
 }
 
@@ -348,10 +479,15 @@ void gh_bench_run(struct gh_bench_slot *s, uint64_t deadline_ns) {
   }
   bench_cuda();
   bench.deadline_ns = deadline_ns;
+  if (s->kind == GH_BENCH_SPLIT) { /* no drain: a split that one rank skipped would hang the rest */
+    run_split(s);
+    return;
+  }
   int rc = bench.dmalloc != NULL ? drain(s) : 0;
   if (rc != 0) finish_slot(s, GH_BENCH_FAILED, rc); /* the GPU did not drain in time */
   else if (s->kind == GH_BENCH_SEND || s->kind == GH_BENCH_RECV) run_p2p(s);
   else if (s->kind == GH_BENCH_GEMM) run_gemm(s);
+  else if (s->kind == GH_BENCH_DRAIN) finish_slot(s, GH_BENCH_DONE, ncclSuccess);
   else finish_slot(s, GH_BENCH_UNSUPPORTED, 0);
 }
 

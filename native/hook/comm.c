@@ -5,6 +5,7 @@
  * unique id, or for a split the same (parent id, split index, color).
  */
 #include <pthread.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "gh_hook.h"
@@ -67,31 +68,84 @@ static int free_table_slot(void) {
   for (int i = 0; i < GH_MAX_COMMS; i++)
     if (gh_comms[i].state == GH_COMM_FREE) return i;
   for (int i = 0; i < GH_MAX_COMMS; i++) /* reuse the slot of a finished communicator */
-    if (gh_comms[i].state != GH_COMM_ACTIVE) return i;
+    if (gh_comms[i].state == GH_COMM_DESTROYED || gh_comms[i].state == GH_COMM_ABORTED) return i;
   return -1;
+}
+
+/* Clear an entry for a new communicator without touching its seqlock words (a reader that saw
+ * them before must see them move); host_ver is odd meanwhile, gpu_ver bumped. Locks held. */
+static void reset_entry(struct gh_comm_entry *e) {
+  __atomic_store_n(&e->state, GH_COMM_FREE, __ATOMIC_RELEASE);
+  uint32_t hv = gh_ver_begin(&e->host_ver), gv = gh_ver_begin(&e->gpu_ver);
+  size_t vers = offsetof(struct gh_comm_entry, host_ver), after = vers + 2 * sizeof(uint32_t);
+  memset((char *)e + 8, 0, vers - 8);
+  memset((char *)e + after, 0, sizeof *e - after);
+  for (int p = 0; p < GH_MAX_PEERS; p++) e->peer_ids[p] = -1;
+  gh_ver_end(&e->gpu_ver, gv);
+  gh_ver_end(&e->host_ver, hv);
+}
+
+static void fill_identity(struct gh_comm_entry *e, uint64_t id, uint64_t parent, int color, int rank,
+                          int nranks) {
+  uint32_t v = gh_ver_begin(&e->host_ver);
+  e->parent_id = parent;
+  e->rank = rank;
+  e->nranks = nranks;
+  e->color = color;
+  e->comm_id = id;
+  gh_ver_end(&e->host_ver, v);
+}
+
+struct gh_comm_entry *gh_comm_begin(uint64_t id, uint64_t parent, int color, int rank, int nranks,
+                                    uint16_t op, uint64_t enter_ns) {
+  if (rank < 0 || nranks <= 0 || !gh_ring_ensure(rank)) return NULL;
+  struct gh_comm_entry *e = NULL;
+  pthread_mutex_lock(&reg_lock);
+  gh_marks_lock();
+  int idx = free_table_slot();
+  if (idx >= 0) {
+    e = &gh_comms[idx];
+    gh_marks_detach(idx);
+    reset_entry(e);
+    fill_identity(e, id, parent, color, rank, nranks);
+    uint32_t v = gh_ver_begin(&e->host_ver);
+    e->life_op = op;
+    e->inflight_enter_ns = enter_ns;
+    gh_ver_end(&e->host_ver, v);
+    __atomic_store_n(&e->state, GH_COMM_INIT, __ATOMIC_RELEASE);
+  }
+  gh_marks_unlock();
+  pthread_mutex_unlock(&reg_lock);
+  return e;
+}
+
+void gh_comm_abandon(struct gh_comm_entry *reserved, uint64_t id) {
+  if (reserved == NULL) return;
+  pthread_mutex_lock(&reg_lock);
+  if (__atomic_load_n(&reserved->state, __ATOMIC_ACQUIRE) == GH_COMM_INIT && reserved->comm_id == id)
+    __atomic_store_n(&reserved->state, GH_COMM_FREE, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&reg_lock);
 }
 
 /* The marks lock keeps the poller off the entry while it changes hands (it writes the GPU fields). */
 struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t parent, int color,
-                                       int rank, int nranks, int device) {
+                                       int rank, int nranks, int device, struct gh_comm_entry *reserved) {
   if (comm == NULL || !gh_ring_ensure(rank)) return NULL;
   struct gh_comm_entry *e = NULL;
   pthread_mutex_lock(&reg_lock);
   gh_marks_lock();
   e = gh_comm_lookup(comm);
-  int idx = e != NULL ? (int)(e - gh_comms) : free_table_slot();
+  int idx = e != NULL ? (int)(e - gh_comms) : -1;
+  if (idx < 0 && reserved != NULL && __atomic_load_n(&reserved->state, __ATOMIC_ACQUIRE) == GH_COMM_INIT &&
+      reserved->comm_id == id)
+    idx = (int)(reserved - gh_comms);
+  if (idx < 0) idx = free_table_slot();
   if (idx >= 0) {
     e = &gh_comms[idx];
-    __atomic_store_n(&e->state, GH_COMM_FREE, __ATOMIC_RELEASE);
-    memset((char *)e + 8, 0, sizeof *e - 8);
+    reset_entry(e);
     gh_marks_attach(idx, device);
-    e->parent_id = parent;
-    e->rank = rank;
-    e->nranks = nranks;
-    e->color = color;
+    fill_identity(e, id, parent, color, rank, nranks);
     e->handle = (uint64_t)(uintptr_t)comm;
-    for (int p = 0; p < GH_MAX_PEERS; p++) e->peer_ids[p] = -1;
-    e->comm_id = id;
     __atomic_store_n(&e->state, GH_COMM_ACTIVE, __ATOMIC_RELEASE);
     if (gh_comm_lookup(comm) == NULL) {
       unsigned pos = map_pos(comm);
@@ -107,9 +161,17 @@ struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t pa
   } else {
     e = NULL;
   }
+  if (reserved != NULL && reserved != e && __atomic_load_n(&reserved->state, __ATOMIC_ACQUIRE) == GH_COMM_INIT &&
+      reserved->comm_id == id)
+    __atomic_store_n(&reserved->state, GH_COMM_FREE, __ATOMIC_RELEASE);
   gh_marks_unlock();
   pthread_mutex_unlock(&reg_lock);
   return e;
+}
+
+void gh_comm_forget_entry(ncclComm_t comm, struct gh_comm_entry *e, uint64_t id, uint32_t state) {
+  if (e == NULL || gh_comm_lookup(comm) != e || e->comm_id != id) return;
+  gh_comm_forget(comm, state);
 }
 
 void gh_comm_forget(ncclComm_t comm, uint32_t state) {

@@ -14,6 +14,18 @@
  * whose call never comes expires the same way, so a stale request cannot keep every call on the
  * slow path either. No benchmark wait outlasts the lease, and requests still queued when a pause
  * ends (resumed or expired) end FAILED: they belonged to that pause.
+ *
+ * A pause never outlasts a share of the job's collective timeout either. The framework stamps a
+ * collective before the call the hook parks in (PyTorch's ProcessGroupNCCL: the work object is
+ * made first, and its watchdog aborts the communicator, with TORCH_NCCL_ASYNC_ERROR_HANDLING the
+ * process, once the process group's timeout passes before the GPU completes it), so the pause
+ * counts toward that timeout. The rank reports it (GREYHOUND_PG_TIMEOUT_S, or the framework
+ * integration writes job_timeout_ms); a pause then ends at most 1/GH_PAUSE_TIMEOUT_SHARE of it
+ * after the thread parked (pause_cap_ms; counted in pause_shortened), whatever lease was asked.
+ *
+ * Where a rank parks: at the entry of a data-path call, or at an outermost group boundary (the
+ * start of a group, or right after the outermost ncclGroupEnd of a group that reached a targeted
+ * pause's communicator: wrap_p2p.c), never inside a group.
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -26,6 +38,25 @@
 #define NAP_NS 200000L
 
 static int pause_owner;
+
+/* The longest this pause may hold the job, from the newest report of its collective timeout
+ * (the environment, else what the integration wrote), published in pause_cap_ms; UINT64_MAX when
+ * the timeout is unknown (the lease and GH_PAUSE_LEASE_MAX_MS alone bound it). */
+static uint64_t cap_ns(void) {
+  uint32_t reported = gh_env_timeout_ms();
+  if (reported > 0) __atomic_store_n(&gh_ctl->job_timeout_ms, reported, __ATOMIC_RELAXED);
+  uint32_t t = __atomic_load_n(&gh_ctl->job_timeout_ms, __ATOMIC_RELAXED);
+  uint32_t cap = t / GH_PAUSE_TIMEOUT_SHARE;
+  __atomic_store_n(&gh_ctl->pause_cap_ms, cap, __ATOMIC_RELAXED);
+  return t > 0 ? (uint64_t)cap * 1000000ull : UINT64_MAX;
+}
+
+/* The cap ran out before the lease: end the request, as an expired lease does, counted apart. */
+static void end_capped(void) {
+  uint32_t one = 1;
+  if (__atomic_compare_exchange_n(&gh_ctl->pause_request, &one, 0u, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+    __atomic_fetch_add(&gh_ctl->pause_shortened, 1, __ATOMIC_RELAXED);
+}
 
 static uint64_t default_lease_ns(void) {
   static uint64_t ns;
@@ -119,6 +150,8 @@ static int at_target(ncclComm_t comm) {
 }
 
 static void park(int me, uint64_t deadline) {
+  uint64_t cap = cap_ns(), t0 = gh_now_ns();
+  uint64_t cap_end = cap > UINT64_MAX - t0 ? UINT64_MAX : t0 + cap;
   gh_ctl->paused_tid = me;
   __atomic_fetch_add(&gh_ctl->pause_count, 1, __ATOMIC_RELAXED);
   __atomic_store_n(&gh_ctl->paused, 1u, __ATOMIC_RELEASE);
@@ -127,13 +160,20 @@ static void park(int me, uint64_t deadline) {
   int mode = gh_cuda_ready() ? gh_cuda_thread_local() : -1;
   struct timespec nap = {0, NAP_NS};
   uint64_t used = deadline;
+  int live;
   do {
     used = deadline;
-    run_requests(deadline);
+    run_requests(deadline < cap_end ? deadline : cap_end);
     nanosleep(&nap, NULL);
-  } while (pause_live(&deadline));
+    live = pause_live(&deadline);
+    if (live && gh_now_ns() >= cap_end) {
+      used = deadline;
+      end_capped();
+      live = 0;
+    }
+  } while (live);
   cancel_queued();
-  gh_bench_release(); /* training does not keep the benchmarks' memory */
+  gh_bench_release(); /* training does not keep the benchmarks' memory or communicators */
   /* Resumed before the lease ran out: clear the deadline this pause used, unless the agent has
    * already written the next one. */
   __atomic_compare_exchange_n(&gh_ctl->pause_lease_ns, &used, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
@@ -142,12 +182,14 @@ static void park(int me, uint64_t deadline) {
   __atomic_store_n(&pause_owner, 0, __ATOMIC_RELEASE);
 }
 
-void gh_pause_point_slow(ncclComm_t comm) {
+/* Park here while a pause stands whose target this point meets (`reached`: known by the caller,
+ * after a group; else the data-path call on `comm`). */
+static void pause_at(ncclComm_t comm, int reached) {
   int saved = errno;
   int me = 0;
   struct timespec nap = {0, NAP_NS};
   uint64_t deadline;
-  while (pause_live(&deadline) && at_target(comm)) {
+  while (pause_live(&deadline) && (reached || at_target(comm))) {
     int expect = 0;
     if (me == 0) me = (int)syscall(SYS_gettid);
     if (__atomic_compare_exchange_n(&pause_owner, &expect, me, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
@@ -159,4 +201,15 @@ void gh_pause_point_slow(ncclComm_t comm) {
     while (__atomic_load_n(&pause_owner, __ATOMIC_ACQUIRE) != 0) nanosleep(&nap, NULL);
   }
   errno = saved;
+}
+
+void gh_pause_point_slow(ncclComm_t comm) { pause_at(comm, 0); }
+
+int gh_pause_group_target_reached(void) {
+  uint64_t want = __atomic_load_n(&gh_ctl->pause_comm_id, __ATOMIC_ACQUIRE);
+  return want == 0 || gh_marks_group_reached(want, __atomic_load_n(&gh_ctl->pause_seq, __ATOMIC_ACQUIRE));
+}
+
+void gh_pause_after_group(int reached) {
+  if (reached) pause_at(NULL, 1);
 }

@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 
 #include "greyhound_ring.h"
@@ -145,11 +146,39 @@ static inline void gh_publish(struct gh_record *r, uint64_t index) {
   __atomic_store_n(&r->stamp, index + 1, __ATOMIC_RELEASE);
 }
 
+/* The comm entry's seqlocks (layout 5): host_ver around the host fields, written by the one thread
+ * inside a call on the communicator (NCCL allows no more), gpu_ver around the gpu_* fields, written
+ * by the poller under the marks lock. Odd while the fields change: a reader takes a row whose
+ * versions are even and the same before and after it. On x86 the fence costs no instruction. Its
+ * readers are other processes, which ThreadSanitizer does not see (nor does it model fences): its
+ * builds get the compiler barrier alone. */
+#if defined(__SANITIZE_THREAD__)
+#define GH_VER_FENCE() __atomic_signal_fence(__ATOMIC_RELEASE)
+#else
+#define GH_VER_FENCE() __atomic_thread_fence(__ATOMIC_RELEASE)
+#endif
+static inline uint32_t gh_ver_begin(uint32_t *ver) {
+  uint32_t v = __atomic_load_n(ver, __ATOMIC_RELAXED) + 1;
+  __atomic_store_n(ver, v, __ATOMIC_RELAXED);
+  GH_VER_FENCE();
+  return v;
+}
+static inline void gh_ver_end(uint32_t *ver, uint32_t v) { __atomic_store_n(ver, v + 1, __ATOMIC_RELEASE); }
+
 /* comm.c: communicator registry (handle -> entry index), stable ids. */
 struct gh_comm_entry *gh_comm_lookup(ncclComm_t comm);
+/* A communicator being created (id known before the call): an entry in state INIT with the call
+ * in flight (life_op, inflight_enter_ns), not in the handle map; NULL when the table is full. */
+struct gh_comm_entry *gh_comm_begin(uint64_t id, uint64_t parent, int color, int rank, int nranks,
+                                    uint16_t op, uint64_t enter_ns);
+/* `reserved`: the entry gh_comm_begin gave for it (or NULL): taken over when still its own. */
 struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t parent, int color,
-                                       int rank, int nranks, int device);
+                                       int rank, int nranks, int device, struct gh_comm_entry *reserved);
+void gh_comm_abandon(struct gh_comm_entry *reserved, uint64_t id); /* the creation failed */
 void gh_comm_forget(ncclComm_t comm, uint32_t state);
+/* forget, only if comm's entry is still `e` with that id (not a new communicator at a reused
+ * address, registered while the destroy ran) */
+void gh_comm_forget_entry(ncclComm_t comm, struct gh_comm_entry *e, uint64_t id, uint32_t state);
 uint64_t gh_hash_bytes(const void *p, size_t n, uint64_t seed);
 ncclComm_t gh_comm_handle(uint64_t comm_id);
 /* wrap_comm.c: register a communicator the hook did not see created (ids are then per-process). */
@@ -181,8 +210,21 @@ void gh_bench_run(struct gh_bench_slot *s, uint64_t deadline_ns);
 void gh_bench_cancel(struct gh_bench_slot *s);
 void gh_bench_release(void);
 
-/* control.c: pause point, run at depth 0 outside groups before a data-path call. */
+/* The job's collective (process-group) timeout as the launcher or the framework integration
+ * reports it, GREYHOUND_PG_TIMEOUT_S (seconds, fractions allowed), in ms; 0 when unset or not a
+ * positive number. Read when the ring is made and again at each pause. */
+static inline uint32_t gh_env_timeout_ms(void) {
+  const char *e = getenv("GREYHOUND_PG_TIMEOUT_S");
+  double s = e != NULL ? strtod(e, NULL) : 0.0;
+  return s > 0.0 && s < 4.0e6 ? (uint32_t)(s * 1000.0) : 0u;
+}
+
+/* control.c: pause point, run at depth 0 outside groups before a data-path call; and after the
+ * outermost ncclGroupEnd, for a targeted pause on a communicator the group used (`reached`: the
+ * group took the target communicator's collective seq to pause_seq or beyond). */
 void gh_pause_point_slow(ncclComm_t comm);
+int gh_pause_group_target_reached(void); /* before gh_marks_group_end forgets the group */
+void gh_pause_after_group(int reached);
 static inline void gh_pause_point(ncclComm_t comm) {
   const gh_ctl_word_t *w = __atomic_load_n(&gh_ctl_word, __ATOMIC_ACQUIRE);
   if (GH_UNLIKELY(GH_CTL_PAUSE(__atomic_load_n(w, __ATOMIC_RELAXED)) != 0)) gh_pause_point_slow(comm);
@@ -205,8 +247,11 @@ struct gh_cuda {
 #define GH_CUDA_NOT_READY 600 /* cudaErrorNotReady */
 #define GH_EVENT_DISABLE_TIMING 0x2u
 extern struct gh_cuda gh_cu;
-int gh_cuda_ready(void); /* 1 once the runtime resolved; 0 for good in a process without one */
-int gh_cuda_capturing(cudaStream_t stream);
+int gh_cuda_ready(void); /* 1 once the runtime or the driver resolved; 0 for good without either */
+int gh_cuda_api(void);   /* enum gh_gpu_api: what resolved (decided at the first call) */
+int gh_cuda_capturing(cudaStream_t stream); /* 1 capturing, or the query failed: record nothing */
+void gh_cuda_note_context(int device);      /* the poller's context: this thread's (driver API) */
+void gh_gpu_identity(int device);           /* header gpu_api and, once, pci_bus_id of device */
 int gh_cuda_thread_local(void); /* switch this thread's capture mode; returns the old one */
 void gh_cuda_restore_mode(int mode);
 void gh_cuda_fork_child(void);
@@ -246,6 +291,11 @@ struct gh_mark_slot {
   uint32_t meta;    /* GH_MARK_META of the first call */
   uint32_t pad[3];  /* 64 bytes: the hot path indexes with a shift */
 };
+/* What the poller last published into a comm entry's gpu_* fields. */
+struct gpu_fields {
+  uint64_t calls, seq, lost, pend_seq, count, pend_ns;
+  uint32_t op, dtype;
+};
 struct gh_marks {
   /* the producer: the one thread inside this communicator's calls (NCCL allows no more) */
   uint64_t head;          /* slots published (release) */
@@ -262,6 +312,7 @@ struct gh_marks {
   uint64_t done_call, done_seq, calls_done, seq_done, lost_seen[3];
   int device, ev_device;  /* the communicator's CUDA device; the one its events belong to */
   uint32_t active, failed;
+  struct gpu_fields shown;
   uint8_t pad1[48];
   struct gh_mark_slot slot[GH_MARKS];
 };
@@ -271,7 +322,12 @@ void gh_marks_unlock(void);
 void gh_marks_attach(int idx, int device); /* a communicator took entry idx (marks lock held) */
 void gh_marks_detach(int idx);  /* it was destroyed/aborted: pending marks dropped (lock held) */
 void gh_marks_poll(void);        /* poller thread */
-void gh_marks_group_end(void);   /* after the outermost ncclGroupEnd */
+/* After the outermost ncclGroupEnd, with its result: marks published when it enqueued the group,
+ * lost otherwise (failed: nothing enqueued; ncclInProgress: not on its stream yet). */
+void gh_marks_group_end(ncclResult_t res);
+/* Whether the open group has a collective on the communicator of comm_id whose seq is >= seq
+ * (before gh_marks_group_end forgets the group). */
+int gh_marks_group_reached(uint64_t comm_id, uint64_t seq);
 int gh_streams_seen(cudaStream_t *out, int max); /* streams of this process's data-path calls */
 
 /* Real NCCL entry points used outside their own wrapper (benchmarks, comm registry). */

@@ -47,6 +47,7 @@ GH_INLINE uint64_t gh_bump(uint64_t *p) {
 
 struct gh_call {
   uint64_t enter_ns, seq, call_no;
+  uint32_t ver; /* the entry's host_ver after the enter's update (even) */
   struct gh_stamp stamp;
   struct gh_comm_entry *e;
   struct gh_marks *m;
@@ -88,12 +89,15 @@ GH_INLINE void gh_hot_enter(struct gh_call *c, int fast, uint16_t op, ncclComm_t
   c->enter_ns = gh_clock_enter(&c->stamp);
   c->seq = 0;
   if (fast || e != NULL) {
+    uint32_t v = gh_ver_begin(&e->host_ver);
     c->call_no = gh_bump(&e->calls_entered);
     if (!GH_IS_P2P(op)) c->seq = gh_bump(&e->last_seq_entered);
     __atomic_store_n(&e->inflight_enter_ns, c->enter_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&e->last_op, (uint32_t)op, __ATOMIC_RELAXED);
     __atomic_store_n(&e->last_count, count, __ATOMIC_RELAXED);
     __atomic_store_n(&e->last_dtype, dtype, __ATOMIC_RELAXED);
+    gh_ver_end(&e->host_ver, v);
+    c->ver = v + 1;
   }
   c->profiled = 0;
   if (ctl != 0) c->profiled = gh_profile_enter(stream);
@@ -146,11 +150,15 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, int fast, uint16_t op, ncclResult_
   uint64_t seq = c->seq, comm_id = 0;
   int32_t rank = -1, nranks = 0;
   if (fast || e != NULL) {
+    /* The enter's version, carried: no thread but this one writes the host fields meanwhile. */
+    __atomic_store_n(&e->host_ver, c->ver + 1, __ATOMIC_RELAXED);
+    GH_VER_FENCE();
     if (!GH_IS_P2P(op)) __atomic_store_n(&e->last_seq_completed, seq, __ATOMIC_RELAXED);
     else if (res == ncclSuccess || res == ncclInProgress) seq = gh_p2p_count(e, op, peer);
     __atomic_store_n(&e->inflight_enter_ns, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&e->calls_completed, __atomic_load_n(&e->calls_completed, __ATOMIC_RELAXED) + 1,
                      __ATOMIC_RELEASE);
+    gh_ver_end(&e->host_ver, c->ver + 1);
     comm_id = e->comm_id;
     rank = e->rank;
     nranks = e->nranks;

@@ -147,12 +147,26 @@ void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaSt
   errno = saved;
 }
 
-void gh_marks_group_end(void) {
+/* A group that failed enqueued nothing, and one in progress (non-blocking communicators) is not
+ * on its streams yet, so an event recorded now could complete before it: lost, as a single call
+ * in that state is (gh_mark_slow). */
+void gh_marks_group_end(ncclResult_t res) {
   if (ngroup == 0) return;
   int saved = errno;
-  for (int i = 0; i < ngroup; i++) publish(&group[i], GH_MARK_CHECK);
+  for (int i = 0; i < ngroup; i++) {
+    if (res == ncclSuccess) publish(&group[i], GH_MARK_CHECK);
+    else lost(group[i].m, &group[i], res == ncclInProgress);
+  }
   ngroup = 0;
   errno = saved;
+}
+
+int gh_marks_group_reached(uint64_t comm_id, uint64_t seq) {
+  for (int i = 0; i < ngroup; i++) {
+    const struct pending *p = &group[i];
+    if (p->ncoll > 0 && p->upto >= seq && gh_comms[p->m - gh_marks].comm_id == comm_id) return 1;
+  }
+  return 0;
 }
 
 void gh_marks_attach(int idx, int device) {
@@ -168,6 +182,7 @@ void gh_marks_attach(int idx, int device) {
   m->lost_call = m->lost_seq = m->lost_n = 0;
   m->done_call = m->done_seq = m->calls_done = m->seq_done = 0;
   memset(m->lost_seen, 0, sizeof m->lost_seen);
+  memset(&m->shown, 0, sizeof m->shown);
   m->device = device;
   m->active = 1;
 }
@@ -177,11 +192,13 @@ void gh_marks_detach(int idx) {
   struct gh_comm_entry *e = &gh_comms[idx];
   m->active = 0;
   __atomic_store_n(&m->tail, __atomic_load_n(&m->head, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
+  uint32_t v = gh_ver_begin(&e->gpu_ver);
   __atomic_store_n(&e->gpu_pending_ns, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_seq, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_op, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_dtype, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_count, 0, __ATOMIC_RELAXED);
+  gh_ver_end(&e->gpu_ver, v);
 }
 
 /* Poller, lock held. Events on the communicator's device (a ring reused by a communicator on
@@ -211,7 +228,9 @@ static void poll_ring(int idx) {
   if (!__atomic_load_n(&m->ready, __ATOMIC_RELAXED)) {
     if (!make_events(m)) return;
     __atomic_store_n(&m->ready, 1u, __ATOMIC_RELEASE);
+    uint32_t v = gh_ver_begin(&e->gpu_ver);
     __atomic_store_n(&e->gpu_marks, 1u, __ATOMIC_RELAXED);
+    gh_ver_end(&e->gpu_ver, v);
   }
   uint64_t l[3];
   if (read_lost(m, l)) memcpy(m->lost_seen, l, sizeof l); /* else: mid-update, last pass's values */
@@ -235,14 +254,24 @@ static void poll_ring(int idx) {
   }
   if (calls > m->calls_done) m->calls_done = calls;
   if (seq > m->seq_done) m->seq_done = seq;
-  __atomic_store_n(&e->gpu_calls_done, m->calls_done, __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_seq_done, m->seq_done, __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_marks_lost, m->lost_seen[2], __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_pending_seq, pend_seq, __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_pending_op, p != NULL ? p->meta & 0xffu : 0u, __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_pending_dtype, p != NULL ? (p->meta >> 8) & 0xffu : 0u, __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_pending_count, p != NULL ? p->count : 0, __ATOMIC_RELAXED);
-  __atomic_store_n(&e->gpu_pending_ns, p != NULL ? p->enter_ns : 0, __ATOMIC_RELEASE);
+  struct gpu_fields now = {
+      .calls = m->calls_done, .seq = m->seq_done, .lost = m->lost_seen[2], .pend_seq = pend_seq,
+      .op = p != NULL ? p->meta & 0xffu : 0u, .dtype = p != NULL ? (p->meta >> 8) & 0xffu : 0u,
+      .count = p != NULL ? p->count : 0, .pend_ns = p != NULL ? p->enter_ns : 0};
+  /* Published only when something changed: a seqlock bumped every pass would have a reader that
+   * straddles a millisecond find the row changing under it every time. */
+  if (memcmp(&now, &m->shown, sizeof now) == 0) return;
+  m->shown = now;
+  uint32_t v = gh_ver_begin(&e->gpu_ver);
+  __atomic_store_n(&e->gpu_calls_done, now.calls, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_seq_done, now.seq, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_marks_lost, now.lost, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_seq, now.pend_seq, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_op, now.op, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_dtype, now.dtype, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_count, now.count, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_ns, now.pend_ns, __ATOMIC_RELEASE);
+  gh_ver_end(&e->gpu_ver, v);
 }
 
 void gh_marks_poll(void) {

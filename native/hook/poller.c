@@ -41,6 +41,7 @@ int gh_poller_want(cudaStream_t stream) {
   pthread_mutex_lock(&lock);
   if (state == 0) {
     if (gh_cu.get_device != NULL && gh_cu.get_device(&start_device) != 0) start_device = -1;
+    gh_cuda_note_context(start_device);
     pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);

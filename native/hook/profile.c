@@ -7,6 +7,13 @@
  * ANCHOR_NS, float32 ms stays precise within that), and or-s GH_F_GPU_DONE into the record. The
  * start event is reached when the stream reaches the call (the rank's GPU arrival at it), the end
  * event when the call completed on the GPU.
+ *
+ * The anchor maps the GPU's clock to the host's, and every GPU time the job's ranks compare across
+ * nodes rests on it: its host time is bracketed, read before the record and after the
+ * synchronisation returns (the event was reached in between), and taken as the middle, so a
+ * late wake-up of the synchronising thread widens the bracket instead of shifting the anchor; a
+ * wide one is taken again. An event record that fails (start or end) leaves that event's old
+ * time in place: the record is then GPU_LOST, never given the times of an earlier call.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -17,10 +24,12 @@
 #define POOL 1024u
 #define ANCHORS 4u
 #define ANCHOR_NS 10000000000ull
+#define ANCHOR_TRIES 4
+#define ANCHOR_GOOD_NS 200000ull /* a bracket this narrow is taken at once */
 #define MAX_GROUP 256
 #define CUDA_NOT_READY 600
 
-enum { S_FREE = 0, S_STARTED = 1, S_ENDED = 2, S_ATTACHED = 4, S_GONE = 8 };
+enum { S_FREE = 0, S_STARTED = 1, S_ENDED = 2, S_ATTACHED = 4, S_GONE = 8, S_FAILED = 16 };
 enum { P_UNTRIED = 0, P_READY = 1, P_NONE = 2 };
 
 typedef gh_cuda_event cuda_event;
@@ -48,8 +57,13 @@ static GH_TLS int group_n;
 
 static int take_anchor(void) {
   uint32_t g = (anchor_gen + 1) % ANCHORS;
-  if (gh_cu.ev_record(anchor_ev[g], anchor_stream) != 0 || gh_cu.ev_sync(anchor_ev[g]) != 0) return 0;
-  anchor_ns[g] = gh_now_ns();
+  uint64_t before = 0, after = 0;
+  for (int i = 0; i < ANCHOR_TRIES && (i == 0 || after - before > ANCHOR_GOOD_NS); i++) {
+    before = gh_now_ns();
+    if (gh_cu.ev_record(anchor_ev[g], anchor_stream) != 0 || gh_cu.ev_sync(anchor_ev[g]) != 0) return 0;
+    after = gh_now_ns();
+  }
+  anchor_ns[g] = before + (after - before) / 2;
   __atomic_store_n(&anchor_gen, anchor_gen + 1, __ATOMIC_RELEASE);
   return 1;
 }
@@ -89,6 +103,10 @@ static void poll_once(void) {
     if (is_blocked) continue;
     if ((st & (S_ENDED | S_ATTACHED)) != (S_ENDED | S_ATTACHED)) {
       if (nblocked < 32) blocked[nblocked++] = s->stream;
+      continue;
+    }
+    if (st & S_FAILED) { /* an event was not recorded: its time is an earlier call's */
+      complete(s, (st & S_GONE ? GH_F_ABORTED : 0) | GH_F_GPU_LOST);
       continue;
     }
     int q = gh_cu.ev_query(s->end);
@@ -163,7 +181,7 @@ int gh_profile_enter(cudaStream_t stream) {
   s->record = UINT64_MAX;
   s->entry = NULL;
   s->anchor_gen = __atomic_load_n(&anchor_gen, __ATOMIC_ACQUIRE);
-  gh_cu.ev_record(s->start, stream);
+  if (gh_cu.ev_record(s->start, stream) != 0) __atomic_fetch_or(&s->state, S_FAILED, __ATOMIC_RELEASE);
   uint32_t slot = (uint32_t)(n % POOL);
   res = (int)slot + 1;
   if (gh_thr.group_depth > 0 && group_n < MAX_GROUP) group_slots[group_n++] = slot;
@@ -185,9 +203,10 @@ uint32_t gh_profile_exit(int profiled) {
 
 void gh_profile_end(uint32_t slot) {
   struct slot *s = &pool[slot];
-  if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) & S_ENDED) return;
-  gh_cu.ev_record(s->end, s->stream);
-  __atomic_fetch_or(&s->state, S_ENDED, __ATOMIC_RELEASE);
+  uint32_t st = __atomic_load_n(&s->state, __ATOMIC_ACQUIRE);
+  if (st & S_ENDED) return;
+  uint32_t failed = (st & S_FAILED) || gh_cu.ev_record(s->end, s->stream) != 0 ? S_FAILED : 0u;
+  __atomic_fetch_or(&s->state, S_ENDED | failed, __ATOMIC_RELEASE);
 }
 
 void gh_profile_attach(uint32_t slot, uint64_t record_index, struct gh_comm_entry *e) {

@@ -209,6 +209,9 @@ static int create_ring(int rank) {
     m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (m != MAP_FAILED) {
     fill_header(m, job, rank, cap, control_off, comms_off, records_off, bytes);
+    struct gh_control *ctl = (struct gh_control *)((char *)m + control_off);
+    ctl->job_timeout_ms = gh_env_timeout_ms();
+    ctl->pause_cap_ms = ctl->job_timeout_ms / GH_PAUSE_TIMEOUT_SHARE;
     if (renameat(dfd, tmp_name, dfd, ring_name) != 0) {
       munmap(m, bytes);
       m = MAP_FAILED;

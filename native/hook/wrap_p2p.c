@@ -1,7 +1,16 @@
 /*
  * Point-to-point and group wrappers. Inside a group NCCL launches nothing until the outermost
  * ncclGroupEnd, so records issued inside carry the group id, and their completion marks (and in
- * profile mode their end events) are recorded after that outermost End (marks.c, profile.c).
+ * profile mode their end events) are recorded after that outermost End (marks.c, profile.c), once
+ * it enqueued the group: a group that failed, or is still in progress on non-blocking
+ * communicators, gets no marks (its calls count as lost).
+ *
+ * Pauses happen at the outermost group boundaries, never inside a group (NCCL's group state is
+ * per thread: a benchmark issued there would join the job's group). ncclGroupStart passes no
+ * communicator, so a pause targeted at a communicator used only inside groups (Megatron's
+ * coalesced DP reduce-scatter, batch_isend_irecv) is taken right after the outermost
+ * ncclGroupEnd of the group that reached its target: every rank of that communicator stops after
+ * the same group, which its peers' copies of that group need.
  */
 #include "hot.h"
 
@@ -63,10 +72,15 @@ GH_EXPORT ncclResult_t ncclGroupEnd(void) {
   ncclResult_t res = f();
   saved = errno;
   if (gh_thr.group_depth > 0 && --gh_thr.group_depth == 0) {
+    const gh_ctl_word_t *w = __atomic_load_n(&gh_ctl_word, __ATOMIC_ACQUIRE);
+    int pause = GH_CTL_PAUSE(__atomic_load_n(w, __ATOMIC_RELAXED)) != 0;
+    int enqueued = res == ncclSuccess || res == ncclInProgress;
+    int reached = pause && enqueued && gh_pause_group_target_reached();
     gh_profile_group_end();
-    gh_marks_group_end();
+    gh_marks_group_end(res);
     gh_record_event(GH_OP_GROUP_END, NULL, (int)res, -1, t0);
     gh_thr.group_id = 0;
+    if (pause && enqueued) gh_pause_after_group(reached);
   }
   gh_thr.depth--;
   errno = saved;

@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #define GH_RING_MAGIC 0x31474e4952484721ULL /* "!GHRING1" little-endian */
-#define GH_LAYOUT_VERSION 4u
+#define GH_LAYOUT_VERSION 5u
 #define GH_HEADER_BYTES 4096u
 #define GH_DEFAULT_RECORDS 65536u
 #define GH_MAX_COMMS 64
@@ -32,6 +32,14 @@
  * further out than the maximum is brought in to it. */
 #define GH_PAUSE_LEASE_DEFAULT_MS 30000
 #define GH_PAUSE_LEASE_MAX_MS 600000
+/* (v5) A pause never lasts longer than this share of the job's collective timeout (the process
+ * group's, as the rank reports it: GREYHOUND_PG_TIMEOUT_S, written into job_timeout_ms): the
+ * parked call was stamped by the framework before the hook parked it, so the pause counts toward
+ * that collective's timeout (PyTorch's watchdog aborts the communicator, and the process, once it
+ * passes). */
+#define GH_PAUSE_TIMEOUT_SHARE 4
+/* (v5) Benchmark communicators (split from the job's for P2P checks) alive at once. */
+#define GH_BENCH_MAX_COMMS 16
 
 /* Operation codes; values are part of the layout. */
 enum gh_op {
@@ -51,7 +59,8 @@ enum gh_op {
   GH_OP_COMM_SPLIT = 34,
   GH_OP_COMM_DESTROY = 35,
   GH_OP_COMM_ABORT = 36,
-  GH_OP_ASYNC_ERROR = 37
+  GH_OP_ASYNC_ERROR = 37,
+  GH_OP_COMM_SHRINK = 38 /* (v5) */
 };
 
 /* Record flags. */
@@ -65,9 +74,23 @@ enum gh_op {
 
 enum gh_mode { GH_MODE_MONITOR = 0, GH_MODE_PROFILE = 1 };
 
-enum gh_comm_state { GH_COMM_FREE = 0, GH_COMM_ACTIVE = 1, GH_COMM_DESTROYED = 2, GH_COMM_ABORTED = 3 };
+/* INIT (v5): a communicator being created (ncclCommInitRank*, inside NCCL until they return; its id
+ * is known from the unique id before): a wait there shows like any call in flight. */
+enum gh_comm_state { GH_COMM_FREE = 0, GH_COMM_ACTIVE = 1, GH_COMM_DESTROYED = 2, GH_COMM_ABORTED = 3,
+                     GH_COMM_INIT = 4 };
 
-enum gh_bench_kind { GH_BENCH_SEND = 1, GH_BENCH_RECV = 2, GH_BENCH_GEMM = 3 };
+/* (v5) What the rank's GPU completion marks and profile times rest on, decided at its first
+ * communicator: the process's shared CUDA runtime, the CUDA driver API (a program with the runtime
+ * linked statically, or none), or nothing (no CUDA in the process: host times only). */
+enum gh_gpu_api { GH_GPU_API_UNKNOWN = 0, GH_GPU_API_RUNTIME = 1, GH_GPU_API_DRIVER = 2, GH_GPU_API_NONE = 3 };
+
+/* P2P checks never run on a job's communicator: NCCL runs one communicator's operations in order
+ * on the GPU, so a send whose peer never posts would hold every later training collective behind
+ * it. SPLIT (v5) makes a benchmark communicator from comm_id (every rank of comm_id must ask for
+ * it, all parked), and SEND/RECV naming comm_id run on that child, which is aborted when one of
+ * them fails. DRAIN (v5) waits for the rank's queued GPU work only (drain_ns), so that transfers
+ * are issued once both ends have drained. */
+enum gh_bench_kind { GH_BENCH_SEND = 1, GH_BENCH_RECV = 2, GH_BENCH_GEMM = 3, GH_BENCH_DRAIN = 4, GH_BENCH_SPLIT = 5 };
 
 /* Slot states: the agent moves EMPTY->SUBMITTED and any final state->EMPTY; the hook the rest. */
 enum gh_bench_state {
@@ -99,7 +122,11 @@ struct gh_ring_header {
   uint32_t ready;          /* 204 1 once every field above is written */
   uint64_t mono_anchor_ns; /* 208 CLOCK_MONOTONIC ... */
   uint64_t wall_anchor_ns; /* 216 ... and CLOCK_REALTIME read back to back */
-  uint8_t pad0[32];        /* 224 */
+  uint32_t gpu_api;        /* 224 (v5) enum gh_gpu_api */
+  char pci_bus_id[20];     /* 228 (v5) PCI bus id of `device` as CUDA names it ("0000:18:00.0"),
+                            * NUL-terminated, "" unknown: the GPU's identity on the node, which an
+                            * ordinal is not inside containers or device cgroups */
+  uint8_t pad0[8];         /* 248 */
   uint64_t head;           /* 256 records reserved by writers (own cache line) */
   uint64_t dropped;        /* 264 records dropped because the ring was full */
   uint64_t gpu_dropped;    /* 272 profiled calls whose GPU timing was skipped (pool full) */
@@ -164,13 +191,22 @@ struct gh_comm_entry {
   uint32_t gpu_pending_dtype;         /* 1428 its ncclDataType_t ... */
   uint64_t gpu_pending_count;         /* 1432 ... and count: ranks compare the call each one is stuck in */
   uint64_t gpu_marks_lost;            /* 1440 calls enqueued without a mark (capture, mark pool full) */
-};                                    /* 1448 bytes */
+  /* (v5) Seqlocks: each is odd while its writer updates its fields (host_ver: the thread inside a
+   * call on this comm, over every field above but the gpu_* ones; gpu_ver: the poller, over those).
+   * A reader takes a row when both read even and unchanged before and after it. */
+  uint32_t host_ver;                  /* 1448 */
+  uint32_t gpu_ver;                   /* 1452 */
+  uint32_t life_op;                   /* 1456 (v5) enum gh_op of the lifecycle call inside NCCL on
+                                       * this comm now (init, split, shrink, destroy), 0 none; its
+                                       * enter time is inflight_enter_ns */
+  uint32_t pad1;                      /* 1460 */
+};                                    /* 1464 bytes */
 
 struct gh_bench_slot {
   uint64_t req_id;   /*  0 agent-chosen, nonzero */
   uint32_t state;    /*  8 enum gh_bench_state */
   uint32_t kind;     /* 12 enum gh_bench_kind */
-  uint64_t comm_id;  /* 16 P2P: the job communicator to use */
+  uint64_t comm_id;  /* 16 P2P, SPLIT: the job communicator (P2P runs on its benchmark child) */
   uint64_t size;     /* 24 P2P: bytes; GEMM: matrix dimension N */
   int32_t peer;      /* 32 P2P peer rank within the comm */
   int32_t repeat;    /* 36 <= GH_BENCH_MAX_REPEAT */
@@ -192,16 +228,24 @@ struct gh_control {
   uint64_t pause_lease_ns; /* 40 (v4) CLOCK_MONOTONIC deadline of the pause, agent writes before
                             * pause_request (0: the hook's default lease, which it writes here) */
   uint64_t lease_expired;  /* 48 (v4) hook: pauses it ended itself because their lease ran out */
-  uint8_t pad[8];          /* 56 */
+  uint32_t job_timeout_ms; /* 56 (v5) the job's collective timeout as the rank reported it, 0 unknown:
+                            * the hook writes GREYHOUND_PG_TIMEOUT_S here at start-up, the framework
+                            * integration may write it later */
+  uint32_t pause_cap_ms;   /* 60 (v5) hook: the longest pause it holds now (a share of the above),
+                            * 0 when only GH_PAUSE_LEASE_MAX_MS bounds it */
   struct gh_bench_slot slots[GH_BENCH_SLOTS]; /* 64 */
-};                                            /* 9280 bytes */
+  uint64_t pause_shortened;     /* 9280 (v5) hook: pauses ended at pause_cap_ms before their lease */
+  uint64_t bench_comms_made;    /* 9288 (v5) hook: benchmark communicators split so far */
+  uint64_t bench_comms_aborted; /* 9296 (v5) hook: of which aborted (a transfer failed or timed out) */
+  uint64_t reserved_v5[5];      /* 9304 */
+};                              /* 9344 bytes */
 
 #ifndef __cplusplus
 _Static_assert(sizeof(struct gh_ring_header) == 384, "header layout");
 _Static_assert(sizeof(struct gh_record) == 128, "record layout");
-_Static_assert(sizeof(struct gh_comm_entry) == 1448, "comm layout");
+_Static_assert(sizeof(struct gh_comm_entry) == 1464, "comm layout");
 _Static_assert(sizeof(struct gh_bench_slot) == 576, "bench slot layout");
-_Static_assert(sizeof(struct gh_control) == 9280, "control layout");
+_Static_assert(sizeof(struct gh_control) == 9344, "control layout");
 #endif
 
 #endif

@@ -2,6 +2,7 @@
  * The slice of NCCL's public ABI that the hook and the fake NCCL need, written without
  * cuda_runtime.h so that both build on machines with no CUDA (see shared NCCL-FACTS.md).
  * Layouts and enum values match nccl.h (2.18 .. 2.32); ncclConfig_t is forwarded opaquely.
+ * ncclCommInitRankScalable is NCCL 2.23+, ncclCommShrink 2.27+ (signatures of nccl.h.in 2.28).
  */
 #ifndef GREYHOUND_NCCL_ABI_H
 #define GREYHOUND_NCCL_ABI_H
@@ -53,6 +54,8 @@ typedef enum {
 } ncclRedOp_t;
 
 #define NCCL_SPLIT_NOCOLOR (-1)
+#define NCCL_SHRINK_DEFAULT 0x00 /* shrink the parent communicator */
+#define NCCL_SHRINK_ABORT 0x01   /* first end the parent's operations in flight, then shrink */
 
 /* Every API the hook interposes; each also exists as pnccl<Name> in real NCCL and in the fake. */
 #define GH_NCCL_API(ret, name, args) ret name args; ret p##name args;
@@ -61,7 +64,9 @@ GH_NCCL_API(ncclResult_t, ncclGetUniqueId, (ncclUniqueId *uniqueId))
 GH_NCCL_API(ncclResult_t, ncclCommInitRank, (ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank))
 GH_NCCL_API(ncclResult_t, ncclCommInitRankConfig, (ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank, ncclConfig_t *config))
 GH_NCCL_API(ncclResult_t, ncclCommInitAll, (ncclComm_t *comms, int ndev, const int *devlist))
+GH_NCCL_API(ncclResult_t, ncclCommInitRankScalable, (ncclComm_t *newcomm, int nranks, int myrank, int nId, ncclUniqueId *commIds, ncclConfig_t *config))
 GH_NCCL_API(ncclResult_t, ncclCommSplit, (ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config))
+GH_NCCL_API(ncclResult_t, ncclCommShrink, (ncclComm_t comm, int *excludeRanksList, int excludeRanksCount, ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags))
 GH_NCCL_API(ncclResult_t, ncclCommDestroy, (ncclComm_t comm))
 GH_NCCL_API(ncclResult_t, ncclCommAbort, (ncclComm_t comm))
 GH_NCCL_API(ncclResult_t, ncclCommGetAsyncError, (ncclComm_t comm, ncclResult_t *asyncError))

@@ -17,6 +17,11 @@ struct ncclComm {
 
 #define ALIAS(name) __typeof__(p##name) name __attribute__((weak, alias("p" #name)));
 
+/* What the tests check of the hook's own use: benchmark splits made, benchmark comms aborted. */
+int stub_splits_with_config, stub_aborts;
+ncclResult_t stub_group_end_result; /* what the outermost ncclGroupEnd answers (a failure, ncclInProgress) */
+static int group_depth;
+
 static ncclComm_t make(int rank, int nranks, int nonblocking) {
   ncclComm_t c = calloc(1, sizeof *c);
   c->rank = rank;
@@ -44,24 +49,49 @@ ncclResult_t pncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId 
   *comm = make(rank, nranks, config != NULL);
   return config != NULL ? ncclInProgress : ncclSuccess;
 }
+ncclResult_t pncclCommInitRankScalable(ncclComm_t *comm, int nranks, int rank, int nId, ncclUniqueId *ids,
+                                       ncclConfig_t *config) {
+  if (ids == NULL || nId < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+  *comm = make(rank, nranks, config != NULL);
+  return config != NULL ? ncclInProgress : ncclSuccess;
+}
+/* The excluded ranks never call it; the others close the gaps. */
+ncclResult_t pncclCommShrink(ncclComm_t comm, int *exclude, int n, ncclComm_t *newcomm, ncclConfig_t *config,
+                             int flags) {
+  (void)config;
+  (void)flags;
+  int below = 0;
+  for (int i = 0; i < n; i++) {
+    if (exclude[i] == comm->rank) return ncclInvalidArgument;
+    below += exclude[i] < comm->rank;
+  }
+  *newcomm = make(comm->rank - below, comm->nranks - n, 0);
+  return ncclSuccess;
+}
 ncclResult_t pncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
   (void)devlist;
   for (int i = 0; i < ndev; i++) comms[i] = make(i, ndev, 0);
   return ncclSuccess;
 }
-/* Colors split the ranks in halves: color c keeps the ranks r with r % 2 == c % 2. */
+/* Colors split the ranks in halves: color c keeps the ranks r with r % 2 == c % 2. A split with a
+ * config (the hook's benchmark communicator: color 0 and the rank as key on every rank) keeps them
+ * all, in their order. */
 ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
   (void)key;
-  (void)config;
   if (color == NCCL_SPLIT_NOCOLOR) {
     *newcomm = NULL;
+    return ncclSuccess;
+  }
+  if (config != NULL) {
+    *newcomm = make(comm->rank, comm->nranks, 0);
+    stub_splits_with_config++;
     return ncclSuccess;
   }
   *newcomm = make(comm->rank / 2, (comm->nranks + 1 - comm->rank % 2) / 2, 0);
   return ncclSuccess;
 }
 ncclResult_t pncclCommDestroy(ncclComm_t comm) { free(comm); return ncclSuccess; }
-ncclResult_t pncclCommAbort(ncclComm_t comm) { free(comm); return ncclSuccess; }
+ncclResult_t pncclCommAbort(ncclComm_t comm) { stub_aborts++; free(comm); return ncclSuccess; }
 ncclResult_t pncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *e) {
   *e = comm->async;
   if (comm->async == ncclInProgress && ++comm->polls >= 1) comm->async = ncclSuccess;
@@ -111,14 +141,22 @@ ncclResult_t pncclRecv(void *r, size_t n, ncclDataType_t t, int peer, ncclComm_t
   (void)r, (void)n, (void)t, (void)st;
   return peer < comm->nranks ? done(comm) : ncclInvalidArgument;
 }
-ncclResult_t pncclGroupStart(void) { return ncclSuccess; }
-ncclResult_t pncclGroupEnd(void) { return ncclSuccess; }
+ncclResult_t pncclGroupStart(void) {
+  group_depth++;
+  return ncclSuccess;
+}
+ncclResult_t pncclGroupEnd(void) {
+  if (group_depth == 0) return ncclInvalidUsage;
+  return --group_depth == 0 ? stub_group_end_result : ncclSuccess;
+}
 
 ALIAS(ncclGetVersion)
 ALIAS(ncclGetUniqueId)
 ALIAS(ncclCommInitRank)
 ALIAS(ncclCommInitRankConfig)
 ALIAS(ncclCommInitAll)
+ALIAS(ncclCommInitRankScalable)
+ALIAS(ncclCommShrink)
 ALIAS(ncclCommSplit)
 ALIAS(ncclCommDestroy)
 ALIAS(ncclCommAbort)

@@ -10,6 +10,8 @@
 #include "nccl_abi.h"
 #include "ring_view.h"
 
+extern int stub_splits_with_config, stub_aborts; /* stub_nccl.c */
+
 static struct ring_view v;
 static uint64_t seen; /* records checked so far */
 
@@ -35,28 +37,38 @@ static void *null_comm_caller(void *arg) {
   return (void *)(intptr_t)ncclAllReduce(NULL, NULL, 1, ncclFloat32, ncclSum, NULL, NULL);
 }
 
+/* An agent's request: the fields, then the state (the hook scans states while it is parked). */
+static struct gh_bench_slot *submit_slot(int slot, uint32_t kind, uint64_t size, int peer, uint64_t req_id) {
+  struct gh_bench_slot *s = &v.ctl->slots[slot];
+  s->kind = kind;
+  s->comm_id = v.comms[0].comm_id;
+  s->size = size;
+  s->peer = peer;
+  s->repeat = kind == GH_BENCH_SEND ? 3 : 1;
+  s->req_id = req_id;
+  __atomic_store_n(&s->state, GH_BENCH_SUBMITTED, __ATOMIC_RELEASE);
+  return s;
+}
+
+static void wait_final(const struct gh_bench_slot *s) {
+  while (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) < GH_BENCH_DONE) usleep(100);
+}
+
 static void *agent(void *arg) {
-  ncclComm_t *comm_id_src = arg;
-  (void)comm_id_src;
+  (void)arg;
   struct gh_control *c = v.ctl;
   __atomic_store_n(&c->pause_request, 1, __ATOMIC_RELEASE);
   while (!__atomic_load_n(&c->paused, __ATOMIC_ACQUIRE)) usleep(100);
-  struct gh_bench_slot *s = &c->slots[0], *g = &c->slots[1];
-  s->kind = GH_BENCH_SEND;
-  s->comm_id = v.comms[0].comm_id;
-  s->size = 4096;
-  s->peer = 1;
-  s->repeat = 3;
-  s->req_id = 1;
-  __atomic_store_n(&s->state, GH_BENCH_SUBMITTED, __ATOMIC_RELEASE);
-  g->kind = GH_BENCH_GEMM;
-  g->size = 64;
-  g->repeat = 1;
-  g->req_id = 2;
-  __atomic_store_n(&g->state, GH_BENCH_SUBMITTED, __ATOMIC_RELEASE);
-  while (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) < GH_BENCH_DONE ||
-         __atomic_load_n(&g->state, __ATOMIC_ACQUIRE) < GH_BENCH_DONE)
-    usleep(100);
+  /* Without a benchmark communicator a transfer is refused: never on the job's own. */
+  wait_final(submit_slot(3, GH_BENCH_SEND, 64, 1, 1));
+  submit_slot(2, GH_BENCH_SPLIT, 0, -1, 2);
+  struct gh_bench_slot *s = submit_slot(0, GH_BENCH_SEND, 4096, 1, 3);
+  struct gh_bench_slot *g = submit_slot(1, GH_BENCH_GEMM, 64, -1, 4);
+  wait_final(s);
+  wait_final(g);
+  /* A transfer NCCL refuses aborts the benchmark communicator; later ones on it are refused. */
+  submit_slot(4, GH_BENCH_SEND, 4096, 7, 5);
+  wait_final(submit_slot(5, GH_BENCH_SEND, 4096, 1, 6));
   __atomic_store_n(&c->pause_request, 0, __ATOMIC_RELEASE);
   return NULL;
 }
@@ -80,6 +92,31 @@ int main(void) {
   /* Same unique id -> same comm id (what every rank computes). */
   CHECK(ncclCommInitRank(&comm2, 4, id, 3) == ncclSuccess);
   CHECK(expect_op(GH_OP_COMM_INIT)->comm_id == cid);
+  CHECK(ncclCommDestroy(comm2) == ncclSuccess);
+  CHECK(expect_op(GH_OP_COMM_DESTROY)->comm_id == cid);
+  /* No CUDA in this process: the header says the marks are off; no bus id. */
+  CHECK(v.h->gpu_api == GH_GPU_API_NONE && v.h->pci_bus_id[0] == '\0');
+  /* InitRankScalable is named by the first of its ids, as InitRank by its one. */
+  ncclUniqueId ids[2] = {id, {{9, 9, 9}}};
+  CHECK(ncclCommInitRankScalable(&comm2, 4, 3, 2, ids, NULL) == ncclSuccess);
+  CHECK(expect_op(GH_OP_COMM_INIT)->comm_id == cid);
+  struct gh_comm_entry *se = ring_comm(&v, cid);
+  CHECK(se != NULL && se->state == GH_COMM_ACTIVE && se->life_op == 0 && se->inflight_enter_ns == 0);
+  /* Shrinks: one id per (parent, shrink index, excluded ranks, sorted): a new one the second time,
+   * with the same ranks excluded (listed in another order). */
+  ncclComm_t shr1, shr2;
+  int ex1[2] = {2, 0}, ex2[2] = {0, 2};
+  CHECK(ncclCommShrink(comm2, ex1, 2, &shr1, NULL, NCCL_SHRINK_DEFAULT) == ncclSuccess);
+  r = expect_op(GH_OP_COMM_SHRINK);
+  uint64_t sh1 = r->comm_id;
+  CHECK(sh1 != 0 && sh1 != cid && r->comm_rank == 1 && r->nranks == 2);
+  struct gh_comm_entry *she = ring_comm(&v, sh1);
+  CHECK(she != NULL && she->parent_id == cid && se->life_op == 0 && (se->host_ver & 1) == 0);
+  CHECK(ncclCommShrink(comm2, ex2, 2, &shr2, NULL, NCCL_SHRINK_DEFAULT) == ncclSuccess);
+  uint64_t sh2 = expect_op(GH_OP_COMM_SHRINK)->comm_id;
+  CHECK(sh2 != 0 && sh2 != sh1);
+  CHECK(ncclCommDestroy(shr2) == ncclSuccess && ncclCommDestroy(shr1) == ncclSuccess);
+  CHECK(expect_op(GH_OP_COMM_DESTROY)->comm_id == sh2 && expect_op(GH_OP_COMM_DESTROY)->comm_id == sh1);
   CHECK(ncclCommDestroy(comm2) == ncclSuccess);
   CHECK(expect_op(GH_OP_COMM_DESTROY)->comm_id == cid);
 
@@ -197,6 +234,12 @@ int main(void) {
   CHECK(ncclAllReduce(NULL, NULL, 1, ncclFloat32, ncclSum, comm, NULL) == ncclSuccess);
   pthread_join(t, NULL);
   CHECK(v.ctl->pause_count == 1 && v.ctl->paused == 0);
+  CHECK(v.ctl->slots[3].state == GH_BENCH_FAILED && v.ctl->slots[3].result == ncclInvalidUsage);
+  CHECK(v.ctl->slots[2].state == GH_BENCH_DONE && stub_splits_with_config == 1);
+  CHECK(v.ctl->slots[4].state == GH_BENCH_FAILED && v.ctl->slots[4].result == ncclInvalidArgument);
+  CHECK(v.ctl->slots[5].state == GH_BENCH_FAILED && v.ctl->slots[5].result == ncclInvalidUsage);
+  CHECK(v.ctl->bench_comms_made == 1 && v.ctl->bench_comms_aborted == 1);
+  CHECK(stub_aborts == 2); /* the job's own (above) and the benchmark communicator */
   CHECK(v.ctl->slots[0].state == GH_BENCH_DONE && v.ctl->slots[0].n_done == 3);
   CHECK(v.ctl->slots[0].durations_ns[2] > 0 && v.ctl->slots[0].total_ns >= v.ctl->slots[0].durations_ns[2]);
   CHECK(v.ctl->slots[1].state == GH_BENCH_UNSUPPORTED);

@@ -5,7 +5,8 @@
  * in to the maximum); a request whose lease has passed never parks; a targeted pause whose call
  * never comes stops costing the slow path; a second training thread waits no longer than the
  * lease; benchmark waits end at the lease; requests still queued when a pause ends are
- * cancelled; sizes beyond the bounds are refused; the scratch memory goes back at resume.
+ * cancelled; sizes beyond the bounds are refused; the scratch memory goes back at resume; the
+ * job's collective timeout caps a pause; a targeted pause parks after a group.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -41,6 +42,18 @@ static uint64_t returned_at(ncclComm_t c) {
 }
 
 static uint64_t call_returned_at(void) { return returned_at(comm); }
+
+/* A coalesced reduce-scatter (nested groups, as Megatron's coalescing manager opens them) on one
+ * communicator; returns when the outermost ncclGroupEnd came back. */
+static uint64_t grouped_returned_at(ncclComm_t c) {
+  ncclGroupStart();
+  ncclGroupStart();
+  ncclReduceScatter(NULL, NULL, 8, ncclFloat32, ncclSum, c, NULL);
+  ncclReduceScatter(NULL, NULL, 8, ncclFloat32, ncclSum, c, NULL);
+  ncclGroupEnd();
+  ncclGroupEnd();
+  return now_ns();
+}
 
 static uint64_t timed_call(void) {
   uint64_t t0 = now_ns();
@@ -181,20 +194,28 @@ int main(void) {
   CHECK(capped <= now_ns() + (uint64_t)GH_PAUSE_LEASE_MAX_MS * MS && capped > now_ns() + 60000 * MS);
 
   /* While parked: bounds refused before anything runs, a transfer done on device scratch. */
-  submit(0, 1, GH_BENCH_GEMM, GH_BENCH_MAX_GEMM_N + 1, 1);
-  submit(1, 2, GH_BENCH_GEMM, 0, 1);
-  submit(2, 3, GH_BENCH_SEND, GH_BENCH_MAX_P2P_BYTES + 1, 1);
-  submit(3, 4, GH_BENCH_SEND, 4096, 0);
-  submit(4, 5, GH_BENCH_SEND, 4096, 2);
+  submit(5, 1, GH_BENCH_SPLIT, 0, 1); /* the transfers' own communicator */
+  submit(0, 2, GH_BENCH_GEMM, GH_BENCH_MAX_GEMM_N + 1, 1);
+  submit(1, 3, GH_BENCH_GEMM, 0, 1);
+  submit(2, 4, GH_BENCH_SEND, GH_BENCH_MAX_P2P_BYTES + 1, 1);
+  submit(3, 5, GH_BENCH_SEND, 4096, 0);
+  v.ctl->slots[6].comm_id = 0; /* a split of no communicator */
+  v.ctl->slots[6].kind = GH_BENCH_SPLIT;
+  v.ctl->slots[6].repeat = 1;
+  v.ctl->slots[6].req_id = 6;
+  STORE(v.ctl->slots[6].state, (uint32_t)GH_BENCH_SUBMITTED);
+  submit(4, 7, GH_BENCH_SEND, 4096, 2);
   for (int i = 0; i < 4; i++)
     CHECK(final_state(i) == GH_BENCH_FAILED && v.ctl->slots[i].result == ncclInvalidArgument);
+  CHECK(final_state(6) == GH_BENCH_FAILED && v.ctl->slots[6].result == ncclInvalidArgument);
+  CHECK(final_state(5) == GH_BENCH_DONE && LOAD(v.ctl->bench_comms_made) == 1);
   CHECK(final_state(4) == GH_BENCH_DONE && v.ctl->slots[4].n_done == 2);
   CHECK(LOAD(stub_cuda_live_allocs) == 1); /* its scratch, kept for the pause's next request */
   STORE(v.ctl->pause_request, 0u);
   pthread_join(t, NULL);
   CHECK(LOAD(stub_cuda_live_allocs) == 0); /* given back at resume */
   CHECK(LOAD(v.ctl->pause_lease_ns) == 0 && LOAD(v.ctl->lease_expired) == 5);
-  for (int i = 0; i < 5; i++) STORE(v.ctl->slots[i].state, (uint32_t)GH_BENCH_EMPTY);
+  for (int i = 0; i < 7; i++) STORE(v.ctl->slots[i].state, (uint32_t)GH_BENCH_EMPTY);
 
   /* A benchmark wait ends at the lease, not at its own 5 s timeout; a request queued behind it
    * is cancelled when the pause ends, never run by a later pause. */
@@ -215,6 +236,32 @@ int main(void) {
   STORE(stub_cuda_auto, 1);
   stub_cuda_finish_all();
   CHECK(LOAD(stub_cuda_live_allocs) == 0);
+
+  /* The job's collective timeout caps a pause: 1.2 s reported, so at most 300 ms parked, whatever
+   * the lease asked (the parked call was stamped before it: the pause counts toward it). */
+  CHECK(LOAD(v.ctl->job_timeout_ms) == 0 && LOAD(v.ctl->pause_cap_ms) == 0); /* none at start-up */
+  setenv("GREYHOUND_PG_TIMEOUT_S", "1.2", 1);
+  uint64_t shortened0 = LOAD(v.ctl->pause_shortened), expired0 = LOAD(v.ctl->lease_expired);
+  t0 = now_ns();
+  request_pause(now_ns() + 20000 * MS, 0, 0);
+  uint64_t back_at = call_returned_at();
+  CHECK(back_at - t0 >= 300 * MS && back_at - t0 < 5000 * MS);
+  CHECK(LOAD(v.ctl->job_timeout_ms) == 1200 && LOAD(v.ctl->pause_cap_ms) == 300);
+  CHECK(LOAD(v.ctl->pause_shortened) == shortened0 + 1 && LOAD(v.ctl->lease_expired) == expired0);
+  CHECK(LOAD(v.ctl->pause_request) == 0 && LOAD(v.ctl->pause_lease_ns) == 0 && LOAD(v.ctl->paused) == 0);
+  unsetenv("GREYHOUND_PG_TIMEOUT_S");
+  STORE(v.ctl->job_timeout_ms, 0u);
+
+  /* A targeted pause on a communicator used only inside groups: no call of it carries the
+   * communicator to the pause point at ncclGroupStart, so the rank parks right after the outermost
+   * ncclGroupEnd of the group that reached the target; a group on another communicator runs on. */
+  uint64_t pauses0 = LOAD(v.ctl->pause_count);
+  deadline = now_ns() + 300 * MS;
+  request_pause(deadline, cid, LOAD(v.comms[0].last_seq_entered) + 1);
+  CHECK(grouped_returned_at(comm2) < deadline && LOAD(v.ctl->pause_count) == pauses0);
+  uint64_t after_group = grouped_returned_at(comm);
+  CHECK(after_group >= deadline && LOAD(v.ctl->pause_count) == pauses0 + 1);
+  CHECK(LOAD(v.ctl->lease_expired) == expired0 + 1 && LOAD(v.ctl->paused) == 0);
 
   CHECK(ncclCommDestroy(comm) == ncclSuccess && ncclCommDestroy(comm2) == ncclSuccess);
   printf("test_hook_lease: %s\n", gh_failures ? "FAIL" : "ok");

@@ -21,6 +21,7 @@
 extern _Atomic uint64_t stub_cuda_tickets, stub_cuda_done;
 extern _Atomic int stub_cuda_auto, stub_cuda_capturing;
 extern _Atomic long stub_cuda_records, stub_cuda_events, stub_cuda_live_allocs;
+extern ncclResult_t stub_group_end_result; /* stub_nccl.c */
 void stub_cuda_advance(uint64_t upto);
 void stub_cuda_finish_all(void);
 
@@ -60,13 +61,20 @@ static void *agent(void *arg) {
   struct gh_control *c = v.ctl;
   __atomic_store_n(&c->pause_request, 1, __ATOMIC_RELEASE);
   while (!LOAD(c->paused)) usleep(100);
-  struct gh_bench_slot *s = &c->slots[0];
+  struct gh_bench_slot *k = &c->slots[1], *s = &c->slots[0];
+  k->kind = GH_BENCH_SPLIT; /* the transfers' own communicator, split from the job's */
+  k->comm_id = e->comm_id;
+  k->repeat = 1;
+  k->req_id = 1;
+  __atomic_store_n(&k->state, GH_BENCH_SUBMITTED, __ATOMIC_RELEASE);
+  while (LOAD(k->state) < GH_BENCH_DONE) usleep(100);
+  CHECK(LOAD(k->state) == GH_BENCH_DONE && k->drain_ns == 0); /* a split never waits for the drain */
   s->kind = GH_BENCH_SEND;
   s->comm_id = e->comm_id;
   s->size = 256;
   s->peer = 1;
   s->repeat = 2;
-  s->req_id = 1;
+  s->req_id = 2;
   __atomic_store_n(&s->state, GH_BENCH_SUBMITTED, __ATOMIC_RELEASE);
   while (LOAD(s->state) < GH_BENCH_DONE) usleep(100);
   /* The device never reached the queued mark: the drain gave up at the deadline. */
@@ -75,7 +83,7 @@ static void *agent(void *arg) {
   __atomic_store_n(&s->state, GH_BENCH_EMPTY, __ATOMIC_RELEASE);
   __atomic_store_n(&stub_cuda_auto, 1, __ATOMIC_RELEASE);
   stub_cuda_finish_all(); /* the device catches up: the next request drains at once */
-  s->req_id = 2;
+  s->req_id = 3;
   __atomic_store_n(&s->state, GH_BENCH_SUBMITTED, __ATOMIC_RELEASE);
   while (LOAD(s->state) < GH_BENCH_DONE) usleep(100);
   CHECK(LOAD(s->state) == GH_BENCH_DONE && s->n_done == 2 && s->drain_ns < 250000000ull);
@@ -170,7 +178,22 @@ int main(void) {
   stub_cuda_finish_all();
   WAIT_FOR(LOAD(e->gpu_calls_done) == entered && LOAD(e->gpu_seq_done) == LOAD(e->last_seq_entered));
 
+  /* A group whose outermost GroupEnd failed enqueued nothing, and one in progress is not on its
+   * stream yet: no mark is recorded for either, their calls count as lost (done in order). */
+  for (int k = 0; k < 2; k++) {
+    rec0 = LOAD(stub_cuda_records);
+    uint64_t lost_before = LOAD(e->gpu_marks_lost), calls = LOAD(e->calls_entered);
+    stub_group_end_result = k == 0 ? ncclInternalError : ncclInProgress;
+    CHECK(ncclGroupStart() == ncclSuccess);
+    CHECK(ncclAllReduce(NULL, NULL, 4, ncclFloat32, ncclSum, comm, S1) == ncclSuccess);
+    CHECK(ncclGroupEnd() == stub_group_end_result);
+    stub_group_end_result = ncclSuccess;
+    CHECK(LOAD(stub_cuda_records) == rec0);
+    WAIT_FOR(LOAD(e->gpu_calls_done) == calls + 1 && LOAD(e->gpu_marks_lost) == lost_before + (uint64_t)k);
+  }
+
   /* A forked child (a data-loader worker) records nothing: no counters move, no marks. */
+  entered = LOAD(e->calls_entered);
   pid_t pid = fork();
   if (pid == 0) {
     ncclAllReduce(NULL, NULL, 1, ncclFloat32, ncclSum, comm, S1);

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import socket
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from greyhound.hookabi import (
     CommState,
     FileId,
     Flag,
+    GpuApi,
     Op,
     RingError,
     RingReader,
@@ -44,6 +46,12 @@ _COLLECTIVES = np.array([Op.ALLREDUCE, Op.ALLGATHER, Op.REDUCESCATTER, Op.BROADC
 _PROFILE_FLAGS = np.uint32(Flag.PROFILED | Flag.CAPTURED)
 # An iteration longer than a day, or ending outside int64 ns, comes from nonsense timestamps.
 MAX_ITERATION_S = 86_400.0
+# A profiled call's GPU end comes up to an iteration after its host return (the host runs ahead),
+# more when the iteration is long: its record waits for its GPU times this many of the rank's
+# recent iterations, within [MIN, MAX] seconds (and while the ring has room, see RingReader).
+PROFILE_WAIT_ITERATIONS = 4
+MIN_PROFILE_WAIT_S = 2.0
+MAX_PROFILE_WAIT_S = 120.0
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xC2B2AE3D27D4EB4F)
 
@@ -78,6 +86,8 @@ class RankStream:
     kept: list[np.ndarray] = field(default_factory=list)
     ended: bool = False  # the writer process exited: drain what is left, report no counters
     _marked: bool = False  # the hook records GPU completion marks (see _gpu_marked)
+    _recent_s: deque[float] = field(default_factory=lambda: deque(maxlen=8))  # iteration times
+    _api_pending: bool = field(default=False, init=False)  # announced before gpu_api was known
 
     def writer_gone(self) -> bool:
         """True when the rank's process ran on this host and no longer exists.
@@ -110,6 +120,17 @@ class RankStream:
         self.kept = []
         return out
 
+    def gpu_api_learned(self) -> bool:
+        """True once, when the hook has decided what this rank's GPU view rests on (its header's
+        gpu_api) after the rank was first announced with it undecided."""
+        if not self._api_pending or self.reader.refresh_header().gpu_api == GpuApi.UNKNOWN:
+            return False
+        self._api_pending = False
+        return True
+
+    def __post_init__(self) -> None:
+        self._api_pending = self.reader.header.gpu_api == GpuApi.UNKNOWN
+
     def _gpu_marked(self) -> bool:
         """True once the hook records GPU completion marks in this process (it has a CUDA
         runtime). Then a record without the profile-mode flags was enqueued before the switch to
@@ -137,9 +158,15 @@ class RankStream:
         iters = self.segmenter.feed(call_keys(recs), recs["enter_ns"].astype(np.int64),
                                     recs["return_ns"].astype(np.int64))
         off = self.wall_offset_ns()
-        return [RankIteration(self.rank, it.index, it.end_ns + off, it.duration_s) for it in iters
-                if 0 < it.duration_s <= MAX_ITERATION_S and math.isfinite(it.duration_s)
-                and 0 < it.end_ns + off < 1 << 63]
+        out = [RankIteration(self.rank, it.index, it.end_ns + off, it.duration_s) for it in iters
+               if 0 < it.duration_s <= MAX_ITERATION_S and math.isfinite(it.duration_s)
+               and 0 < it.end_ns + off < 1 << 63]
+        if out:
+            self._recent_s.extend(i.duration_s for i in out)
+            wait_s = min(max(PROFILE_WAIT_ITERATIONS * max(self._recent_s), MIN_PROFILE_WAIT_S),
+                         MAX_PROFILE_WAIT_S)
+            self.reader.gpu_wait_ns = int(wait_s * 1e9)
+        return out
 
 
 @dataclass
@@ -179,9 +206,11 @@ class CounterRows:
         self.last_seq_entered.append(int(c["last_seq_entered"]))
         self.last_seq_completed.append(int(c["last_seq_completed"]))
         self.inflight_s.append(_age_s(now_mono_ns, int(c["inflight_enter_ns"])))
-        self.last_op.append(int(c["last_op"]))
-        self.last_count.append(int(c["last_count"]))
-        self.last_dtype.append(int(c["last_dtype"]))
+        # A lifecycle call inside NCCL (init, split, shrink, destroy) is the newest call entered.
+        life = int(c["life_op"])
+        self.last_op.append(life or int(c["last_op"]))
+        self.last_count.append(0 if life else int(c["last_count"]))
+        self.last_dtype.append(0 if life else int(c["last_dtype"]))
         marks = int(c["gpu_marks"]) != 0
         self.gpu_marks.append(int(marks))
         # Without marks the GPU fields are unused: published as zeros, never as stale values. A

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.003  # benchmark results are polled; this keeps the event loop free between looks
 MAX_IN_FLIGHT = 64  # requests answered at once; beyond, a request gets a "busy" reply
-_KINDS = {"gemm": BenchKind.GEMM, "send": BenchKind.SEND, "recv": BenchKind.RECV}
+_KINDS = {"gemm": BenchKind.GEMM, "send": BenchKind.SEND, "recv": BenchKind.RECV,
+          "drain": BenchKind.DRAIN, "split": BenchKind.SPLIT}
 _STATES: dict[BenchState, Literal["done", "unsupported", "failed"]] = {
     BenchState.DONE: "done", BenchState.UNSUPPORTED: "unsupported", BenchState.FAILED: "failed"}
 
@@ -224,9 +225,10 @@ class AgentControl:
                             last_seq_completed=int(c["last_seq_completed"]))
                  for c in sane_comm_rows(s.reader.comms()) if int(c["state"]) == CommState.ACTIVE]
         h = s.reader.header
+        ctl = self._control(s)
         return RankStatus(rank=s.rank, host=h.host, device=h.device,
                           mode="profile" if s.keep_records else "monitor",
-                          paused=self._control(s).paused(), comms=comms)
+                          paused=ctl.paused(), comms=comms, job_timeout_s=ctl.job_timeout_s())
 
     def _pause(self, req: ControlRequest, targets: list[RankStream]) -> None:
         missing = [s.rank for s in targets if s.rank not in req.pause_comm_id]

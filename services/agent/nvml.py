@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from services.agent.collector import Collector
-from services.agent.visible_devices import nvml_index, read_visible
+from services.agent.visible_devices import (
+    PciAddress,
+    nvml_index,
+    nvml_index_by_bus,
+    pci_address,
+    read_visible,
+)
 from services.common.bus.contract import MAX_GPUS, GpuHealth, GpuSample, Message, Subjects, XidEvent
 
 with warnings.catch_warnings():  # the pynvml shim warns that nvidia-ml-py is the real package
@@ -84,6 +90,7 @@ class _Gpu:
     uuid: str | None
     name: str | None
     missing: set[str]  # fields this GPU cannot report
+    bus: PciAddress | None = None
 
 
 class NvmlSampler:
@@ -147,11 +154,17 @@ class NvmlSampler:
         gpu = _Gpu(index, handle, None, None, set())
         gpu.uuid = self._call(gpu, "uuid", lambda: _text(pynvml.nvmlDeviceGetUUID(handle)))
         gpu.name = self._call(gpu, "name", lambda: _text(pynvml.nvmlDeviceGetName(handle)))
+        bus = self._call(gpu, "pci", lambda: _text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+        gpu.bus = pci_address(bus) if bus else None
         self.gpus[index] = gpu
 
     def uuids(self) -> dict[str, int]:
         """Each GPU's UUID -> its NVML index (GPUs whose UUID NVML did not give are left out)."""
         return {g.uuid: g.index for g in list(self.gpus.values()) if g.uuid}
+
+    def buses(self) -> dict[PciAddress, int]:
+        """Each GPU's PCI address -> its NVML index (those NVML gave no address for left out)."""
+        return {g.bus: g.index for g in list(self.gpus.values()) if g.bus is not None}
 
     def _register_events(self) -> None:
         try:
@@ -336,14 +349,16 @@ class JobGpu:
 
 def job_gpus(collector: Collector, ranks: Iterable[int] | None = None, *,
              host: str | None = None, uuids: Mapping[str, int] | None = None,
+             buses: Mapping[PciAddress, int] | None = None,
              proc: Path = Path("/proc")) -> dict[int, JobGpu]:
     """NVML index -> the job's ranks on it: rings written on this ``host`` (default: this
     machine's name; the simulator's rings come from other hosts, whose GPUs are not ours), by
     their device field (-1, no GPU, is left out).
 
-    The hook records the CUDA device ordinal; the rank's CUDA_VISIBLE_DEVICES (read from its
-    process, ``uuids`` resolving GPU UUIDs to NVML indices) turns it into the NVML index
-    (:mod:`services.agent.visible_devices`)."""
+    The hook records the PCI bus id of the rank's device, which ``buses`` (NVML's) turns into the
+    NVML index; without one, the CUDA device ordinal through the rank's CUDA_VISIBLE_DEVICES
+    (read from its process, ``uuids`` resolving GPU UUIDs to NVML indices). See
+    :mod:`services.agent.visible_devices`."""
     here = host if host is not None else socket.gethostname()
     wanted = None if ranks is None else set(ranks)
     out: dict[int, JobGpu] = {}
@@ -351,11 +366,13 @@ def job_gpus(collector: Collector, ranks: Iterable[int] | None = None, *,
         if stream.ended or (wanted is not None and stream.rank not in wanted):
             continue
         header = stream.reader.header
-        if header.device < 0:  # the hook learns the device at the first CUDA/NCCL call
+        if header.device < 0 or not header.pci_bus_id:  # the hook learns them at a first call
             header = stream.reader.refresh_header()
         if header.device < 0 or header.host != here:
             continue
-        index = nvml_index(header.device, read_visible(header.pid, proc), uuids or {})
+        index = nvml_index_by_bus(header.pci_bus_id, buses or {})
+        if index is None:
+            index = nvml_index(header.device, read_visible(header.pid, proc), uuids or {})
         if index is None:
             continue
         since = header.wall_anchor_ns / 1e9
@@ -387,7 +404,7 @@ class GpuMonitor:
                       ) -> list[GpuSample]:
         """A fresh sample of the GPUs of ``collector``'s job (only those of ``ranks`` if given),
         each with the ranks on it; [] without NVML."""
-        gpus = job_gpus(collector, ranks, uuids=self.sampler.uuids())
+        gpus = job_gpus(collector, ranks, uuids=self.sampler.uuids(), buses=self.sampler.buses())
         if not gpus or not self.sampler.available:
             return []
         await asyncio.to_thread(self.sampler.poll_xids)

@@ -142,10 +142,13 @@ class NodeAgent:
         for job in jobs:
             col = self.collectors.get(job) or Collector(self.shm_dir, job, health=self.health)
             new = col.scan()
+            # Ranks whose hook decided what its GPU view rests on since they were announced.
+            learned = [s for s in col.streams.values() if s not in new and s.gpu_api_learned()]
             if col.streams:
                 self.collectors[job] = col
-            if new:
-                self._queue(Subjects.hello(job, self.agent_id), partial(self._hello, job, new))
+            if new or learned:
+                self._queue(Subjects.hello(job, self.agent_id),
+                            partial(self._hello, job, [*new, *learned]))
         for job in [j for j in self.collectors if j not in jobs]:
             self.collectors[job].scan()  # its directory is gone: every ring retires
 
@@ -153,8 +156,13 @@ class NodeAgent:
         ranks = [RankInfo(rank=s.rank, host=s.reader.header.host, pid=s.reader.header.pid,
                           device=s.reader.header.device, node=node_of(s.reader.header.host))
                  for s in new]
+        off = sorted(s.rank for s in new if s.reader.header.marks_off)
+        if off:
+            log.warning("job %s: rank(s) %s have no CUDA runtime nor driver API the hook can use: "
+                        "no GPU completion marks, their hang watch and timings rest on host time",
+                        job, off[:16])
         return AgentHello(job_id=job, agent_id=self.agent_id, host=socket.gethostname(),
-                          ranks=ranks)
+                          ranks=ranks, marks_off=off)
 
     def collect_iterations(self) -> None:
         for job, col in list(self.collectors.items()):

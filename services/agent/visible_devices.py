@@ -1,6 +1,14 @@
 """Which NVML GPU a rank's CUDA device is.
 
-The hook records the CUDA device ordinal the rank runs on. NVML numbers every GPU of the node;
+First by PCI bus id: the hook records the bus id of the communicator's device
+(``cudaDeviceGetPCIBusId``, or the driver's ``cuDeviceGetPCIBusId``), and NVML reports every GPU's;
+the address is the GPU's, whatever the process sees, so it holds inside containers that expose
+one GPU as device 0 (with ``CUDA_VISIBLE_DEVICES`` unset) and under Slurm's ConstrainDevices
+(which renumbers ``CUDA_VISIBLE_DEVICES`` from 0 inside the cgroup). CUDA writes the domain with
+four digits, NVML with eight: addresses are compared as numbers (:func:`pci_address`).
+
+Without one (an older hook, a device it could not ask), the ordinal: the hook records the CUDA
+device ordinal the rank runs on. NVML numbers every GPU of the node;
 CUDA numbers only those ``CUDA_VISIBLE_DEVICES`` lets the process see, in the order it lists them.
 Under a scheduler that binds one GPU per task (Slurm's ``--gpus-per-task``, Kubernetes device
 plugins) every rank is device 0 while each runs on a different GPU, so the ordinal alone would
@@ -17,6 +25,7 @@ throughout the node, or ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -24,6 +33,26 @@ log = logging.getLogger(__name__)
 
 VAR = b"CUDA_VISIBLE_DEVICES="
 _warned: set[str] = set()
+_PCI = re.compile(r"^\s*(?:([0-9A-Fa-f]{1,8}):)?([0-9A-Fa-f]{1,2}):([0-9A-Fa-f]{1,2})\.([0-7])\s*$")
+
+PciAddress = tuple[int, int, int, int]  # domain, bus, device, function
+
+
+def pci_address(text: str) -> PciAddress | None:
+    """``0000:3B:00.0`` (CUDA), ``00000000:3B:00.0`` (NVML) or ``3b:00.0`` as numbers; None for
+    anything else."""
+    m = _PCI.match(text)
+    if m is None:
+        return None
+    domain, bus, dev, fn = m.groups()
+    return int(domain or "0", 16), int(bus, 16), int(dev, 16), int(fn)
+
+
+def nvml_index_by_bus(bus_id: str, buses: Mapping[PciAddress, int]) -> int | None:
+    """The NVML index of the GPU at PCI address ``bus_id`` (as the hook recorded it), None when
+    it names no GPU NVML lists (or is empty)."""
+    addr = pci_address(bus_id) if bus_id else None
+    return buses.get(addr) if addr is not None else None
 
 
 def read_visible(pid: int, proc: Path = Path("/proc")) -> list[str] | None:

@@ -311,7 +311,10 @@ class Tracker:
             threshold_s=min(worst.threshold_s, MAX_SECONDS), method=DetectionEvent.HANG_WATCH,
             evidence={"counters": mon.rows_for(found),
                       "stalled_comms": [f.comm_id for f in found][:1024],
-                      "wait_basis": basis})
+                      "wait_basis": basis,
+                      # members whose GPU view is off (no completion marks): host time only
+                      "marks_off_ranks": sorted({r for f in found for r in f.marks_off})[:1024],
+                      "in_setup": any(f.setup for f in found)})
 
     def _hang_over(self, job: str, st: JobState) -> None:
         """Every communicator reported hung moves again: the job's hang is over."""

@@ -1,14 +1,15 @@
 """What a validation does, decided from the ranks' communicator status alone (pure, no I/O).
 
-Three decisions: where every rank parks (one communicator per rank and one sequence number for
-all, so that all ranks stop at the same iteration boundary and none waits inside a collective
-for a parked peer), which GPUs run the GEMM check (the suspects and the peers they are compared
+Three decisions: where every rank parks (one communicator per rank and a sequence number per
+communicator, so that all ranks stop at the same iteration boundary and none waits inside a
+collective for a parked peer), which GPUs run the GEMM check (the suspects and the peers they are compared
 with), and which P2P pairs run in which round (the ring and the tree NCCL could use over each
 suspect communicator, split so that no rank is in two transfers at once, O(1) rounds per group).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -16,7 +17,9 @@ from itertools import pairwise
 from greyhound.core.p2p_rounds import binary_tree_parents, ring_rounds, tree_rounds
 from greyhound.hookabi import unsigned64
 
-PAUSE_AHEAD = 2  # collectives beyond the furthest rank: covers status taken at slightly different times
+PAUSE_AHEAD = 2  # iterations beyond the furthest rank: covers status taken at slightly different times
+MAX_RATE_DENOMINATOR = 8  # communicators' collectives per iteration compared as ratios p/q, q <= this
+RATE_SLACK = 2  # collectives a communicator's count may be off its rate (status taken mid-step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +34,14 @@ class CommView:
 
 @dataclass(frozen=True, slots=True)
 class PausePlan:
+    """Each rank parks on ``comm_of_rank[rank]`` at that communicator's ``seq_of_comm`` (by
+    unsigned id)."""
+
     comm_of_rank: dict[int, int]
-    seq: int
+    seq_of_comm: dict[int, int]
+
+    def seq_of_rank(self, rank: int) -> int:
+        return self.seq_of_comm[unsigned64(self.comm_of_rank[rank])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +76,10 @@ def pause_plan(comms: Mapping[int, Sequence[CommView]]) -> PausePlan:
     sequence number to park at); ties go to the larger, then the denser kind. When no kind covers
     the job (a rank's status missing), each rank parks on its largest communicator, the busier
     on a tie.
+
+    The cut is per communicator: the DP communicators of different pipeline stages need not
+    advance at the same rate (Megatron's buckets differ by stage), so one absolute sequence
+    number would stop the stages iterations apart (:func:`cut`).
     """
     if not comms:
         raise ValueError("no ranks to pause")
@@ -76,8 +89,49 @@ def pause_plan(comms: Mapping[int, Sequence[CommView]]) -> PausePlan:
     chosen = _boundary_kind(comms) or {
         rank: max(views, key=lambda c: (c.nranks, c.last_seq_entered, -unsigned64(c.comm_id)))
         for rank, views in comms.items()}
-    seq = max(c.last_seq_entered for c in chosen.values()) + PAUSE_AHEAD
-    return PausePlan({r: c.comm_id for r, c in chosen.items()}, seq)
+    done: dict[int, int] = {}
+    for c in chosen.values():
+        cid = unsigned64(c.comm_id)
+        done[cid] = max(done.get(cid, 0), c.last_seq_entered)
+    return PausePlan({r: c.comm_id for r, c in chosen.items()}, cut(done))
+
+
+def cut(done: Mapping[int, int]) -> dict[int, int]:
+    """The pause sequence number of each communicator of one kind, from the collectives each has
+    entered (``done``, the furthest member's): the start of one common iteration, PAUSE_AHEAD
+    beyond the furthest.
+
+    Every communicator of a kind entered its collectives since the job began at its own whole
+    rate per iteration, so their counts' ratios are the ratios of their rates (2:3 for stages
+    with two and three buckets), found as the simplest fraction within RATE_SLACK of them. With
+    rates k_C, iteration J starts at collective k_C * J + 1 on communicator C: J is the first
+    iteration beyond every count, plus PAUSE_AHEAD - 1. Equal rates give max(done) + PAUSE_AHEAD
+    for all. A job whose communicators of a kind did not start together, or took extra
+    collectives, gets a cut at different iterations: its ranks then do not all park (or do not
+    drain) and the validation fails, resuming the job."""
+    if not done:
+        return {}
+    least = min((n for n in done.values() if n > 0), default=0)
+    ratios = {c: _ratio(n, least) for c, n in done.items()}
+    scale = math.lcm(*(q for _, q in ratios.values()))
+    rates = {c: max(1, p * (scale // q)) for c, (p, q) in ratios.items()}
+    common = math.gcd(*rates.values())
+    rates = {c: k // common for c, k in rates.items()}
+    start = max(-(-n // rates[c]) for c, n in done.items()) + PAUSE_AHEAD - 1
+    return {c: rates[c] * start + 1 for c in done}
+
+
+def _ratio(n: int, least: int) -> tuple[int, int]:
+    """n / least as the fraction p/q (q <= MAX_RATE_DENOMINATOR) with the smallest q whose
+    multiple of ``least`` is within RATE_SLACK (plus 2%) of n; 1/1 when nothing ran yet."""
+    if least <= 0 or n <= 0:
+        return 1, 1
+    slack = RATE_SLACK + 0.02 * n
+    for q in range(1, MAX_RATE_DENOMINATOR + 1):
+        p = max(1, round(n * q / least))
+        if abs(p * least / q - n) <= slack:
+            return p, q
+    return max(1, round(n / least)), 1
 
 
 def _boundary_kind(comms: Mapping[int, Sequence[CommView]]) -> dict[int, CommView] | None:

@@ -12,6 +12,19 @@ evidence (``drain_s``). What it can still do is start the two ends of a transfer
 moments: the end that starts first waits for its peer inside its timed kernel. So a transfer's
 time is its best repeat (back-to-back repeats start together), as a GEMM's is.
 
+Never harm the job. Transfers never run on the job's own communicators: NCCL runs a
+communicator's operations in order, so a send whose peer never posts would hold every later
+training collective behind it. Every rank of each communicator whose links are checked first
+drains (all of them, or no transfer is issued), then splits a benchmark communicator from it
+(all at once, in one order: a split is collective over the whole communicator), and the
+transfers run there; the hook aborts one whose transfer fails. And a pause counts toward the
+collective the rank parked in, which the framework timed from before the call (PyTorch's
+watchdog aborts at the process group's timeout), so a validation holds the job at most
+``pause_budget_s`` and never more than a quarter of the timeout the ranks report; it is refused
+when that leaves less than ``min_pause_s``. A validation that cannot finish (an agent gone,
+the budget spent) is abandoned: the job is resumed (the ranks of an agent that is gone, at
+their lease's end) and the incident says so.
+
 Exactly one validation per suspicion, however often it is delivered: a validator first *claims*
 the suspicion (a row in ``validation_claims`` with a lease it renews while it works). A delivery
 of a suspicion that is claimed and alive, or finished, does nothing, so a redelivery (the ack
@@ -36,7 +49,7 @@ import socket
 import time
 import uuid
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -49,6 +62,7 @@ from greyhound.core.verdict import (
     judge_gemm,
     judge_links_by_class,
 )
+from greyhound.hookabi import PAUSE_TIMEOUT_SHARE
 from services.common.bus.client import Consumer
 from services.common.bus.contract import (
     BenchItem,
@@ -71,6 +85,7 @@ from services.validator.gpu_evidence import confirmed_gpu_health
 from services.validator.guard import SuspicionRefused, refusal
 from services.validator.plan import (
     CommView,
+    PausePlan,
     Transfer,
     gemm_ranks,
     link_classes,
@@ -83,6 +98,8 @@ from services.validator.plan import (
 from services.validator.settings import ValidatorSettings
 
 log = logging.getLogger(__name__)
+
+RESUME_MARGIN_S = 1.0  # the validation's own steps end this long before the hooks' lease
 
 
 class ValidationFailed(RuntimeError):
@@ -102,6 +119,29 @@ class Run:
 
 
 RUNS_KEPT = 100  # the latest validations, for tests and inspection
+
+
+def pause_budget(config: ValidatorSettings, status: Iterable[RankStatus]
+                 ) -> tuple[float, float | None]:
+    """How long a validation may hold the job: ``pause_budget_s``, and never more than
+    PAUSE_TIMEOUT_SHARE of the shortest collective timeout a rank reported (the hooks cut a pause
+    there too); with that timeout (None when no rank reported one)."""
+    reported = [st.job_timeout_s for st in status if st.job_timeout_s]
+    timeout = min(reported) if reported else None
+    budget = config.pause_budget_s
+    if timeout is not None:
+        budget = min(budget, timeout / PAUSE_TIMEOUT_SHARE)
+    return budget, timeout
+
+
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    """The monotonic deadline of a validation's steps."""
+
+    end: float
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
 
 
 class Validator:
@@ -274,6 +314,7 @@ class Validator:
             plan = pause_plan(comms)
         except ValueError as exc:
             return Run(failure=f"no pause point: {exc}")
+        budget_s, job_timeout_s = pause_budget(self.config, status.values())
         groups = members(comms)
         gpus = gemm_ranks(s.ranks, [*s.comm_ids, *s.slow_groups], groups, comms)
         links = suspect_comms(s.kind, [*s.comm_ids, *s.slow_groups], s.ranks, groups, comms)
@@ -283,19 +324,25 @@ class Validator:
         rounds = transfer_rounds([*links, *refs], groups)
         ref_ids = set(refs)
         reference = [t.link for rnd in rounds for t in rnd if t.comm_id in ref_ids]
-        run = Run(evidence={"pause_seq": plan.seq, "gemm_ranks": gpus, "p2p_comms": links,
-                            "p2p_reference_comms": refs, "p2p_rounds": len(rounds)})
+        run = Run(evidence={"pause_seq": {str(c): q for c, q in sorted(plan.seq_of_comm.items())},
+                            "gemm_ranks": gpus, "p2p_comms": links, "p2p_reference_comms": refs,
+                            "p2p_rounds": len(rounds), "pause_budget_s": round(budget_s, 3),
+                            "job_timeout_s": job_timeout_s})
+        if budget_s < self.config.min_pause_s:
+            run.failure = (f"refused: the job's collective timeout ({job_timeout_s:g} s) leaves "
+                           f"{budget_s:.2f} s for a pause (a quarter of it), under "
+                           f"{self.config.min_pause_s:g} s; the job was not paused")
+            return run
         t0 = time.monotonic()
-        drain: dict[int, float] = {}
         # The pause is a lease: should this process die before its resume, the hooks resume by
-        # themselves a few seconds after the longest this validation can take.
-        c = self.config
-        lease_s = min(600.0, c.pause_timeout_s + c.bench_timeout_s * (bool(gpus) + len(rounds)) + 10)
+        # themselves at its end; the validation's own steps end a second before it.
+        clock = _Budget(t0 + budget_s - RESUME_MARGIN_S)
+        drain: dict[int, float] = {}
         try:
-            await self._pause(s.job_id, agents, plan.comm_of_rank, plan.seq, lease_s)
-            run.evidence["paused_after_s"] = await self._wait_paused(s.job_id, agents, t0)
-            gemm = await self._gemm(s.job_id, agents, gpus, drain)
-            p2p = await self._p2p(s.job_id, agents, rounds, drain)
+            await self._pause(s.job_id, agents, plan, budget_s)
+            run.evidence["paused_after_s"] = await self._wait_paused(s.job_id, agents, t0, clock)
+            gemm = await self._gemm(s.job_id, agents, gpus, drain, clock)
+            p2p = await self._p2p(s.job_id, agents, rounds, groups, drain, clock, run)
         except ValidationFailed as exc:
             run.failure = str(exc)
             return run
@@ -318,7 +365,11 @@ class Validator:
         try:
             reply = await request(self.ctx.nc, agent, req)
         except ControlTimeout as exc:
-            raise ValidationFailed(str(exc)) from exc
+            holding = req.action != "status"
+            raise ValidationFailed(
+                f"abandoned: {exc}" + ("; the job was resumed (ranks whose agent is gone "
+                                        "resume at their lease's end)" if holding else "")
+            ) from exc
         if not reply.ok:
             raise ValidationFailed(f"agent {agent} refused {req.action}: {reply.error}")
         return reply
@@ -334,23 +385,32 @@ class Validator:
                                    timeout_s=self.config.status_timeout_s)
         return {st.rank: st for reply in replies for st in reply.ranks}
 
-    async def _pause(self, job: str, agents: dict[str, list[int]], comm_of_rank: dict[int, int],
-                     seq: int, lease_s: float) -> None:
-        await asyncio.gather(*(
-            self._ask(a, ControlRequest(job_id=job, action="pause", ranks=rs, pause_seq=seq,
-                                        pause_comm_id={r: comm_of_rank[r] for r in rs},
-                                        lease_s=lease_s))
-            for a, rs in agents.items()))
+    async def _pause(self, job: str, agents: dict[str, list[int]], plan: PausePlan,
+                     lease_s: float) -> None:
+        """One request per agent and pause sequence number (an agent's ranks may be on
+        communicators with different cuts)."""
+        asks = []
+        for a, rs in agents.items():
+            by_seq: dict[int, list[int]] = defaultdict(list)
+            for r in rs:
+                by_seq[plan.seq_of_rank(r)].append(r)
+            asks += [self._ask(a, ControlRequest(
+                job_id=job, action="pause", ranks=sorted(group), pause_seq=seq,
+                pause_comm_id={r: plan.comm_of_rank[r] for r in group}, lease_s=lease_s))
+                for seq, group in sorted(by_seq.items())]
+        await asyncio.gather(*asks)
 
-    async def _wait_paused(self, job: str, agents: dict[str, list[int]], t0: float) -> float:
+    async def _wait_paused(self, job: str, agents: dict[str, list[int]], t0: float,
+                           clock: _Budget) -> float:
+        limit = min(self.config.pause_timeout_s, clock.left())
         while True:
             status = await self._status(job, agents)
             if status and all(st.paused for st in status.values()):
                 return time.monotonic() - t0
-            if time.monotonic() - t0 > self.config.pause_timeout_s:
+            if time.monotonic() - t0 > limit:
                 held = sorted(r for r, st in status.items() if not st.paused)
                 raise ValidationFailed(f"could not pause: ranks {held[:16]} did not park within "
-                                       f"{self.config.pause_timeout_s:g}s")
+                                       f"{limit:g}s")
             await asyncio.sleep(self.config.poll_s)
 
     async def _resume(self, job: str, agents: dict[str, list[int]]) -> None:
@@ -362,21 +422,30 @@ class Validator:
                 log.exception("job %s: resume on agent %s failed", job, agent)
 
     async def _bench(self, job: str, agents: dict[str, list[int]], items: list[BenchItem],
-                     drain: dict[int, float]) -> list[BenchOutcome]:
-        """Run ``items`` on their ranks' agents; each rank's wait for its queued GPU work is
-        added to ``drain`` (seconds), whether or not every benchmark got done."""
+                     drain: dict[int, float], clock: _Budget, *, timed: bool = True,
+                     allow: frozenset[str] = frozenset()) -> list[BenchOutcome]:
+        """Run ``items`` on their ranks' agents, within what is left of the budget; each rank's
+        wait for its queued GPU work is added to ``drain`` (seconds), whether or not every
+        benchmark got done. ``timed``: each outcome must carry durations; outcomes in a state
+        of ``allow`` pass as they are."""
+        left = clock.left()
+        if left <= 0:
+            raise ValidationFailed(f"abandoned: the pause budget ran out before the "
+                                   f"{items[0].kind} step; the job was resumed")
         agent_of = {r: a for a, rs in agents.items() for r in rs}
         per: dict[str, list[BenchItem]] = defaultdict(list)
         for it in items:
             per[agent_of[it.rank]].append(it)
+        timeout = min(self.config.bench_timeout_s, left)
         replies = await asyncio.gather(*(
             self._ask(a, ControlRequest(job_id=job, action="bench", ranks=sorted({i.rank for i in its}),
-                                        bench=its, timeout_s=self.config.bench_timeout_s))
+                                        bench=its, timeout_s=timeout))
             for a, its in per.items()))
         out = [o for reply in replies for o in reply.results]
         for o in out:
             drain[o.item.rank] = drain.get(o.item.rank, 0.0) + o.drain_ns / 1e9
-        bad = [o for o in out if o.state != "done" or not o.durations_ns]
+        bad = [o for o in out if o.state not in allow
+               and (o.state != "done" or (timed and not o.durations_ns))]
         if bad:
             what = bad[0].state if bad[0].state != "done" else "done without a timing"
             raise ValidationFailed(f"{len(bad)} benchmark(s) not done, e.g. rank {bad[0].item.rank} "
@@ -384,20 +453,48 @@ class Validator:
         return out
 
     async def _gemm(self, job: str, agents: dict[str, list[int]], ranks: list[int],
-                    drain: dict[int, float]) -> dict[int, float]:
+                    drain: dict[int, float], clock: _Budget) -> dict[int, float]:
         """Best-of-repeats GEMM time per GPU: interference only ever adds time."""
         c = self.config
         items = [BenchItem(rank=r, kind="gemm", size=c.gemm_n, repeat=c.gemm_repeat) for r in ranks]
-        outs = await self._bench(job, agents, items, drain) if items else []
+        outs = await self._bench(job, agents, items, drain, clock) if items else []
         return {o.item.rank: min(o.durations_ns) / 1e9 for o in outs}
 
+    async def _bench_comms(self, job: str, agents: dict[str, list[int]],
+                           rounds: list[list[Transfer]], groups: dict[int, list[int]],
+                           drain: dict[int, float], clock: _Budget, run: Run) -> bool:
+        """Every rank of every communicator the rounds use drains (all, or no transfer is ever
+        issued: a send to a peer still busy with training work would wait inside its timed
+        kernel, or for good), then splits its benchmark communicator, in one order of
+        communicators on every rank (a split is collective over the communicator, and two ranks
+        splitting two communicators in opposite orders would wait for each other). False when
+        the job's NCCL cannot give benchmark communicators of their own (the P2P checks are
+        then skipped)."""
+        cids = sorted({t.comm_id for rnd in rounds for t in rnd})
+        who = sorted({r for c in cids for r in groups[c]})
+        await self._bench(job, agents, [BenchItem(rank=r, kind="drain", repeat=1) for r in who],
+                          drain, clock, timed=False)
+        items = [BenchItem(rank=r, kind="split", comm_id=c, repeat=1) for c in cids
+                 for r in groups[c]]
+        outs = await self._bench(job, agents, items, drain, clock, timed=False,
+                                 allow=frozenset({"unsupported"}))
+        if any(o.state == "unsupported" for o in outs):
+            run.evidence["p2p_skipped"] = (
+                "the job's NCCL shares split resources (NCCL_COMM_SPLIT_SHARE_RESOURCES): a "
+                "benchmark communicator would share its communicators' queue")
+            return False
+        return True
+
     async def _p2p(self, job: str, agents: dict[str, list[int]], rounds: list[list[Transfer]],
-                   drain: dict[int, float]) -> dict[tuple[int, int], list[float]]:
+                   groups: dict[int, list[int]], drain: dict[int, float], clock: _Budget,
+                   run: Run) -> dict[tuple[int, int], list[float]]:
         """Each link's time per size: a transfer lasts until both ends end (the longer of the
         two GPU times of one repeat), and the best repeat counts, since the first may hold one
         end's wait for the other (interference, like a late peer, only ever adds time)."""
         c = self.config
         times: dict[tuple[int, int], list[float]] = {}
+        if not rounds or not await self._bench_comms(job, agents, rounds, groups, drain, clock, run):
+            return times
         for transfers in rounds:
             items: list[BenchItem] = []
             for t in transfers:
@@ -406,7 +503,7 @@ class Validator:
                                            comm_id=t.comm_id, peer=t.dst_comm_rank))
                     items.append(BenchItem(rank=t.dst, kind="recv", size=size, repeat=c.p2p_repeat,
                                            comm_id=t.comm_id, peer=t.src_comm_rank))
-            outs = await self._bench(job, agents, items, drain)
+            outs = await self._bench(job, agents, items, drain, clock)
             for t in transfers:
                 seq: list[float] = []
                 for size in c.p2p_bytes:

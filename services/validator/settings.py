@@ -28,6 +28,15 @@ class ValidatorSettings(BaseSettings):
     status_timeout_s: float = Field(default=5.0, gt=0)
     pause_timeout_s: float = Field(default=10.0, gt=0)
     bench_timeout_s: float = Field(default=30.0, gt=0)
+    pause_budget_s: float = Field(
+        default=20.0, gt=0, le=600, description=(
+            "the longest a validation holds the job, pause and benchmarks together (the hooks' "
+            "lease); never more than a quarter of the job's collective timeout, which the ranks "
+            "report (a pause counts toward the collective the rank parked in)"))
+    min_pause_s: float = Field(
+        default=1.0, gt=0, description=(
+            "a validation whose budget (as the job's collective timeout bounds it) is shorter "
+            "is refused: the job is not paused"))
     poll_s: float = Field(default=0.02, gt=0, description="how often parking is checked")
     claim_lease_s: float = Field(
         default=30.0, gt=0, description=(

@@ -192,15 +192,75 @@ def test_call_pending_on_the_gpu_alarms_while_no_host_is_inside_nccl() -> None:
     assert 3.0 <= a.stalled_s <= 3.3 and a.threshold_s == 3.0
 
 
-def test_host_time_inside_a_call_is_ignored_where_gpu_marks_exist() -> None:
-    """A host thread long inside an NCCL call says nothing about the GPU: with marks and
-    nothing pending, no alarm."""
+def test_a_host_blocked_inside_nccl_with_its_gpu_idle_alarms_where_marks_exist() -> None:
+    """NCCL's host waits inside a call while the GPU idles (connection set-up at run time, a
+    bootstrap exchange, a stalled proxy): nothing is pending on the GPU, so the wait is the
+    host's time inside the call, marks or not."""
     mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
     done = _warm_gpu(mon, 10)
+    alarms = []
     for k in range(1, 80):
         t = 10.0 + k / 10
-        mon.observe_counters(t, _gpu_sample([done] * 4, [0.0] * 4, inflight=[k / 10] * 4))
+        # ranks 0 and 1 inside the call (GPU idle), 2 and 3 returned long ago
+        mon.observe_counters(t, _gpu_sample([done] * 4, [0.0] * 4,
+                                            inflight=[k / 10, k / 10, 0.0, 0.0]))
+        alarms += mon.check(t)
+    assert len(alarms) == 1
+    (a,) = alarms
+    assert a.waiting_ranks == (0, 1) and a.basis == "gpu" and a.marks_off == ()
+    assert 3.0 <= a.stalled_s <= 3.3 and a.threshold_s == 3.0 and not a.setup
+    # the hosts leave the call and the GPUs finish it: over
+    mon.observe_counters(18.1, _gpu_sample([done + 1] * 4, [0.0] * 4))
+    assert mon.take_recovered() == [7]
+
+
+def test_the_longer_of_gpu_pending_and_host_inside_a_call_counts() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    done = _warm_gpu(mon, 10)
+    mon.observe_counters(10.1, _gpu_sample([done] * 2, [1.0, 4.0], comm=8, inflight=[5.0, 0.5]))
+    (a,) = mon.check(10.1)
+    assert a.stalled_s == 5.0 and a.waiting_ranks == (0, 1)
+
+
+def _setup_sample(inflight: list[float], op: int, marks: int = 0) -> dict[str, list[Any]]:
+    cols = _sample([0] * len(inflight), inflight, comm=9)
+    cols["last_op"] = [op if f > 0 else 1 for f in inflight]
+    cols["gpu_marks"] = [marks] * len(inflight)
+    return cols
+
+
+def test_a_wait_inside_a_lifecycle_call_has_the_setup_allowance_and_ends_by_leaving_it() -> None:
+    """Ranks reach the first init minutes apart (some load a model first): waits inside an init,
+    split, shrink or destroy are judged against the set-up floor, and end when the ranks leave
+    the call, even before any call completes on the new communicator."""
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0, setup_floor_s=30.0)
+    comm_init, comm_split = 32, 34
+    for k in range(1, 200):  # 20 s inside ncclCommInitRank: under the set-up floor
+        t = k / 10
+        mon.observe_counters(t, _setup_sample([t, t, 0.0], comm_init))
         assert mon.check(t) == []
+    mon.observe_counters(20.1, _setup_sample([0.0, 0.0, 0.0], comm_init))  # the last rank came
+    assert mon.check(20.1) == [] and mon.take_recovered() == []
+    assert mon.policy.threshold_s() == 3.0  # a start-up wait is no normal phase to learn from
+    alarms = []
+    for k in range(1, 400):  # now one rank never calls the split: past the set-up floor
+        t = 30.0 + k / 10
+        mon.observe_counters(t, _setup_sample([k / 10, 0.0, k / 10], comm_split))
+        alarms += mon.check(t)
+    (a,) = alarms
+    assert a.setup and a.threshold_s == 30.0 and 30.0 <= a.stalled_s <= 30.3
+    assert a.waiting_ranks == (0, 2) and a.basis == "host" and a.marks_off == (0, 1, 2)
+    mon.observe_counters(80.0, _setup_sample([0.0, 0.0, 0.0], comm_split))
+    assert mon.take_recovered() == [9] and mon.alarmed() == []
+
+
+def test_members_without_gpu_marks_are_named_in_the_finding() -> None:
+    mon = JobHangMonitor(floor_s=3.0, multiple=20.0)
+    rows = _gpu_sample([5, 5, 5], [4.0, 0.0, 0.0])
+    rows["gpu_marks"] = [1, 0, 1]
+    mon.observe_counters(1.0, rows)
+    (a,) = mon.check(1.0)
+    assert a.marks_off == (1,) and a.basis == "mixed"
 
 
 def test_checkpoint_with_nothing_pending_on_the_gpu_never_alarms() -> None:

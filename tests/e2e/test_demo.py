@@ -61,3 +61,29 @@ def test_demo_names_the_fault(stack: Stack, capsys: pytest.CaptureFixture[str], 
     else:
         assert got["validated"] == kind, out
         assert got["gpu_ms_in_collectives_p50"] >= GPU_MS_AT_LEAST, out
+
+
+@pytest.mark.parametrize("fault", ["grouped", "bench-peer-dies"])
+def test_demo_validations_never_harm_the_job(stack: Stack, capsys: pytest.CaptureFixture[str],
+                                             fault: FaultKind) -> None:
+    """``grouped``: the slow GPU of a job whose DP communicator is used only inside groups is
+    named and validated (its ranks parked after a group). ``bench-peer-dies``: the validation
+    of a slow link loses the second node's agent mid-benchmark; it is abandoned, and the job,
+    whose ranks report a 60 s process-group timeout to the workload's model of PyTorch's
+    watchdog, keeps training (the second node's ranks resume at their lease's end, a quarter of
+    that timeout at most: a lease of minutes would have had the watchdog take the job down)."""
+    chosen = make_fault(fault)
+    res = play(stack, chosen, at=80, timeout_s=60.0)
+    rc = report(res, chosen)
+    out = capsys.readouterr().out
+    got = _result(out)
+    assert rc == 0, out
+    kinds = ("compute_slow",) if fault == "grouped" else ("comm_slow", "mixed_slow")
+    assert got["kind"] in kinds, out
+    assert got["job_alive"] is True and got["job_iterations_after"] >= 20, out
+    if fault == "grouped":
+        assert got["ranks"] == [2] and got["validated"] == "compute_slow", out
+        assert got["validation_outcome"] is None
+    else:
+        assert got["validation_outcome"].startswith("abandoned"), out
+        assert got["validated"] is None

@@ -42,6 +42,7 @@ ENUMS: dict[str, tuple[str, type[Enum]]] = {
     "gh_comm_state": ("GH_COMM_", L.CommState),
     "gh_bench_kind": ("GH_BENCH_", L.BenchKind),
     "gh_bench_state": ("GH_BENCH_", L.BenchState),
+    "gh_gpu_api": ("GH_GPU_API_", L.GpuApi),
 }
 _GUARD = "GREYHOUND_RING_H"
 

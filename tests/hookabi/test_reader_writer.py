@@ -139,3 +139,41 @@ def test_reader_refuses_foreign_files(tmp_path: Path) -> None:
     bad.write_bytes(b"\0" * 8192)
     with pytest.raises(ValueError):
         H.RingReader(bad)
+
+
+def test_fields_are_read_after_their_stamp_was_seen(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bulk copy may read a slot's stamp after its fields (the stores are ordered, a copy's
+    loads need not be): the copy that saw a stamp must not be where the fields come from. Forged
+    here: the first copy holds the new stamps with the fields as they were before the writer's
+    stores; the records handed out carry the fields the hook wrote, and GPU times only where the
+    first copy saw their flag."""
+    w = _writer(tmp_path)
+    reader = H.RingReader(w.path, gpu_wait_ns=0)
+    r = _records(3)
+    r["count"] = [11, 22, 33]
+    r["flags"][2] = int(H.Flag.PROFILED)
+    w.append(r)
+    real = H.RingFile.records
+    copies = []
+
+    def records(self: H.RingFile, start: int, n: int) -> np.ndarray:
+        got = real(self, start, n)
+        if not copies:  # the first copy: stamps new, the rest of each slot still old
+            stale = np.zeros_like(got)
+            stale["stamp"] = got["stamp"]
+            stale["flags"] = got["flags"]
+            stale["return_ns"] = got["return_ns"]
+            got = stale
+            # the poller completes record 3 after that copy: times, then its flag
+            slot = int(w._map.records["stamp"].argmax())
+            w._map.records["gpu_start_ns"][slot] = 5
+            w._map.records["gpu_end_ns"][slot] = 9
+            w._map.records["flags"][slot] |= int(H.Flag.GPU_DONE)
+        copies.append(n)
+        return got
+
+    monkeypatch.setattr(H.RingFile, "records", records)
+    got = reader.poll()
+    assert got["count"].tolist() == [11, 22, 33] and len(copies) == 2
+    assert not int(got["flags"][2]) & H.Flag.GPU_DONE  # the first copy did not see it

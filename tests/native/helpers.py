@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from greyhound import hookabi as H
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,6 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 _DYING_PAUSER = r"""
 import os, signal, sys, time
 from pathlib import Path
+import numpy as np
+
 from greyhound import hookabi as H
 lease = float(sys.argv[1])
 readers = [H.RingReader(Path(p)) for p in sys.argv[2:]]
@@ -67,3 +71,24 @@ def pause_then_die(rings: list[Path], lease_s: float) -> subprocess.CompletedPro
     as the validator's), and is killed (SIGKILL) once they are parked."""
     return subprocess.run([sys.executable, "-c", _DYING_PAUSER, str(lease_s), *map(str, rings)],
                           capture_output=True, timeout=60, cwd=REPO)
+
+
+def world_entry(reader: H.RingReader) -> np.void:
+    """The job communicator's entry (the workload's first; with tp = pp = 1 also the DP one)."""
+    comms = reader.comms()
+    entry: np.void = comms[(comms["parent_id"] == 0) & (comms["state"] == H.CommState.ACTIVE)][0]
+    return entry
+
+
+def bench_result(ctl: H.Control, req: int, timeout: float = 30.0) -> H.BenchResult:
+    """The final result of benchmark request ``req``, waited for."""
+    out: list[H.BenchResult] = []
+
+    def done() -> bool:
+        res = ctl.result(req)
+        if res is not None:
+            out.append(res)
+        return bool(out)
+
+    wait_for(done, timeout, "benchmark did not finish")
+    return out[0]

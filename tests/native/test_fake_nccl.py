@@ -358,6 +358,42 @@ def test_abort_releases_a_collective_hung_on_the_device(nccl: ctypes.CDLL, cuda:
     nccl.ncclCommDestroy(comms[1])
 
 
+def test_a_communicators_operations_run_in_order_whatever_their_streams(
+        nccl: ctypes.CDLL, cuda: ctypes.CDLL) -> None:
+    """Real NCCL launches every operation of a communicator behind its previous one (its shared
+    device stream): a send whose receiver never posts, on a stream of its own, holds the
+    communicator's next all-reduce on the default stream, until the communicator is aborted."""
+    comms = _init_all(nccl, 2)
+    side = ctypes.c_void_p()
+    assert cuda.cudaStreamCreateWithFlags(ctypes.byref(side), 1) == 0
+    assert nccl.ncclSend(None, ctypes.c_size_t(64), 7, 1, comms[0], side) == 0  # never received
+    # Both ranks' all-reduce is enqueued (one thread drives both: a group), on the default stream.
+    assert nccl.ncclGroupStart() == 0
+    for c in comms:
+        assert nccl.ncclAllReduce(None, None, ctypes.c_size_t(8), 7, 0, c, None) == 0
+    assert nccl.ncclGroupEnd() == 0
+    time.sleep(0.3)
+    assert cuda.cudaStreamQuery(None) == 600  # held behind the lonely send of comm 0
+    other = ctypes.c_void_p()  # a different communicator is not held
+    assert cuda.cudaStreamCreateWithFlags(ctypes.byref(other), 1) == 0
+    pair = _init_all(nccl, 2)
+    assert nccl.ncclGroupStart() == 0
+    for c in pair:
+        assert nccl.ncclAllReduce(None, None, ctypes.c_size_t(8), 7, 0, c, other) == 0
+    assert nccl.ncclGroupEnd() == 0
+    assert cuda.cudaStreamSynchronize(other) == 0
+    assert cuda.cudaStreamQuery(None) == 600
+    assert nccl.ncclCommAbort(comms[0]) == 0  # lets the send go, in error, and what queued behind
+    t0 = time.perf_counter()
+    assert cuda.cudaStreamSynchronize(None) == 0
+    assert cuda.cudaStreamSynchronize(side) == 0
+    assert time.perf_counter() - t0 < 5.0
+    for c in (comms[1], *pair):
+        nccl.ncclCommDestroy(c)
+    for s in (side, other):
+        assert cuda.cudaStreamDestroy(s) == 0
+
+
 def test_destroy_releases_this_ranks_hung_collective(nccl: ctypes.CDLL, cuda: ctypes.CDLL) -> None:
     comms = _init_all(nccl, 2)
     assert nccl.ncclAllReduce(None, None, ctypes.c_size_t(8), 7, 0, comms[0], None) == 0

@@ -12,15 +12,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
 from tests.native.helpers import wait_rings
 
 
-def test_capture_flags_records_and_the_poller_stays_legal(native_build: Path,
-                                                          tmp_path: Path) -> None:
-    spec = FakeJobSpec(world_size=2, iters=240, compute_ms=2, bytes=4096, job_id="capture")
+# gh_workload_static: a process with the CUDA runtime linked statically, where the hook works
+# through the driver API (cuStreamIsCapturing, cuEventRecord, cuThreadExchangeStreamCaptureMode).
+@pytest.mark.parametrize("workload", ["gh_workload", "gh_workload_static"])
+def test_capture_flags_records_and_the_poller_stays_legal(native_build: Path, tmp_path: Path,
+                                                          workload: str) -> None:
+    spec = FakeJobSpec(world_size=2, iters=240, compute_ms=2, bytes=4096, job_id="capture",
+                       workload=workload)
     shm = tmp_path / "shm"
     hook = native_build / "libgreyhound_hook.so"
     with FakeJob(spec, workdir=tmp_path / "w", hook=hook, shm_dir=shm) as job:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,10 @@ from tests.native.helpers import wait_rings
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 TRAIN = SCRIPT.with_name("gpu_check_train.py")
+DRIVER = SCRIPT.with_name("gpu_check_driver.py")
+NVML = SCRIPT.with_name("gpu_check_nvml.py")
+SUMMARY = SCRIPT.with_name("gpu_check_summary.py")
+PAUSE = SCRIPT.with_name("gpu_check_pause.py")
 
 
 def test_gpu_check_is_valid_bash() -> None:
@@ -57,7 +62,8 @@ def _embedded(name: str) -> str:
 
 
 def test_gpu_check_programs_compile() -> None:
-    subprocess.run([sys.executable, "-m", "py_compile", str(TRAIN)], check=True)
+    for prog in (TRAIN, DRIVER, NVML, SUMMARY, PAUSE):
+        subprocess.run([sys.executable, "-m", "py_compile", str(prog)], check=True)
     for name in ("_AGENT", "_WATCHER"):
         compile(_embedded(name), name, "exec")
 
@@ -88,4 +94,109 @@ def test_gpu_check_watcher_sees_a_collective_hung_on_the_gpu(native_build: Path,
     ages = [(r["now_ns"] - r["gpu_pending_ns"]) / 1e9 for r in rows]
     assert ages[-1] > ages[0] + 1.5
     assert all(r["inflight_enter_ns"] == 0 for r in rows)
-    assert seen["marker_present"] and seen["hang_watch"] is not None
+    # the tracker's hang watch ran on the agent's rows (its imports hold) and raised the hang
+    assert seen["marker_present"] and isinstance(seen["hang_watch"], dict), seen["hang_watch"]
+    assert seen["hang_watch"]["findings"], seen["hang_watch"]
+
+
+def test_gpu_check_driver_step_over_the_fake_driver(native_build: Path, tmp_path: Path) -> None:
+    """The driver step (no torch, no libcudart: NCCL and the driver only) against the fake NCCL
+    and the fake driver: marks and profile times through the driver API, the bus id recorded."""
+    env = dict(os.environ, GREYHOUND_SHM_DIR=str(tmp_path / "shm"), GREYHOUND_JOB_ID="drv",
+               RANK="0", WORLD_SIZE="1", GH_NCCL_LIB=str(native_build / "fake" / "libnccl.so.2"),
+               LD_LIBRARY_PATH=str(native_build / "fake"),
+               LD_PRELOAD=str(native_build / "libgreyhound_hook.so"))
+    p = subprocess.run([sys.executable, str(DRIVER)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.returncode == 0 and res["ok"], (res, p.stderr[-2000:])
+    assert res["gpu_api"] == 2 and not res["libcudart_loaded"]
+    assert res["pci_bus_id_hook"] == res["pci_bus_id_driver"] == "0000:18:00.0"
+    assert res["profile"]["gpu_done"] >= 3 and "skipped" in res["gate"]
+    # the hook is what made it work: without it the same process has no ring, and says so
+    env.pop("LD_PRELOAD")
+    bare = subprocess.run([sys.executable, str(DRIVER)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert bare.returncode == 1 and not json.loads(bare.stdout.strip().splitlines()[-1])["ok"]
+
+
+def test_gpu_check_nvml_step_without_pydantic_reads_nvml_through_ctypes(native_build: Path,
+                                                                        tmp_path: Path) -> None:
+    env = dict(os.environ, GH_NVML_CTYPES="1", FAKE_NVML_GPUS="3",
+               GREYHOUND_AGENT_NVML_LIB=str(native_build / "fake" / "libnvidia-ml.so.1"),
+               FAKE_NCCL_FAULTS=str(tmp_path / "none.txt"), CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, str(NVML)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.returncode == 0 and res["ok"] and res["via"] == "ctypes", res
+    assert res["bus_ids"] == {"0": "00000000:18:00.0", "1": "00000000:29:00.0", "2": "00000000:3A:00.0"}
+
+
+def _steps(tmp_path: Path, **over: dict[str, object]) -> Path:
+    """Step results as a passing run on a GPU would leave them (each overridable)."""
+    mem = {"process_mib": 500, "device_used_mib": 600}
+    steps: dict[str, dict[str, object]] = {
+        "base": {"ms_per_step": 1.0, "us_per_allreduce_call": 20.0, "memory": mem},
+        "monitor": {"records": 300, "gpu_marks": 1, "ms_per_step": 1.01, "pci_bus_id_hook": "0000:1B:00.0",
+                    "pci_bus_id_torch": "0000:1B:00.0", "memory": {**mem, "process_mib": 502}},
+        "profile": {"gpu_done": 300, "gemm_ok": True, "memory": {**mem, "process_mib": 506}},
+        "capture_base": {"ok": True}, "capture_monitor": {"ok": True}, "capture_profile": {"ok": True},
+        "gputime": {"ok": True, "profile": {"out_of_place": {"gpu_start_after_enqueue_ms": 50.2,
+                                                             "gpu_duration_us": 31.0}}},
+        "async": {"queued": {"ok": True}, "hang": {"ok": True}}, "driver": {"ok": True},
+        "nvml": {"ok": True, "via": "ctypes", "bus_ids": {"0": "00000000:1B:00.0", "1": "00000000:43:00.0"}},
+        "pause": {"ok": True, "groups": {"ok": True}, "lonely_send": {"ok": True},
+                  "timeout_cap": {"ok": True, "held_s": 5.0}},
+    }
+    for name, value in over.items():
+        steps[name] = value
+    out = tmp_path / "gpu_check"
+    out.mkdir(parents=True)
+    for name, value in steps.items():
+        (out / f"{name}.json").write_text(json.dumps(value))
+    return out
+
+
+def _summary(res: Path) -> tuple[int, dict[str, object]]:
+    p = subprocess.run([sys.executable, str(SUMMARY), str(res)], capture_output=True, text=True,
+                       timeout=60)
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT ") and (res / "result.json").exists()
+    return p.returncode, json.loads(last.removeprefix("RESULT "))
+
+
+def test_gpu_check_summary_passes_a_good_run(tmp_path: Path) -> None:
+    rc, res = _summary(_steps(tmp_path))
+    assert rc == 0 and res["ok"] and res["pci_ok"] and res["memory_ok"], res
+    assert res["gpu_memory"] == {"unhooked_mib": 500, "monitor_mib": 502, "profile_mib": 506,
+                                 "added_monitor_mib": 2, "added_profile_mib": 6, "ok": True}
+
+
+def test_gpu_check_summary_fails_on_a_wrong_bus_id_memory_or_a_skipped_step(tmp_path: Path) -> None:
+    wrong_bus = {"records": 300, "gpu_marks": 1, "pci_bus_id_hook": "0000:99:00.0",
+                 "memory": {"process_mib": 502}}
+    rc, res = _summary(_steps(tmp_path / "a", monitor=wrong_bus))
+    assert rc == 1 and not res["ok"] and not res["pci_ok"] and res["memory_ok"]
+    heavy = {"gpu_done": 300, "gemm_ok": True, "memory": {"process_mib": 1500}}
+    rc, res = _summary(_steps(tmp_path / "b", profile=heavy))
+    assert rc == 1 and not res["memory_ok"] and res["pci_ok"]
+    rc, res = _summary(_steps(tmp_path / "c", driver={"ok": False, "skipped": "budget"}))
+    assert rc == 1 and res["skipped"] == ["driver"]
+
+
+def test_gpu_check_summary_fails_when_the_pause_checks_fail_or_did_not_run(tmp_path: Path) -> None:
+    cut_late = {"ok": False, "groups": {"ok": True}, "lonely_send": {"ok": True},
+                "timeout_cap": {"ok": False, "held_s": 24.9}}
+    rc, res = _summary(_steps(tmp_path / "a", pause=cut_late))
+    assert rc == 1 and not res["ok"] and not res["pause_ok"] and res["pci_ok"], res
+    steps = _steps(tmp_path / "b")
+    (steps / "pause.json").unlink()
+    rc, res = _summary(steps)
+    assert rc == 1 and not res["pause_ok"]
+
+
+def test_gpu_check_runs_the_pause_step_before_the_summary() -> None:
+    text = SCRIPT.read_text()
+    step = re.search(r'^step pause \d+ 0 "\$PY" "\$ROOT/scripts/gpu_check_pause.py" --out "\$RES/pause"$',
+                     text, re.M)
+    assert step is not None and step.start() < text.index("gpu_check_summary.py\" \"$RES\"")

@@ -14,7 +14,7 @@ import pytest
 
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
-from tests.native.helpers import hook_lib, wait_for, wait_rings
+from tests.native.helpers import bench_result, hook_lib, wait_for, wait_rings
 
 DATA = (H.Op.ALLREDUCE, H.Op.SEND, H.Op.RECV)
 # These tests read the rings after the job: the hook removes them at exit unless told to keep them.
@@ -159,6 +159,11 @@ def test_pause_benchmark_resume_with_the_jobs_communicators(native_build: Path,
         for r in readers:
             assert int(r.comms()["last_seq_completed"][0]) == target - 1
         before = [len(job.iterations(r)) for r in range(2)]
+        # The transfers run on a benchmark communicator both ranks split from the job's (a split
+        # is collective: both are asked before either is waited for).
+        splits = [c.submit(H.BenchRequest(kind=H.BenchKind.SPLIT, size=0, comm_id=world))
+                  for c in ctls]
+        assert all(bench_result(c, q).ok for c, q in zip(ctls, splits, strict=True))
         send = ctls[0].submit(H.BenchRequest(kind=H.BenchKind.SEND, size=1 << 20, repeat=3,
                                              comm_id=world, peer=1))
         recv = ctls[1].submit(H.BenchRequest(kind=H.BenchKind.RECV, size=1 << 20, repeat=3,

@@ -20,7 +20,7 @@ from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
 from greyhound.hookabi.layout import BENCH_MAX_GEMM_N, BENCH_MAX_P2P_BYTES
 from greyhound.hookabi.mapping import RingMapping
-from tests.native.helpers import hook_lib, pause_then_die, wait_for, wait_rings
+from tests.native.helpers import bench_result, hook_lib, pause_then_die, wait_for, wait_rings
 
 LEASE_S = 3.0
 INVALID_ARGUMENT = 4  # ncclInvalidArgument: what the hook answers a request beyond the bounds
@@ -104,6 +104,11 @@ def test_validation_scratch_is_given_back_and_sizes_beyond_the_bounds_are_refuse
                 _raw_submit(raw, 1001, H.BenchKind.GEMM, 1 << 32),  # n*n*4 overflows 64 bits
                 _raw_submit(raw, 1002, H.BenchKind.GEMM, 0),
                 _raw_submit(raw, 1003, H.BenchKind.SEND, BENCH_MAX_P2P_BYTES + 1)]
+        # As the validator does: transfers run on a benchmark communicator that every rank
+        # splits from the job's first (a split is collective: both asked before either waited).
+        splits = [c.submit(H.BenchRequest(kind=H.BenchKind.SPLIT, size=0, comm_id=world))
+                  for c in ctls]
+        assert all(bench_result(c, q).ok for c, q in zip(ctls, splits, strict=True))
         ids = [ctls[0].submit(H.BenchRequest(kind=H.BenchKind.GEMM, size=gemm_n, repeat=2)),
                ctls[0].submit(H.BenchRequest(kind=H.BenchKind.SEND, size=1 << 16, repeat=2,
                                              comm_id=world, peer=1)),

@@ -17,14 +17,7 @@ import pytest
 
 from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
-from tests.native.helpers import hook_lib, wait_for, wait_rings
-
-
-def _world(reader: H.RingReader) -> np.void:
-    """The job communicator's entry (the workload's first; with tp = pp = 1 also the DP one)."""
-    comms = reader.comms()
-    entry: np.void = comms[(comms["parent_id"] == 0) & (comms["state"] == H.CommState.ACTIVE)][0]
-    return entry
+from tests.native.helpers import bench_result, hook_lib, wait_for, wait_rings, world_entry
 
 
 def _last_line(job: FakeJob, rank: int) -> str:
@@ -42,7 +35,7 @@ def test_marks_follow_the_device_not_the_host(native_build: Path, tmp_path: Path
         job.wait_iteration(0, 5, 30)
         recs = readers[0].poll()
         for _ in range(150):
-            c = _world(readers[0])
+            c = world_entry(readers[0])
             samples.append({k: int(c[k]) for k in (
                 "calls_entered", "calls_completed", "last_seq_entered", "inflight_enter_ns",
                 "gpu_marks", "gpu_calls_done", "gpu_seq_done", "gpu_pending_ns", "gpu_pending_seq",
@@ -84,13 +77,13 @@ def test_collective_hung_on_the_gpu_is_pending_while_the_host_waits(native_build
     with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         readers = [H.RingReader(p) for p in wait_rings(shm, "hang", 2)]
         job.wait_iteration(1, 10, 30)
-        hung = int(_world(readers[1])["last_seq_entered"]) + 15  # the hook's seq, from 1
+        hung = int(world_entry(readers[1])["last_seq_entered"]) + 15  # the hook's seq, from 1
         job.faults.set(f"never_complete 1 {hung - 1}")  # the fake numbers collectives from 0
-        wait_for(lambda: int(_world(readers[1])["gpu_pending_seq"]) == hung, 30, "no pending call")
+        wait_for(lambda: int(world_entry(readers[1])["gpu_pending_seq"]) == hung, 30, "no pending call")
         time.sleep(0.3)
-        first = _world(readers[1])
+        first = world_entry(readers[1])
         time.sleep(0.5)
-        later = _world(readers[1])
+        later = world_entry(readers[1])
         now = time.monotonic_ns()
         # On the GPU: the collective stays pending, its enqueue time fixed and ageing.
         assert int(later["gpu_pending_seq"]) == hung and int(later["gpu_pending_op"]) == H.Op.ALLREDUCE
@@ -104,9 +97,9 @@ def test_collective_hung_on_the_gpu_is_pending_while_the_host_waits(native_build
         assert int(later["calls_completed"]) == int(later["calls_entered"])
         assert _last_line(job, 1) == f"sync it={hung - 1} " + _last_line(job, 1).split()[-1]
         # Its peer finished that collective on its GPU (rank 1 reached it) and hangs one later.
-        assert int(_world(readers[0])["gpu_seq_done"]) >= hung
+        assert int(world_entry(readers[0])["gpu_seq_done"]) >= hung
         job.faults.clear()
-        wait_for(lambda: int(_world(readers[1])["gpu_seq_done"]) > hung, 30, "did not recover")
+        wait_for(lambda: int(world_entry(readers[1])["gpu_seq_done"]) > hung, 30, "did not recover")
         assert job.wait(60) == [0, 0]
 
 
@@ -120,12 +113,12 @@ def test_h1_and_h2_as_the_comm_tables_show_them(native_build: Path, tmp_path: Pa
     shm = tmp_path / "shm"
     with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         readers = [H.RingReader(p) for p in wait_rings(shm, kind, 2)]
-        wait_for(lambda: int(_world(readers[1])["last_seq_entered"]) >= 5, 30, "job did not start")
-        at = int(_world(readers[1])["last_seq_entered"]) + 10  # workload iteration = fake seq
+        wait_for(lambda: int(world_entry(readers[1])["last_seq_entered"]) >= 5, 30, "job did not start")
+        at = int(world_entry(readers[1])["last_seq_entered"]) + 10  # workload iteration = fake seq
         job.faults.set(fault.format(at))
-        wait_for(lambda: int(_world(readers[0])["gpu_pending_seq"]) == at + 1, 30, "no pending call")
+        wait_for(lambda: int(world_entry(readers[0])["gpu_pending_seq"]) == at + 1, 30, "no pending call")
         time.sleep(0.3)
-        rows = [_world(r) for r in readers]
+        rows = [world_entry(r) for r in readers]
     count = spec.bytes // 4
     assert int(rows[0]["gpu_pending_seq"]) == at + 1 and int(rows[0]["gpu_pending_count"]) == count
     assert int(rows[0]["inflight_enter_ns"]) == 0 == int(rows[1]["inflight_enter_ns"])
@@ -197,24 +190,11 @@ def test_profile_gpu_times_are_the_device_timeline(native_build: Path, tmp_path:
 
 
 def _pause_both(readers: list[H.RingReader], ctls: list[H.Control]) -> None:
-    world = int(_world(readers[0])["comm_id"])
-    target = max(int(_world(r)["last_seq_entered"]) for r in readers) + 2
+    world = int(world_entry(readers[0])["comm_id"])
+    target = max(int(world_entry(r)["last_seq_entered"]) for r in readers) + 2
     for c in ctls:
         c.pause(comm_id=world, seq=target)
     wait_for(lambda: all(c.paused() for c in ctls), 30, "ranks did not pause")
-
-
-def _result(ctl: H.Control, req: int, timeout: float = 30.0) -> H.BenchResult:
-    out: list[H.BenchResult] = []
-
-    def done() -> bool:
-        res = ctl.result(req)
-        if res is not None:
-            out.append(res)
-        return bool(out)
-
-    wait_for(done, timeout, "benchmark did not finish")
-    return out[0]
 
 
 def test_validation_drains_queued_gpu_work_before_its_gemm(native_build: Path, tmp_path: Path) -> None:
@@ -227,12 +207,12 @@ def test_validation_drains_queued_gpu_work_before_its_gemm(native_build: Path, t
     with FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm) as job:
         readers = [H.RingReader(p) for p in wait_rings(shm, "drain", 2)]
         ctls = [r.control() for r in readers]
-        wait_for(lambda: int(_world(readers[0])["last_seq_entered"]) >= 2, 30, "job did not start")
+        wait_for(lambda: int(world_entry(readers[0])["last_seq_entered"]) >= 2, 30, "job did not start")
         _pause_both(readers, ctls)
-        queued = int(_world(readers[0])["gpu_pending_ns"])
+        queued = int(world_entry(readers[0])["gpu_pending_ns"])
         assert queued == 0  # the parked call is not enqueued; the compute before it is queued
-        res = _result(ctls[0], ctls[0].submit(H.BenchRequest(kind=H.BenchKind.GEMM, size=64, repeat=3)))
-        again = _result(ctls[0], ctls[0].submit(H.BenchRequest(kind=H.BenchKind.GEMM, size=64)))
+        res = bench_result(ctls[0], ctls[0].submit(H.BenchRequest(kind=H.BenchKind.GEMM, size=64, repeat=3)))
+        again = bench_result(ctls[0], ctls[0].submit(H.BenchRequest(kind=H.BenchKind.GEMM, size=64)))
         for c in ctls:
             c.resume()
         job.kill()
@@ -241,31 +221,3 @@ def test_validation_drains_queued_gpu_work_before_its_gemm(native_build: Path, t
     assert max(res.durations_ns) < 50_000_000  # GPU time of the GEMM alone
     assert min(res.durations_ns) >= 900_000  # 2 * 64^3 / 0.5 GFLOPS = 1.05 ms on the fake GPU
     assert again.ok and again.drain_ns < 50_000_000  # nothing queued any more
-
-
-def test_p2p_benchmark_whose_peer_never_posts_fails_in_bounded_time(native_build: Path,
-                                                                     tmp_path: Path) -> None:
-    spec = FakeJobSpec(world_size=2, iters=400, compute_ms=5, compute_busy=0.0, job_id="p2pto",
-                       verbose=False)
-    shm = tmp_path / "shm"
-    job = FakeJob(spec, workdir=tmp_path / "w", hook=hook_lib(native_build), shm_dir=shm,
-                  env={"GREYHOUND_BENCH_TIMEOUT_MS": "400"})
-    with job:
-        readers = [H.RingReader(p) for p in wait_rings(shm, "p2pto", 2)]
-        ctls = [r.control() for r in readers]
-        wait_for(lambda: int(_world(readers[0])["last_seq_entered"]) >= 2, 30, "job did not start")
-        _pause_both(readers, ctls)
-        world = int(_world(readers[0])["comm_id"])
-        t0 = time.monotonic()
-        lonely = _result(ctls[0], ctls[0].submit(H.BenchRequest(
-            kind=H.BenchKind.SEND, size=1 << 16, repeat=2, comm_id=world, peer=1)))
-        took = time.monotonic() - t0
-        # The paused thread is not parked for good: the next request runs on a fresh stream.
-        gemm = _result(ctls[0], ctls[0].submit(H.BenchRequest(kind=H.BenchKind.GEMM, size=32)))
-        for c in ctls:
-            c.resume()
-        job.kill()
-    assert lonely.state == H.BenchState.FAILED and lonely.result == 600, lonely  # cudaErrorNotReady
-    assert lonely.durations_ns == ()
-    assert 0.35 < took < 10.0
-    assert gemm.ok, gemm

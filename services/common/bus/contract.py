@@ -206,13 +206,18 @@ class RankInfo(BaseModel):
 
 
 class AgentHello(Message):
-    """An agent announces the ranks it watches; the tracker and API learn the job's shape from it."""
+    """An agent announces the ranks it watches; the tracker and API learn the job's shape from it.
+
+    ``marks_off`` lists those of ``ranks`` whose hook found neither a CUDA runtime nor the driver
+    API in their process: they have no GPU completion marks and no GPU times, so their hang watch
+    and every timing rest on host time alone (an agent says it again when it learns it later)."""
 
     kind: Literal["hello"] = "hello"
     agent_id: Token
     host: Name
     ranks: list[RankInfo] = Field(max_length=MAX_LISTED)
     world_size: Size | None = None
+    marks_off: list[Rank] = Field(default_factory=list, max_length=MAX_LISTED)
 
 
 class Columnar(Message):
@@ -520,23 +525,32 @@ MAX_COMMS_PER_RANK = 4096
 
 
 class BenchItem(BaseModel):
-    """One benchmark for one rank: a GEMM on its GPU, or one side of a P2P transfer. Sizes are
+    """One benchmark for one rank: a GEMM on its GPU, one side of a P2P transfer, a wait for the
+    rank's queued GPU work (``drain``), or the split of ``comm_id`` into the benchmark
+    communicator that the transfers naming ``comm_id`` run on (``split``: every rank of
+    ``comm_id`` must get one; transfers never run on a job's own communicator). Sizes are
     bounded: the hook allocates what they say on a training GPU."""
 
     model_config = STRICT
 
     rank: Rank
-    kind: Literal["gemm", "send", "recv"]
-    size: int = Field(gt=0, le=MAX_P2P_BYTES, description=(
-        f"GEMM: matrix dimension N (<= {MAX_GEMM_N}); P2P: bytes (<= {MAX_P2P_BYTES})"))
+    kind: Literal["gemm", "send", "recv", "drain", "split"]
+    size: int = Field(default=0, ge=0, le=MAX_P2P_BYTES, description=(
+        f"GEMM: matrix dimension N (<= {MAX_GEMM_N}); P2P: bytes (<= {MAX_P2P_BYTES}); "
+        "drain and split: 0"))
     repeat: int = Field(default=3, ge=1, le=64)
     comm_id: Id64 = 0
     peer: Peer = Field(default=-1, description="P2P peer's rank within comm_id")
 
     @model_validator(mode="after")
-    def _gemm_size(self) -> Self:
+    def _sizes(self) -> Self:
         if self.kind == "gemm" and self.size > MAX_GEMM_N:
             raise ValueError(f"GEMM dimension {self.size} is over {MAX_GEMM_N}")
+        if (self.kind in ("drain", "split")) != (self.size == 0):
+            raise ValueError(f"a {self.kind} item takes size "
+                             f"{'0' if self.kind in ('drain', 'split') else '> 0'}")
+        if self.kind == "split" and self.comm_id == 0:
+            raise ValueError("a split item names the communicator to split (comm_id)")
         return self
 
 
@@ -589,6 +603,9 @@ class RankStatus(BaseModel):
     mode: Literal["monitor", "profile"]
     paused: bool
     comms: list[CommStatus] = Field(max_length=MAX_COMMS_PER_RANK)
+    job_timeout_s: float | None = Field(default=None, gt=0, le=4e6, description=(
+        "the job's collective (process-group) timeout as the rank reported it; a pause of the "
+        "rank ends at a quarter of it whatever its lease"))
 
 
 class BenchOutcome(BaseModel):

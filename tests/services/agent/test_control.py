@@ -168,6 +168,10 @@ async def test_pause_bench_resume(running: Running) -> None:
         assert max(best, key=best.__getitem__) == 2, best
         assert best[2] > 1.5 * statistics.median(best[r] for r in (0, 1, 3)), best
 
+        # Transfers run on a benchmark communicator split from the job's (every rank asks).
+        split = await _ask(nc, action="bench", timeout_s=30, bench=[
+            BenchItem(rank=r, kind="split", comm_id=comm) for r in range(WORLD)])
+        assert split.ok and {o.state for o in split.results} == {"done"}, split
         job.faults.set("slow_link 1 2 4.0")
         link_ns: dict[tuple[int, int], int] = {}
         for pairs in ring_rounds(range(WORLD)):

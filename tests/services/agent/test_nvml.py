@@ -173,6 +173,7 @@ class _Stream:
     ended: bool = False
     host: str = socket.gethostname()
     pid: int = 0  # no process: the device ordinal is the NVML index
+    bus: str = ""  # the PCI bus id the hook recorded ("": none, the ordinal maps)
 
     @property
     def reader(self) -> _Stream:
@@ -181,7 +182,7 @@ class _Stream:
     @property
     def header(self) -> SimpleNamespace:
         return SimpleNamespace(device=self.device, host=self.host, pid=self.pid,
-                               wall_anchor_ns=int(self.anchor_s * 1e9))
+                               wall_anchor_ns=int(self.anchor_s * 1e9), pci_bus_id=self.bus)
 
     def refresh_header(self) -> SimpleNamespace:
         return self.header

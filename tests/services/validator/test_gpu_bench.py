@@ -44,10 +44,13 @@ class StandInAgent:
         self.drained: set[int] = set()
         self.benched: list[BenchItem] = []
 
+    job_timeout_s: float | None = None  # what the ranks report of the job's collective timeout
+
     def _status(self) -> list[RankStatus]:
         return [RankStatus(rank=r, host="node0", device=r, mode="monitor", paused=self.paused,
                            comms=[CommStatus(comm_id=COMM, comm_rank=r, nranks=WORLD,
-                                             last_seq_entered=100, last_seq_completed=100)])
+                                             last_seq_entered=100, last_seq_completed=100)],
+                           job_timeout_s=self.job_timeout_s)
                 for r in range(WORLD)]
 
     def _run(self, it: BenchItem) -> BenchOutcome:
@@ -110,7 +113,12 @@ async def test_drain_is_recorded_per_rank_and_a_late_peer_is_not_a_slow_link(
             await sub.unsubscribe()
     assert run.verdict is not None, run.failure
     assert not agent.paused  # resumed
-    assert {it.kind for it in agent.benched} == {"gemm", "send", "recv"}
+    assert {it.kind for it in agent.benched} == {"gemm", "drain", "split", "send", "recv"}
+    # every rank drains, then splits the checked communicator, before any transfer is issued
+    kinds = [it.kind for it in agent.benched]
+    first_transfer = min(kinds.index("send"), kinds.index("recv"))
+    assert kinds[:first_transfer].count("split") == WORLD
+    assert kinds.index("drain") < kinds.index("split") < first_transfer
     assert run.evidence["drain_s"] == {str(r): d / 1e9 for r, d in DRAIN_NS.items()}
     assert run.verdict.gpus == [2]
     assert run.verdict.links == [(1, 2)], run.evidence  # not the links into rank 3

@@ -1,6 +1,7 @@
-"""The validator's pause is a lease sized to its own plan: long enough for the slowest run it
-would still wait for (parking, then one benchmark call per GEMM set and per P2P round), a few
-seconds more, and no longer, so that the hooks resume by themselves should it die mid-way."""
+"""The validator's pause is a lease: its pause budget, so that the hooks resume by themselves
+should it die mid-way, and never more than a quarter of the collective timeout the ranks report
+(a pause counts toward the collective the rank parked in: PyTorch's watchdog would abort the job
+right after the resume). A budget under the minimum is refused: no pause at all."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from services.common.bus.contract import ControlRequest, Subjects, Suspicion
 from services.common.db.models import Rank
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
-from services.validator.service import Validator
+from services.validator.service import Run, Validator
 from services.validator.settings import ValidatorSettings
 from tests.conftest import Bus
 from tests.services.validator.test_gpu_bench import (
@@ -50,22 +51,41 @@ async def ctx(bus: Bus) -> AsyncIterator[ServiceContext]:
     await c.close()
 
 
-async def test_the_pause_carries_a_lease_sized_to_the_validation(
-ctx: ServiceContext, agent_nc: BusClient) -> None:
-    agent = LeaseRecorder()
+async def _validate(ctx: ServiceContext, agent_nc: BusClient, agent: LeaseRecorder,
+                    config: ValidatorSettings) -> tuple[Run, list[float | None]]:
     subs = [await agent_nc.subscribe(subject, cb=agent.answer)
             for subject in (Subjects.control(JOB, AGENT), Subjects.validation(JOB, AGENT))]
     await agent_nc.flush()  # subscribed before the validator asks, on another connection
     ranks = [Rank(job_id=JOB, rank=r, host="node0", node=0, device=r, pid=10 + r,
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])
-    config = ValidatorSettings(poll_s=0.01, pause_timeout_s=7, bench_timeout_s=11)
     try:
         run = await Validator(ctx, config).validate(s, ranks)
     finally:
         for sub in subs:
             await sub.unsubscribe()
+    return run, agent.leases
+
+
+@pytest.mark.parametrize(("reported", "lease"), [(None, 12.0), (600.0, 12.0), (20.0, 5.0)])
+async def test_the_pause_lease_is_the_budget_within_a_quarter_of_the_jobs_timeout(
+        ctx: ServiceContext, agent_nc: BusClient, reported: float | None, lease: float) -> None:
+    agent = LeaseRecorder()
+    agent.job_timeout_s = reported
+    run, leases = await _validate(ctx, agent_nc, agent,
+                                  ValidatorSettings(poll_s=0.01, pause_budget_s=12))
     assert run.verdict is not None, run.failure
-    calls = 1 + run.evidence["p2p_rounds"]  # the GEMMs, then each round of transfers
-    assert agent.leases == [7 + 11 * calls + 10]
+    assert leases == [lease]
+    assert run.evidence["pause_budget_s"] == lease
+    assert run.evidence["job_timeout_s"] == reported
     assert not agent.paused
+
+
+async def test_a_timeout_too_short_for_any_pause_is_refused(ctx: ServiceContext,
+                                                            agent_nc: BusClient) -> None:
+    agent = LeaseRecorder()
+    agent.job_timeout_s = 2.0  # a quarter: 0.5 s, under min_pause_s
+    run, leases = await _validate(ctx, agent_nc, agent,
+                                  ValidatorSettings(poll_s=0.01, min_pause_s=1.0))
+    assert leases == [] and not agent.benched  # never paused
+    assert run.verdict is None and run.failure is not None and run.failure.startswith("refused:")

@@ -6,7 +6,9 @@ import pytest
 
 from greyhound.hookabi import unsigned64
 from services.validator.plan import (
+    PAUSE_AHEAD,
     CommView,
+    cut,
     gemm_ranks,
     link_classes,
     members,
@@ -33,13 +35,14 @@ def _dp_tp(world: int, tp: int) -> dict[int, list[CommView]]:
 def test_pause_at_the_iteration_boundary_beyond_every_rank() -> None:
     plan = pause_plan(_dp_tp(8, 2))
     assert plan.comm_of_rank == {r: 200 + r % 2 for r in range(8)}  # DP: fewer collectives
-    assert plan.seq == 12 + 2
+    assert plan.seq_of_comm == {200: 12 + 2, 201: 12 + 2}
+    assert {plan.seq_of_rank(r) for r in range(8)} == {14}
 
 
 def test_equal_sizes_pick_the_less_busy_kind_on_every_rank() -> None:
     plan = pause_plan(_dp_tp(4, 2))  # TP and DP both have 2 ranks; DP sees fewer collectives
     assert plan.comm_of_rank == {r: 200 + r % 2 for r in range(4)}
-    assert plan.seq == 12 + 2
+    assert set(plan.seq_of_comm.values()) == {12 + 2}
     with pytest.raises(ValueError, match="rank 3"):
         pause_plan({3: []})
 
@@ -64,10 +67,45 @@ def test_a_pipeline_parks_every_stage_at_its_dp_all_reduce() -> None:
     plan = pause_plan(comms)
     assert plan.comm_of_rank == {r: next(c.comm_id for c in comms[r] if c.nranks == 4)
                                  for r in comms}
-    assert plan.seq == 31 + 2
+    assert set(plan.seq_of_comm.values()) == {31 + 2}
     # A rank's status missing: no kind covers the job, each rank takes its largest comm.
     del comms[63]
     assert set(pause_plan(comms).comm_of_rank.values()) == {100 + g for g in range(8)}
+
+
+def _stages(rates: list[int], iterations: int, offsets: list[int] | None = None
+            ) -> dict[int, list[CommView]]:
+    """TP1 x DP2 x PP len(rates): stage s's DP communicator (ranks 2s, 2s+1) enters rates[s]
+    collectives an iteration (its buckets), plus offsets[s] taken mid-iteration by one member."""
+    out: dict[int, list[CommView]] = {}
+    for s, k in enumerate(rates):
+        extra = (offsets or [0] * len(rates))[s]
+        for d in range(2):
+            out[2 * s + d] = [CommView(500 + s, d, 2, k * iterations + (extra if d else 0)),
+                              CommView(900 + d, s, len(rates), 0)]  # the PP pair: send/recv only
+    return out
+
+
+def _iteration(seq: int, rate: int) -> tuple[int, int]:
+    """(iteration, bucket) of collective ``seq`` (from 1) on a communicator of ``rate``."""
+    return (seq - 1) // rate, (seq - 1) % rate
+
+
+@pytest.mark.parametrize("rates", [[1, 2], [2, 3], [3, 4, 4, 5], [1, 1, 1]])
+def test_stages_whose_dp_communicators_advance_at_different_rates_stop_at_one_iteration(
+        rates: list[int]) -> None:
+    """One absolute sequence number for every DP communicator stops a stage whose communicator
+    takes two collectives an iteration after half as many iterations as a stage taking one, whose
+    ranks then never get there (their pipeline peers are parked): each communicator gets its own
+    number, at the start of the same iteration."""
+    for offsets in (None, [1] * len(rates)):  # a member's status taken a collective later
+        plan = pause_plan(_stages(rates, 40, offsets))
+        assert set(plan.comm_of_rank.values()) == {500 + s for s in range(len(rates))}
+        where = {_iteration(plan.seq_of_comm[500 + s], k) for s, k in enumerate(rates)}
+        # 40 iterations done (one member into the 41st): PAUSE_AHEAD iterations on from there
+        ahead = 40 + PAUSE_AHEAD - (0 if offsets else 1)
+        assert where == {(ahead, 0)}, (rates, offsets, plan.seq_of_comm)
+    assert cut({}) == {} and cut({7: 0, 8: 0}) == {7: PAUSE_AHEAD, 8: PAUSE_AHEAD}
 
 
 def test_members_in_comm_rank_order_and_incomplete_comms_dropped() -> None:
