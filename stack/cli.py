@@ -164,7 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["token"].set_defaults(func=cmd_token)
 
     from stack.demo_faults import FAULT_KINDS
-
     from stack.run import add_parser as add_run_parser
 
     add_run_parser(sub)

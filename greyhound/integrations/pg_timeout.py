@@ -76,7 +76,8 @@ def process_group_timeout(group: Any = None) -> timedelta:
     import torch
     import torch.distributed as dist
 
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    # Any: the options live on private attributes torch's stubs do not all declare
+    pg: Any = group if group is not None else dist.distributed_c10d._get_default_group()
 
     def of_backend() -> Any:
         return pg._get_backend(torch.device("cuda")).options._timeout
