@@ -1,13 +1,13 @@
 """A production nats-server config from the service registry, and the passwords that go with it.
 
-``python -m services.common.bus.server_config --agent node0 --agent node1 --env-file deploy/.env
-> deploy/nats/greyhound.conf`` writes the config deploy/compose.yaml mounts: one user per service
-and per agent id, each with its registry line's permissions (services.common.bus.permissions).
-The config names no password: each is ``$GREYHOUND_NATS_PASSWORD_<USER>``, read by the server
-from its environment. ``--env-file`` adds a random one for every user the file lacks (mode
-0600; compose reads it, and the server gets it through ``env_file``). Regenerate the config
-when a service's bus line changes or a node joins; tests/services/common/test_server_config.py
-fails while the committed example is out of date.
+deploy/compose.yaml's init step renders it with literal passwords and TLS (stack.deploy.volume).
+For a NATS outside compose, ``python -m services.common.bus.server_config --agent node0 --agent
+node1 --env-file FILE > greyhound.conf`` writes one user per service and per agent id, each with
+its registry line's permissions (services.common.bus.permissions), and no password: each is
+``$GREYHOUND_NATS_PASSWORD_<USER>``, read by the server from its environment; ``--env-file``
+adds a random one for every user the file lacks (mode 0600). Regenerate the config when a
+service's bus line changes or a node joins; tests/services/common/test_server_config.py fails
+while the committed example (deploy/nats/greyhound.conf) is out of date.
 """
 
 from __future__ import annotations
