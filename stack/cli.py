@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     from services.registry import Service
 
 
+def _db_settings() -> Settings:
+    """This process's settings for a command that uses the database: on the data directory's
+    embedded Postgres, with its token and webhook keys (services.common.data_keys)."""
+    from services.common.data_keys import with_data_dir_keys
+
+    return with_data_dir_keys(get_settings())
+
+
 def _install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -38,7 +46,8 @@ async def _serve(service: Service, options: dict[str, Any]) -> None:
 
     stop = asyncio.Event()
     _install_stop(asyncio.get_running_loop(), stop)
-    ctx = await start_service(service.name, get_settings(), need_db=service.postgres,
+    settings = _db_settings() if service.postgres else get_settings()
+    ctx = await start_service(service.name, settings, need_db=service.postgres,
                               bus_user=service.bus_user(options))
     try:
         await service.run(ctx, stop, options)
@@ -78,7 +87,7 @@ def cmd_db_upgrade(_: argparse.Namespace) -> int:
 def cmd_token(args: argparse.Namespace) -> int:
     from services.api.token_cli import run
 
-    return run(get_settings(), args)
+    return run(_db_settings(), args)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -86,7 +95,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from stack.serve import serve_until_stopped, stop_signals
     from stack.up import Stack
 
-    settings = get_settings()
+    settings = _db_settings()
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(claim(shm_dir=settings.shm_dir, data_dir=settings.data_dir,
@@ -103,10 +112,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from stack.deploy.cli import run
+
+    return run(args, get_settings())
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from stack.run import run
 
-    return run(args, get_settings())
+    return run(args, _db_settings())
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -115,7 +130,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          "one small fault: choose one")
     from stack.claims import Collision, claim
 
-    settings = get_settings()
+    settings = _db_settings()
     try:
         with claim(shm_dir=settings.shm_dir, data_dir=settings.data_dir, host="127.0.0.1",
                    port=args.port):
@@ -162,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_token_parser(sub)
     sub.choices["token"].set_defaults(func=cmd_token)
+
+    from stack.deploy.cli import add_parser as add_deploy_parser
+
+    add_deploy_parser(sub)
+    sub.choices["deploy"].set_defaults(func=cmd_deploy)
 
     from stack.demo_faults import FAULT_KINDS
     from stack.run import add_parser as add_run_parser
@@ -229,9 +249,8 @@ def _passthrough(argv: Sequence[str]) -> int | None:
     if argv and argv[0] == "token":
         from services.api.token_cli import main as token_main
 
-        settings = get_settings()
-        _logging(settings.log_level)
-        return token_main(list(argv[1:]), settings)
+        _logging(get_settings().log_level)
+        return token_main(list(argv[1:]), _db_settings())
     return None
 
 

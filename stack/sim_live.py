@@ -248,8 +248,11 @@ def _drain(sim: LiveSimulation, stack: Stack, settle_s: float, lag: TrackerLag) 
 
 
 def run_from_args(scenario: Scenario, args: argparse.Namespace) -> int:
-    """greyhound.sim.cli's live runner: its arguments, the process's settings."""
-    settings = get_settings()
+    """greyhound.sim.cli's live runner: its arguments, the process's settings (with the data
+    directory's keys: it mints the job's token)."""
+    from services.common.data_keys import with_data_dir_keys
+
+    settings = with_data_dir_keys(get_settings())
 
     def serve(stack: Stack, base: str) -> int:
         print(f"serving the REST API and the dashboard ({base}/dashboard/; reads need no "

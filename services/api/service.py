@@ -23,9 +23,10 @@ class _Server(uvicorn.Server):
 
 async def run_api(ctx: ServiceContext, stop: asyncio.Event, *, host: str, port: int,
                   settings: ApiSettings | None = None) -> None:
-    app = create_app(ctx.db(), settings=ctx.settings, api=settings or ApiSettings(), nc=ctx.nc,
-                     js=ctx.js)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    api = settings or ApiSettings()
+    app = create_app(ctx.db(), settings=ctx.settings, api=api, nc=ctx.nc, js=ctx.js)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                            ssl_certfile=api.api_tls_cert, ssl_keyfile=api.api_tls_key)
     server = _Server(config)
     task = asyncio.create_task(server.serve())
     await stop.wait()

@@ -9,9 +9,10 @@ delivery) stays shared (services.common.settings).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -20,6 +21,9 @@ class ApiSettings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
+    api_tls_cert: Path | None = Field(
+        default=None, description="serve HTTPS with this certificate (PEM, its chain after it)")
+    api_tls_key: Path | None = Field(default=None, description="the certificate's private key")
     api_anonymous_role: Literal["viewer"] | None = Field(
         default=None, description=(
             "grant requests without a token this role (single-user local runs only); "
@@ -32,3 +36,9 @@ class ApiSettings(BaseSettings):
         default=3, ge=1, description="confirmed incidents of one GPU/node/link that advise a drain")
     fleet_drain_jobs: int = Field(
         default=2, ge=1, description="... spread over at least this many jobs")
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> ApiSettings:
+        if (self.api_tls_cert is None) != (self.api_tls_key is None):
+            raise ValueError("GREYHOUND_API_TLS_CERT and GREYHOUND_API_TLS_KEY go together")
+        return self

@@ -1,8 +1,9 @@
 """API tokens: made, hashed and ranked here (shared by the REST API and ``greyhound token``).
 
 A token is 32 random bytes (256 bits) from the OS, printed once as ``gh_<base64url>``. The
-database keeps HMAC-SHA256(key, token) only, keyed by ``GREYHOUND_TOKEN_KEY`` when it is set (a
-pepper kept out of the database, so a stolen dump cannot even test a guess). A fast hash is
+database keeps HMAC-SHA256(key, token) only, keyed by ``GREYHOUND_TOKEN_KEY`` (a pepper kept out of
+the database, so a stolen dump cannot even test a guess, nor can a database writer add a token
+of its own; the embedded mode keeps one per data directory: services.common.data_keys). A fast hash is
 right here and bcrypt/argon2 are not: those are slow on purpose to protect low-entropy human
 passwords from offline guessing, which a 256-bit random secret already makes hopeless, while a
 slow hash would cost tens of milliseconds of CPU on every API request (each one verifies its
@@ -19,13 +20,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
+from services.common.data_keys import LEGACY_TOKEN_KEY
+
 # ``job``: a training job's own token: it reads what a viewer reads, declares its layout and
 # reports what it did with its plans, and decides nothing.
 Role = Literal["viewer", "job", "operator", "admin"]
 ROLES: tuple[Role, ...] = ("viewer", "job", "operator", "admin")
 _RANK = {r: i for i, r in enumerate(ROLES)}
 TOKEN_PREFIX = "gh_"
-_DEFAULT_KEY = b"greyhound-api-token-v1"
+_DEFAULT_KEY = LEGACY_TOKEN_KEY.encode()  # only where no key is set (docs/security.md)
 _DURATION = re.compile(r"^(\d+)([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 

