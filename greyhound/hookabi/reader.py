@@ -339,7 +339,8 @@ class RingReader:
             for _ in range(tries):
                 before = self._ring.comm_versions(i)
                 row = self._ring.comm_row(i)
-                if before == self._ring.comm_versions(i) and not (before[0] | before[1]) & 1:
+                odd = (before[0] | before[1] | before[2]) & 1
+                if before == self._ring.comm_versions(i) and not odd:
                     if int(row["state"]) != CommState.FREE:
                         rows.append(row)
                     break
@@ -347,6 +348,18 @@ class RingReader:
                 self.torn += 1
         out: np.ndarray = np.array(rows, dtype=COMM_DTYPE)
         return out
+
+    def progress(self) -> np.ndarray:
+        """A copy of the profiler plugin's region (PROGRESS_DTYPE): per (communicator, channel,
+        peer, direction) network step counters and per (communicator, channel) kernel starts and
+        stops. Slots name their communicator by comm table index (``key & 0xff`` - 1)."""
+        return self._ring.progress()
+
+    def want_classes(self, mask: int) -> None:
+        """Ask the rank's profiler plugin for these event classes (NCCL's mask bits, e.g.
+        ``ProfileClass.PROXY_STEP``) on top of its default ones; 0 goes back to the default. The
+        hook applies it within a few milliseconds, to operations enqueued from then on."""
+        self._ring.write_mask_extra(mask)
 
     def control(self) -> Control:
         """The control block of this very file (shared descriptor, see Control)."""
