@@ -173,7 +173,8 @@ class Analyzer:
         # Cascaded symptoms are already dropped by the diagnosis. Of what is left, a rank that
         # never entered (or entered something else) explains peers stuck in the collective after
         # it, so those causes are named before "all entered, none completes".
-        found = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled) if rows else []
+        found = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled,
+                                   progress=det.evidence.get("progress")) if rows else []
         mine = sorted(found, key=lambda d: _HANG_PRIORITY.get(d.kind, len(_HANG_PRIORITY)))
         if not mine:
             return "hang", severity, culprit, (

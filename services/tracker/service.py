@@ -220,7 +220,8 @@ class Tracker:
         else:
             st = await self._job(msg.job_id)
             st.hangs.observe_counters(msg.sampled_ns / 1e9,
-                                      {f: getattr(msg, f) for f in COUNTER_FIELDS})
+                                      {f: getattr(msg, f) for f in COUNTER_FIELDS},
+                                      msg.progress.model_dump() if msg.progress else None)
             self._hang_over(msg.job_id, st)
             await self.check_hangs()
             await self._hand_on(msg.job_id, st)
@@ -309,7 +310,7 @@ class Tracker:
             after_s=_level(worst.stalled_s), detected_ns=time.time_ns(), comm_id=worst.comm_id,
             stalled_s=min(worst.stalled_s, MAX_SECONDS),
             threshold_s=min(worst.threshold_s, MAX_SECONDS), method=DetectionEvent.HANG_WATCH,
-            evidence={"counters": mon.rows_for(found),
+            evidence={"counters": mon.rows_for(found), "progress": mon.progress_for(found),
                       "stalled_comms": [f.comm_id for f in found][:1024],
                       "wait_basis": basis,
                       # members whose GPU view is off (no completion marks): host time only
