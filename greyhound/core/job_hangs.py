@@ -277,6 +277,13 @@ class JobHangMonitor:
         rows = sorted(picked[:limit])
         return {f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}
 
+    def latest_progress(self, limit: int = 8192) -> dict[str, list[Any]]:
+        """Every communicator's latest plugin rows (columnar, PROGRESS_FIELDS): the links' rates
+        over the agents' last windows, which name a slow link while the job runs."""
+        picked = [r for comm in self.comms.values() for rows in comm.progress_rows.values()
+                  for r in rows][:limit]
+        return {f: [r[i] for r in picked] for i, f in enumerate(PROGRESS_FIELDS)}
+
     def progress_for(self, findings: list[HangFinding], limit: int = 8192) -> dict[str, list[Any]]:
         """The profiler plugin's latest rows of the stalled communicators (columnar,
         PROGRESS_FIELDS; empty where no plugin runs): where inside its collective each member
