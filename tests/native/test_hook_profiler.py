@@ -75,6 +75,9 @@ def test_a_peer_that_stops_on_one_channel_is_localised_to_its_pair_and_channel(
         assert link.sent == link.received < link.posted
         assert inside.first_rank == 1
         assert inside.seq == seq + 1  # the comm table's (and the records') numbering
+        slots = readers[1].progress()["slots"]
+        used = slots[slots["key"] != 0]
+        assert set(used["op"].tolist()) == {int(H.Op.ALLREDUCE)}  # named from NCCL's "AllReduce"
         # intra-node transfers have no step counters (NCCL raises no proxy events for them)
         sends = s.kind == SEND
         assert sorted(zip(s.rank[sends].tolist(), s.peer[sends].tolist(), strict=True)) == \
