@@ -211,7 +211,7 @@ int main(void) {
     struct gh_record *r = NULL;
     for (uint64_t i = LOAD(v.h->head); i-- > 0 && r == NULL;)
       if (ring_at(&v, i)->op == GH_OP_ALLREDUCE && ring_at(&v, i)->count == 16 + (uint64_t)k) r = ring_at(&v, i);
-    CHECK(r != NULL && (r->flags & GH_F_PROFILED));
+    CHECK(r != NULL && (LOAD(r->flags) & GH_F_PROFILED));
     if (r == NULL) continue;
     WAIT_FOR(LOAD(r->flags) & (GH_F_GPU_DONE | GH_F_GPU_LOST));
     CHECK(k == 0 ? (LOAD(r->flags) & (GH_F_GPU_DONE | GH_F_GPU_LOST)) == GH_F_GPU_LOST
