@@ -124,6 +124,8 @@ int main(void) {
   CHECK(LOAD(stub_cuda_records) == rec0 + 3);
   WAIT_FOR(LOAD(e->gpu_pending_ns) != 0);
   CHECK(LOAD(e->gpu_pending_seq) == 2 && LOAD(e->gpu_pending_op) == GH_OP_ALLREDUCE);
+  CHECK(LOAD(e->gpu_pending_peer) == -1 && LOAD(e->last_peer) == 1); /* a collective has no peer;
+                                                                       * the newest call, the send, has */
   CHECK(LOAD(e->gpu_pending_dtype) == ncclFloat32 && LOAD(e->gpu_pending_count) == 100);
   CHECK(LOAD(e->gpu_pending_ns) == enter_of(cid, GH_OP_ALLREDUCE, 2));
   CHECK(LOAD(e->gpu_calls_done) == 1 && LOAD(e->inflight_enter_ns) == 0);
@@ -133,6 +135,7 @@ int main(void) {
   stub_cuda_advance(t2 + 1);
   WAIT_FOR(LOAD(e->gpu_calls_done) == 3 && LOAD(e->gpu_pending_op) == GH_OP_SEND);
   CHECK(LOAD(e->gpu_pending_seq) == 0 && LOAD(e->gpu_seq_done) == 3); /* a send has no collective seq */
+  CHECK(LOAD(e->gpu_pending_peer) == 1); /* ... but a peer: a pending send is named by its pair */
   stub_cuda_finish_all();
   WAIT_FOR(LOAD(e->gpu_calls_done) == 4 && LOAD(e->gpu_pending_ns) == 0);
 

@@ -116,3 +116,20 @@ def test_a_slowdown_names_the_slow_link_the_plugins_rates_found() -> None:
     assert kind == "slowdown" and culprit["slow_links"] == [link]
     kind, _, culprit, _ = Analyzer._classify(det.model_copy(update={"evidence": {"change": "onset"}}))
     assert "slow_links" not in culprit
+
+
+def test_a_pipeline_pair_that_disagrees_on_the_size_is_named_by_the_pair() -> None:
+    """Stage 0 sends 1 Mi floats to stage 1, which posted a receive of one more: both pending on
+    the GPU. The comm table's pending peers name the pair and its sizes (layout 6)."""
+    n = 2
+    rows: dict[str, list[Any]] = {f: [0] * n for f in COUNTER_FIELDS}
+    rows.update(rank=[4, 12], comm_id=[COMM] * n, comm_rank=[0, 1], nranks=[n] * n,
+                entered=[7, 7], completed=[7, 7], last_op=[int(Op.SEND), int(Op.RECV)],
+                gpu_marks=[1] * n, gpu_completed=[6] * n, gpu_pending_s=[40.0] * n,
+                gpu_pending_op=[int(Op.SEND), int(Op.RECV)], gpu_pending_count=[1 << 20, (1 << 20) + 1],
+                gpu_pending_dtype=[7] * n, gpu_pending_peer=[1, 0], last_peer=[1, 0])
+    (d,) = diagnose_from_rows(rows, now_ns=NOW, stalled_s=40.0)
+    assert d.kind == "hang_inconsistent" and d.ranks == [4, 12]
+    assert (d.evidence["send_count"], d.evidence["recv_count"]) == (1 << 20, (1 << 20) + 1)
+    rows["gpu_pending_peer"] = []  # an older agent: no peers, the pair cannot be checked
+    assert all(d.kind != "hang_inconsistent" for d in diagnose_from_rows(rows, now_ns=NOW, stalled_s=40.0))
