@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the hook: one prepared run on a machine with an NVIDIA GPU and PyTorch (world size 1;
-# NCCL refuses two ranks on one GPU), at most 8 minutes (GH_CHECK_BUDGET_S, default 460 s: a step
-# that could not finish inside it is skipped and says so). Each step writes its JSON (and its log)
+# NCCL refuses two ranks on one GPU), at most 8 minutes (GH_CHECK_BUDGET_S, default 460 s, shared
+# out by scripts/gpu_check_plan.sh: each step keeps what the later ones need; one the budget cannot
+# give its need is skipped and says so). Each step writes its JSON (and its log)
 # under $OUT/gpu_check (or a fresh directory it prints when OUT is unset); the summary goes to
 # result.json there and, last, to stdout as RESULT {json}.
 #   train    a short training loop unhooked, hooked in monitor mode and in profile mode: records,
@@ -21,6 +22,9 @@
 #            no torch): marks and profile times through the driver API, the bus id it records;
 #   nvml     real NVML through the agent's sampler, or through ctypes where pydantic or pynvml is
 #            missing (a bare PyTorch image): every GPU's health and PCI bus id, against nvidia-smi;
+#   profiler the hook loaded into real NCCL as its profiler plugin through PyTorch (one rank):
+#            the interface NCCL took, the events received per class with the default mask and in
+#            profile mode (the costly classes on), bound to the interposer's comm table;
 #   pause    scripts/gpu_check_pause.py: a coalesced reduce-scatter and a self batch_isend_irecv
 #            whose marks clear after GroupEnd and whose group-only communicator a targeted pause
 #            parks; a benchmark send with no receiver (on the split benchmark communicator), then
@@ -59,13 +63,16 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export GREYHOUND_SHM_DIR="$WORK/shm" MASTER_ADDR=127.0.0.1 RANK=0 WORLD_SIZE=1
 export GH_STEPS="${GH_STEPS:-300}"
 
-# One step: $1 = name, $2 = timeout (s), $3 = hooked (1|0), then the command. Its last stdout line
-# (JSON) goes to $RES/<name>.json, the rest to <name>.log; a step that would overrun the budget,
-# fails or prints no JSON leaves {"ok": false, ...} there instead.
+# One step: $1 = name (its need and limit are in gpu_check_plan.sh), $2 = hooked (1|0), then the
+# command. Its last stdout line (JSON) goes to $RES/<name>.json, the rest to <name>.log; a step the
+# budget cannot give its need, that fails or prints no JSON leaves {"ok": false, ...} there.
+# shellcheck source=gpu_check_plan.sh
+source "$ROOT/scripts/gpu_check_plan.sh"
 step() {
-  local name=$1 limit=$2 hooked=$3 port
-  shift 3
-  if (( SECONDS + limit > BUDGET )); then
+  local name=$1 hooked=$2 port limit
+  shift 2
+  limit=$(gh_check_timeout "$name" "$SECONDS" "$BUDGET")
+  if (( limit == 0 )); then
     echo "{\"ok\": false, \"skipped\": \"the ${BUDGET} s budget would not hold it\"}" > "$RES/$name.json"
     echo "gpu_check: $name skipped (budget)" >&2
     return 0
@@ -88,19 +95,21 @@ step() {
 }
 
 TRAIN="$ROOT/scripts/gpu_check_train.py"
-GH_CHECK=train GH_MODE=none step base 90 0 "$PY" "$TRAIN"
-GH_CHECK=train GH_MODE=monitor step monitor 90 1 "$PY" "$TRAIN"
-GH_CHECK=train GH_MODE=profile step profile 90 1 "$PY" "$TRAIN"
-GH_CHECK=capture GH_MODE=none step capture_base 60 0 "$PY" "$TRAIN"
-GH_CHECK=capture GH_MODE=monitor step capture_monitor 60 1 "$PY" "$TRAIN"
-GH_CHECK=capture GH_MODE=profile step capture_profile 60 1 "$PY" "$TRAIN"
-GH_CHECK=gputime step gputime 60 1 "$PY" "$TRAIN"
-GH_CHECK=async GH_MODE=monitor step async 100 1 "$PY" "$TRAIN"
-step driver 60 1 "$PY" "$ROOT/scripts/gpu_check_driver.py"
-step nvml 60 0 "$PY" "$ROOT/scripts/gpu_check_nvml.py"
+GH_CHECK=train GH_MODE=none step base 0 "$PY" "$TRAIN"
+GH_CHECK=train GH_MODE=monitor step monitor 1 "$PY" "$TRAIN"
+GH_CHECK=train GH_MODE=profile step profile 1 "$PY" "$TRAIN"
+GH_CHECK=capture GH_MODE=none step capture_base 0 "$PY" "$TRAIN"
+GH_CHECK=capture GH_MODE=monitor step capture_monitor 1 "$PY" "$TRAIN"
+GH_CHECK=capture GH_MODE=profile step capture_profile 1 "$PY" "$TRAIN"
+GH_CHECK=gputime step gputime 1 "$PY" "$TRAIN"
+GH_CHECK=async GH_MODE=monitor step async 1 "$PY" "$TRAIN"
+step driver 1 "$PY" "$ROOT/scripts/gpu_check_driver.py"
+step nvml 0 "$PY" "$ROOT/scripts/gpu_check_nvml.py"
+# The hook named as real NCCL's profiler plugin (the preloaded instance: one ring for both).
+NCCL_PROFILER_PLUGIN="$HOOK" step profiler 1 "$PY" "$ROOT/scripts/gpu_check_profiler.py"
 
 # The pause script starts its own hooked PyTorch child (its parent plays the agent, unhooked) and
 # writes its rings and its child's log under $RES/pause.
-step pause 150 0 "$PY" "$ROOT/scripts/gpu_check_pause.py" --out "$RES/pause"
+step pause 0 "$PY" "$ROOT/scripts/gpu_check_pause.py" --out "$RES/pause"
 
 "$PY" "$ROOT/scripts/gpu_check_summary.py" "$RES"

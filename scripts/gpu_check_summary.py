@@ -41,7 +41,7 @@ def summarise(res_dir: Path) -> dict[str, Any]:
     base, mon, prof = load("base"), load("monitor"), load("profile")
     cap = {m: load(f"capture_{m}") for m in ("base", "monitor", "profile")}
     gpt, asy, drv, nvml = load("gputime"), load("async"), load("driver"), load("nvml")
-    pause = load("pause")
+    pause, prof_plugin = load("pause"), load("profiler")
     train_ok = bool(mon.get("records", 0) > 0 and mon.get("gpu_marks") == 1
                     and prof.get("gpu_done", 0) > 0 and prof.get("gemm_ok"))
     q, h = asy.get("queued", {}), asy.get("hang", {})
@@ -61,11 +61,14 @@ def summarise(res_dir: Path) -> dict[str, Any]:
     res: dict[str, Any] = {
         "ok": bool(train_ok and q.get("ok") and h.get("ok") and cap_ok and gpt.get("ok")
                    and drv.get("ok") and nvml.get("ok") and pci_ok and mem["ok"]
-                   and pause.get("ok")),
+                   and pause.get("ok") and prof_plugin.get("ok")),
         "train_ok": train_ok, "queued_ok": q.get("ok"), "hang_ok": h.get("ok"), "capture_ok": cap_ok,
         "capture_unhooked_ok": cap["base"].get("ok"), "gputime_ok": gpt.get("ok"),
         "driver_ok": drv.get("ok"), "nvml_ok": nvml.get("ok"), "pci_ok": pci_ok, "memory_ok": mem["ok"],
-        "pause_ok": bool(pause.get("ok")),
+        "pause_ok": bool(pause.get("ok")), "profiler_ok": bool(prof_plugin.get("ok")),
+        "profiler": {k: prof_plugin.get(k) for k in (
+            "nccl_version", "plugin_version", "mask_default", "mask_profile", "events_monitor",
+            "events_profile", "unbound", "dropped", "error")},
         "ms_per_step": {k: r.get("ms_per_step") for k, r in runs},
         "us_per_allreduce_call": {k: r.get("us_per_allreduce_call") for k, r in runs},
         "gpu_memory": mem,
@@ -101,6 +104,10 @@ def main() -> int:
           f"{(pz.get('timeout_cap') or {}).get('ok')} (held "
           f"{(pz.get('timeout_cap') or {}).get('held_s')} s) -> "
           f"{'ok' if res['pause_ok'] else 'FAILED: ' + str(pz.get('error', ''))}")
+    pp = res["profiler"]
+    print(f"profiler plugin in NCCL {pp.get('nccl_version')}: interface v{pp.get('plugin_version')}, "
+          f"events {pp.get('events_monitor')}, in profile mode {pp.get('events_profile')} -> "
+          f"{'ok' if res['profiler_ok'] else 'FAILED: ' + str(pp.get('error') or '')}")
     print(f"queued {res['queued_ok']}, hung on the GPU {res['hang_ok']} (hang watch: "
           f"{res['hang'].get('hang_watch')}); nvml via {res['nvml_via']}: {res['nvml_ok']}; "
           f"skipped {res['skipped'] or 'none'}; results in {res_dir}")

@@ -50,7 +50,13 @@ COUNTER_FIELDS = ("rank", "comm_id", "comm_rank", "nranks", "entered", "complete
                   "last_seq_entered", "last_seq_completed", "inflight_s", "last_op",
                   "last_count", "last_dtype", "gpu_marks", "gpu_completed", "gpu_seq_completed",
                   "gpu_pending_s", "gpu_pending_seq", "gpu_pending_op", "gpu_pending_count",
-                  "gpu_pending_dtype")
+                  "gpu_pending_dtype", "last_peer", "gpu_pending_peer")
+# Columns older agents do not send, and what they mean when absent: no peer known.
+OPTIONAL_FIELDS = {"last_peer": -1, "gpu_pending_peer": -1}
+# The profiler plugin's counters (a CounterBatch's ``progress``), kept per (communicator, rank).
+PROGRESS_FIELDS = ("rank", "comm_id", "comm_rank", "kind", "channel", "peer", "posted", "done",
+                   "bytes", "net_s", "stalled_s", "seq", "rate", "byte_rate", "net_bw")
+_P_RANK, _P_COMM = PROGRESS_FIELDS.index("rank"), PROGRESS_FIELDS.index("comm_id")
 _RANK, _COMM = COUNTER_FIELDS.index("rank"), COUNTER_FIELDS.index("comm_id")
 _COMPLETED, _INFLIGHT = COUNTER_FIELDS.index("completed"), COUNTER_FIELDS.index("inflight_s")
 _MARKS = COUNTER_FIELDS.index("gpu_marks")
@@ -107,6 +113,7 @@ class HangFinding:
 @dataclass
 class _Comm:
     rows: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # rank -> latest row
+    progress_rows: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)  # rank -> rows
     sampled_s: float = 0.0
     progress: int = -1  # calls done, summed over members (on the GPU where marks exist)
     longest_wait_s: float = 0.0  # longest wait seen since the last wait that ended
@@ -158,9 +165,19 @@ class JobHangMonitor:
             del self.comms[cid]
         return gone
 
-    def observe_counters(self, sampled_s: float, columns: dict[str, list[Any]]) -> None:
-        """One agent's sample: columnar rows (COUNTER_FIELDS) of its ranks' communicators."""
-        rows = list(zip(*(columns[f] for f in COUNTER_FIELDS), strict=True))
+    def observe_counters(self, sampled_s: float, columns: dict[str, list[Any]],
+                         plugin: dict[str, list[Any]] | None = None) -> None:
+        """One agent's sample: columnar rows (COUNTER_FIELDS) of its ranks' communicators, and
+        the profiler plugin's rows of the same ranks (PROGRESS_FIELDS), which replace each
+        sampled (communicator, rank)'s previous ones."""
+        n = len(columns["rank"])
+        cols = [columns[f] if len(columns.get(f, ())) == n or f not in OPTIONAL_FIELDS
+                else [OPTIONAL_FIELDS[f]] * n for f in COUNTER_FIELDS]
+        rows = list(zip(*cols, strict=True))
+        prog: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
+        if plugin:
+            for prow in zip(*(plugin[f] for f in PROGRESS_FIELDS), strict=True):
+                prog.setdefault((int(prow[_P_COMM]), int(prow[_P_RANK])), []).append(prow)
         touched: set[int] = set()
         for row in rows:
             comm_id = int(row[_COMM])
@@ -168,6 +185,7 @@ class JobHangMonitor:
             if comm is None:
                 comm = self.comms[comm_id] = _Comm()
             comm.rows[int(row[_RANK])] = row
+            comm.progress_rows[int(row[_RANK])] = prog.get((comm_id, int(row[_RANK])), [])
             comm.sampled_s = max(comm.sampled_s, sampled_s)
             touched.add(comm_id)
         for comm_id in touched:
@@ -258,6 +276,25 @@ class JobHangMonitor:
             picked += [row for row in self.comms[cid].rows.values() if int(row[_RANK]) in ranks]
         rows = sorted(picked[:limit])
         return {f: [r[i] for r in rows] for i, f in enumerate(COUNTER_FIELDS)}
+
+    def latest_progress(self, limit: int = 8192) -> dict[str, list[Any]]:
+        """Every communicator's latest plugin rows (columnar, PROGRESS_FIELDS): the links' rates
+        over the agents' last windows, which name a slow link while the job runs."""
+        picked = [r for comm in self.comms.values() for rows in comm.progress_rows.values()
+                  for r in rows][:limit]
+        return {f: [r[i] for r in picked] for i, f in enumerate(PROGRESS_FIELDS)}
+
+    def progress_for(self, findings: list[HangFinding], limit: int = 8192) -> dict[str, list[Any]]:
+        """The profiler plugin's latest rows of the stalled communicators (columnar,
+        PROGRESS_FIELDS; empty where no plugin runs): where inside its collective each member
+        stopped."""
+        picked: list[tuple[Any, ...]] = []
+        for f in sorted(findings, key=lambda f: -f.stalled_s):
+            comm = self.comms.get(f.comm_id)
+            if comm is not None:
+                picked += [r for rows in comm.progress_rows.values() for r in rows]
+        rows = picked[:limit]
+        return {f: [r[i] for r in rows] for i, f in enumerate(PROGRESS_FIELDS)}
 
     def state_dict(self) -> dict[str, Any]:
         """What a restarted tracker needs: the learned iteration times and long phases, and

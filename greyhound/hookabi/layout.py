@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 MAGIC = 0x31474E4952484721
 HEADER_BYTES = 4096
 DEFAULT_RECORDS = 65536
@@ -29,6 +29,9 @@ PAUSE_LEASE_MAX_MS = 600_000  # a deadline further out is brought in to this
 PAUSE_TIMEOUT_SHARE = 4  # a pause lasts at most this share of the job's collective timeout
 BENCH_MAX_COMMS = 16  # benchmark communicators alive at once on one rank
 NO_REDOP = 255
+PROG_SLOTS = 64  # (communicator, channel, peer, direction) network transfer counters per rank
+KCH_SLOTS = 32  # (communicator, channel) kernel slots per rank
+PROG_CLASSES = 16  # profiler event classes counted (bit i of NCCL's activation mask)
 
 
 class Op(IntEnum):
@@ -92,6 +95,47 @@ class GpuApi(IntEnum):
     RUNTIME = 1  # the process's shared CUDA runtime
     DRIVER = 2  # the CUDA driver API (a statically linked runtime, or a driver-API program)
     NONE = 3  # no CUDA in the process: no marks, host times only
+
+
+class ProgDir(IntEnum):
+    """A progress slot's direction (``key >> 16``)."""
+
+    SEND = 0
+    RECV = 1
+
+
+class StepState(IntEnum):
+    """The last state of a progress slot's newest network step (NCCL's ProxyStep states)."""
+
+    NONE = 0
+    POSTED = 1  # started, no state yet (or only its op is counted: ProxyStep events off)
+    SEND_GPU_WAIT = 2  # waiting for this rank's GPU to fill the buffer
+    SEND_PEER_WAIT = 3  # waiting for the receiver's credit
+    SEND_WAIT = 4  # on the network, waiting for completion
+    RECV_WAIT = 5  # waiting for the peer's data
+    RECV_FLUSH_WAIT = 6
+    RECV_GPU_WAIT = 7  # received, waiting for this rank's GPU to take it
+    DONE = 8
+
+
+class ProfileClass(IntFlag):
+    """NCCL's profiler event classes, as bits of its activation mask (``events[i]`` counts bit i)."""
+
+    GROUP = 1 << 0
+    COLL = 1 << 1
+    P2P = 1 << 2
+    PROXY_OP = 1 << 3
+    PROXY_STEP = 1 << 4
+    PROXY_CTRL = 1 << 5
+    KERNEL_CH = 1 << 6
+    NET_PLUGIN = 1 << 7
+    GROUP_API = 1 << 8
+    COLL_API = 1 << 9
+    P2P_API = 1 << 10
+    KERNEL_LAUNCH = 1 << 11
+    CE_COLL = 1 << 12
+    CE_SYNC = 1 << 13
+    CE_BATCH = 1 << 14
 
 
 # Lifecycle calls: while one is inside NCCL on a communicator (``life_op``), the agent reports
@@ -183,6 +227,7 @@ HEADER_DTYPE = _struct(
         ("wall_anchor_ns", "<u8", 216),
         ("gpu_api", "<u4", 224),
         ("pci_bus_id", "S20", 228),
+        ("progress_offset", "<u8", 248),
         ("head", "<u8", 256),
         ("dropped", "<u8", 264),
         ("gpu_dropped", "<u8", 272),
@@ -250,10 +295,11 @@ COMM_DTYPE = _struct(
         ("host_ver", "<u4", 1448),
         ("gpu_ver", "<u4", 1452),
         ("life_op", "<u4", 1456),
-        # named so that no padding trails the last field (numpy's stack and concatenate drop it)
-        ("pad1", "<u4", 1460),
+        ("life_ver", "<u4", 1460),
+        ("last_peer", "<i4", 1464),
+        ("gpu_pending_peer", "<i4", 1468),
     ],
-    1464,
+    1472,
 )
 
 BENCH_SLOT_DTYPE = _struct(
@@ -293,6 +339,53 @@ CONTROL_DTYPE = _struct(
         ("bench_comms_aborted", "<u8", 9296),
     ],
     9344,
+)
+
+PROG_SLOT_DTYPE = _struct(
+    [
+        ("key", "<u4", 0),
+        ("peer", "<i4", 4),
+        ("steps_posted", "<u8", 8),
+        ("steps_done", "<u8", 16),
+        ("bytes", "<u8", 24),
+        ("net_ns", "<u8", 32),
+        ("last_ns", "<u8", 40),
+        ("seq", "<u8", 48),
+        ("ops_posted", "<u2", 56),
+        ("ops_done", "<u2", 58),
+        ("op", "u1", 60),
+        ("state", "u1", 61),
+        ("pad", "<u2", 62),
+    ],
+    64,
+)
+
+KCH_SLOT_DTYPE = _struct(
+    [
+        ("key", "<u4", 0),
+        ("starts", "<u4", 4),
+        ("stops", "<u4", 8),
+        ("pad", "<u4", 12),
+        ("start_ptimer", "<u8", 16),
+        ("stop_ptimer", "<u8", 24),
+        ("last_ns", "<u8", 32),
+    ],
+    40,
+)
+
+PROGRESS_DTYPE = _struct(
+    [
+        ("plugin_version", "<u4", 0),
+        ("mask_applied", "<u4", 4),
+        ("mask_extra", "<u4", 8),
+        ("contexts", "<u4", 12),
+        ("dropped", "<u8", 16),
+        ("unbound", "<u8", 24),
+        ("events", ("<u8", (PROG_CLASSES,)), 32),
+        ("slots", (PROG_SLOT_DTYPE, (PROG_SLOTS,)), 160),
+        ("kch", (KCH_SLOT_DTYPE, (KCH_SLOTS,)), 4256),
+    ],
+    5536,
 )
 
 FINAL_BENCH_STATES = frozenset({BenchState.DONE, BenchState.UNSUPPORTED, BenchState.FAILED})

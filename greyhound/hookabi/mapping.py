@@ -19,6 +19,7 @@ from greyhound.hookabi.layout import (
     HEADER_BYTES,
     HEADER_DTYPE,
     MAX_COMMS,
+    PROGRESS_DTYPE,
     RECORD_DTYPE,
     RingHeader,
 )
@@ -50,6 +51,7 @@ class RingMapping:
         self.ctl = np.ndarray((), CONTROL_DTYPE, buffer=self.mm, offset=g.control_offset)
         self.comm_table = np.ndarray((MAX_COMMS,), COMM_DTYPE, buffer=self.mm,
                                      offset=g.comms_offset)
+        self.progress = np.ndarray((), PROGRESS_DTYPE, buffer=self.mm, offset=g.progress_offset)
         self.records = np.ndarray((cap,), RECORD_DTYPE, buffer=self.mm, offset=g.records_offset)
 
     def header(self) -> RingHeader:
@@ -77,6 +79,6 @@ class RingMapping:
         return np.concatenate((self.records[s:], self.records[: s + n - cap]))
 
     def close(self) -> None:
-        for name in ("hdr", "ctl", "comm_table", "records"):
+        for name in ("hdr", "ctl", "comm_table", "progress", "records"):
             self.__dict__.pop(name, None)
         self.mm.close()

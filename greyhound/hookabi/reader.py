@@ -42,6 +42,7 @@ _GPU_SETTLED = int(Flag.GPU_DONE | Flag.GPU_LOST | Flag.ABORTED)
 MAX_POLL_RECORDS = 1 << 16
 # No real ring reaches 2^62 records (a billion calls a second for 146 years).
 _MAX_INDEX = 1 << 62
+_CLAIMING = 0xFFFFFFFF  # a progress slot being claimed: not yet whole
 
 
 def _field(name: str) -> tuple[int, np.dtype[np.generic]]:
@@ -339,7 +340,8 @@ class RingReader:
             for _ in range(tries):
                 before = self._ring.comm_versions(i)
                 row = self._ring.comm_row(i)
-                if before == self._ring.comm_versions(i) and not (before[0] | before[1]) & 1:
+                odd = (before[0] | before[1] | before[2]) & 1
+                if before == self._ring.comm_versions(i) and not odd:
                     if int(row["state"]) != CommState.FREE:
                         rows.append(row)
                     break
@@ -347,6 +349,51 @@ class RingReader:
                 self.torn += 1
         out: np.ndarray = np.array(rows, dtype=COMM_DTYPE)
         return out
+
+    def progress(self) -> np.ndarray:
+        """A copy of the profiler plugin's region (PROGRESS_DTYPE): per (communicator, channel,
+        peer, direction) network step counters and per (communicator, channel) kernel starts and
+        stops. Slots name their communicator by comm table index (``key & 0xff`` - 1)."""
+        return self._ring.progress()
+
+    def progress_rows(self) -> dict[str, np.ndarray]:
+        """The plugin's slots in use, decoded: per slot its communicator (``comm_id``, and this
+        rank's ``comm_rank`` in it, from the comm table row the key names), ``kind`` (ProgDir,
+        or 2 for a kernel channel), ``channel``, ``peer`` (comm rank; -1 kernel), ``posted`` /
+        ``done`` (steps; kernel: starts / stops), ``bytes``, ``net_ns``, ``last_ns``, ``seq``.
+        Slots whose row is free or was taken by another communicator are left out."""
+        g = self.progress()
+        table = self._ring.comm_table()
+        slots, kch = g["slots"], g["kch"]
+        used = (slots["key"] != 0) & (slots["key"] != _CLAIMING)
+        kused = (kch["key"] != 0) & (kch["key"] != _CLAIMING)
+        s, k = slots[used], kch[kused]
+        keys = np.concatenate((s["key"], k["key"])).astype(np.int64)
+        idx = (keys & 0xFF) - 1
+        ok = (idx >= 0) & (idx < len(table))
+        row = table[np.clip(idx, 0, len(table) - 1)]
+        ok &= row["state"] != CommState.FREE
+        out = {
+            "comm_id": row["comm_id"].astype(np.uint64),
+            "comm_rank": row["rank"].astype(np.int64),
+            "kind": np.concatenate(((s["key"].astype(np.int64) >> 16) & 1,
+                                    np.full(len(k), 2, np.int64))),
+            "channel": (keys >> 8) & 0xFF,
+            "peer": np.concatenate((s["peer"].astype(np.int64), np.full(len(k), -1, np.int64))),
+            "posted": np.concatenate((s["steps_posted"], k["starts"].astype(np.uint64))),
+            "done": np.concatenate((s["steps_done"], k["stops"].astype(np.uint64))),
+            "bytes": np.concatenate((s["bytes"], np.zeros(len(k), np.uint64))),
+            "net_ns": np.concatenate((s["net_ns"], np.zeros(len(k), np.uint64))),
+            "last_ns": np.concatenate((s["last_ns"], k["last_ns"])),
+            "seq": np.concatenate((s["seq"], np.zeros(len(k), np.uint64))),
+        }
+        return {name: col[ok] for name, col in out.items()}
+
+    def want_classes(self, mask: int) -> None:
+        """Ask the rank's profiler plugin for these event classes (NCCL's mask bits, e.g.
+        ``ProfileClass.PROXY_STEP``) on top of its default ones; 0 goes back to the default. The
+        hook applies it within a few milliseconds, to operations enqueued from then on."""
+        self._ring.write_mask_extra(mask)
 
     def control(self) -> Control:
         """The control block of this very file (shared descriptor, see Control)."""

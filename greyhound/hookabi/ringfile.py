@@ -26,14 +26,17 @@ from greyhound.hookabi.layout import (
     CONTROL_DTYPE,
     HEADER_DTYPE,
     MAX_COMMS,
+    PROGRESS_DTYPE,
     RECORD_DTYPE,
 )
 from greyhound.hookabi.validation import Geometry, RingError, check_header
 
 _HEAD = HEADER_DTYPE.fields["head"][1]  # type: ignore[index]
-_VERS = COMM_DTYPE.fields["host_ver"][1]  # type: ignore[index]  # host_ver, gpu_ver: 8 bytes
-_U32X2 = np.dtype(("<u4", (2,)))
+# host_ver, gpu_ver, life_op, life_ver: 16 bytes, of which the three seqlock words
+_VERS = COMM_DTYPE.fields["host_ver"][1]  # type: ignore[index]
+_U32X4 = np.dtype(("<u4", (4,)))
 _CONSUMED = HEADER_DTYPE.fields["consumed"][1]  # type: ignore[index]
+_MASK_EXTRA = PROGRESS_DTYPE.fields["mask_extra"][1]  # type: ignore[index]
 _U64 = np.dtype("<u8")
 
 
@@ -140,12 +143,21 @@ class RingFile:
             raise ValueError(f"comm row {index} is outside 0..{MAX_COMMS - 1}")
         return self._read(self.geometry.comms_offset + index * COMM_DTYPE.itemsize, COMM_DTYPE, ())
 
-    def comm_versions(self, index: int) -> tuple[int, int]:
-        """A row's seqlock words (host_ver, gpu_ver), read on their own."""
+    def comm_versions(self, index: int) -> tuple[int, int, int]:
+        """A row's seqlock words (host_ver, gpu_ver, life_ver), read together on their own."""
         if not 0 <= index < MAX_COMMS:
             raise ValueError(f"comm row {index} is outside 0..{MAX_COMMS - 1}")
-        v = self._read(self.geometry.comms_offset + index * COMM_DTYPE.itemsize + _VERS, _U32X2, ())
-        return int(v[0]), int(v[1])
+        v = self._read(self.geometry.comms_offset + index * COMM_DTYPE.itemsize + _VERS, _U32X4, ())
+        return int(v[0]), int(v[1]), int(v[3])
+
+    def progress(self) -> np.ndarray:
+        """The profiler plugin's region (PROGRESS_DTYPE scalar): its counters only grow, so one
+        copy is a usable sample (each word is whole; slots may be a step apart)."""
+        return self._read(self.geometry.progress_offset, PROGRESS_DTYPE, ())
+
+    def write_mask_extra(self, mask: int) -> None:
+        """Ask the plugin for event classes on top of its default ones (NCCL's mask bits)."""
+        self._write(self.geometry.progress_offset + _MASK_EXTRA, np.array(mask, np.dtype("<u4")))
 
     def control_block(self) -> np.ndarray:
         return self._read(self.geometry.control_offset, CONTROL_DTYPE, ())

@@ -24,6 +24,7 @@ from greyhound.hookabi.layout import (
     MAGIC,
     MAX_COMMS,
     MAX_PEERS,
+    PROGRESS_DTYPE,
     RECORD_DTYPE,
     CommState,
 )
@@ -60,6 +61,7 @@ class Geometry:
     capacity: int
     control_offset: int
     comms_offset: int
+    progress_offset: int
     records_offset: int
     file_bytes: int
     rank: int
@@ -102,15 +104,16 @@ def check_header(hdr: np.ndarray[Any, Any], file_size: int, path: object = "ring
     if cap <= 0 or cap & (cap - 1) or cap > MAX_CAPACITY:
         raise RingError(path, "capacity", f"capacity {cap} is not a power of two in "
                                           f"1..{MAX_CAPACITY}")
-    ctl, cm, rec = (int(hdr["control_offset"]), int(hdr["comms_offset"]),
-                    int(hdr["records_offset"]))
+    ctl, cm, prog, rec = (int(hdr["control_offset"]), int(hdr["comms_offset"]),
+                          int(hdr["progress_offset"]), int(hdr["records_offset"]))
     file_bytes = int(hdr["file_bytes"])
     ends = (ctl + CONTROL_DTYPE.itemsize, cm + MAX_COMMS * COMM_DTYPE.itemsize,
-            rec + cap * RECORD_DTYPE.itemsize)
-    if not (_aligned(ctl, cm, rec) and ctl >= HEADER_BYTES and ends[0] <= cm and ends[1] <= rec
-            and ends[2] <= file_bytes):
-        raise RingError(path, "offsets", f"regions control@{ctl} comms@{cm} records@{rec} "
-                                         f"(x{cap}) do not fit in order in {file_bytes} bytes")
+            prog + PROGRESS_DTYPE.itemsize, rec + cap * RECORD_DTYPE.itemsize)
+    if not (_aligned(ctl, cm, prog, rec) and ctl >= HEADER_BYTES and ends[0] <= cm
+            and ends[1] <= prog and ends[2] <= rec and ends[3] <= file_bytes):
+        raise RingError(path, "offsets", f"regions control@{ctl} comms@{cm} progress@{prog} "
+                                         f"records@{rec} (x{cap}) do not fit in order in "
+                                         f"{file_bytes} bytes")
     if file_bytes > file_size:
         raise RingError(path, "truncated", f"the header says {file_bytes} bytes, the file has "
                                            f"{file_size}")
@@ -120,7 +123,7 @@ def check_header(hdr: np.ndarray[Any, Any], file_size: int, path: object = "ring
     anchors = (int(hdr["mono_anchor_ns"]), int(hdr["wall_anchor_ns"]))
     if max(anchors) > _I64_MAX:
         raise RingError(path, "anchors", f"clock anchors {anchors} are beyond 2^63 ns")
-    return Geometry(cap, ctl, cm, rec, file_bytes, rank)
+    return Geometry(cap, ctl, cm, prog, rec, file_bytes, rank)
 
 
 def sane_comm_rows(rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

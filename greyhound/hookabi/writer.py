@@ -29,6 +29,7 @@ from greyhound.hookabi.layout import (
     MAGIC,
     MAX_COMMS,
     MAX_PEERS,
+    PROGRESS_DTYPE,
     RECORD_DTYPE,
     BenchKind,
     BenchRequest,
@@ -152,7 +153,8 @@ class RingWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         control_off = HEADER_BYTES
         comms_off = _page_up(control_off + CONTROL_DTYPE.itemsize)
-        records_off = _page_up(comms_off + MAX_COMMS * COMM_DTYPE.itemsize)
+        progress_off = _page_up(comms_off + MAX_COMMS * COMM_DTYPE.itemsize)
+        records_off = _page_up(progress_off + PROGRESS_DTYPE.itemsize)
         size = records_off + capacity * RECORD_DTYPE.itemsize
         hdr = np.zeros((), HEADER_DTYPE)
         hdr["magic"] = MAGIC
@@ -164,6 +166,7 @@ class RingWriter:
         hdr["max_peers"] = MAX_PEERS
         hdr["control_offset"] = control_off
         hdr["comms_offset"] = comms_off
+        hdr["progress_offset"] = progress_off
         hdr["records_offset"] = records_off
         hdr["file_bytes"] = size
         hdr["job"] = job.encode()[:63]
@@ -202,6 +205,8 @@ class RingWriter:
             row["peer_ids"] = -1
             row["peer_ids"][: len(c.peers)] = c.peers
             row["npeers"] = len(c.peers)
+            row["last_peer"] = -1
+            row["gpu_pending_peer"] = -1
             row["gpu_marks"] = int(c.gpu_marks)
             row["state"] = int(CommState.ACTIVE)
 

@@ -8,10 +8,10 @@ FAKE_CFLAGS = $(or $(CFLAGS_COMMON),-O2 -Wall -Wextra -Werror) -std=c11 -fPIC -f
 FAKE_DIR := $(BUILD)/fake
 FAKE_COMMON_SRC := fake/fk_faults.c
 FAKE_NCCL_SRC := fake/nccl_shm.c fake/nccl_model.c fake/nccl_comm.c fake/nccl_coll.c fake/nccl_device.c \
-                 $(FAKE_COMMON_SRC)
+                 fake/nccl_prof.c fake/nccl_prof_host.c fake/nccl_prof_dev.c $(FAKE_COMMON_SRC)
 FAKE_CUDA_SRC := fake/gpu.c fake/cuda_drv.c $(FAKE_COMMON_SRC)
 FAKE_CUDART_SRC := fake/cudart.c
-FAKE_HDRS := include/nccl_abi.h fake/nccl_fake.h fake/fk_faults.h fake/fk_time.h fake/cuda_fake.h fake/gpu.h \
+FAKE_HDRS := include/nccl_abi.h include/nccl_profiler_abi.h fake/nccl_prof.h fake/nccl_fake.h fake/fk_faults.h fake/fk_time.h fake/cuda_fake.h fake/gpu.h \
              fake/fk_pci.h
 # The fake device lives in the fake driver, libcuda.so.1, as a GPU sits behind CUDA's driver; the
 # runtime (libcudart.so.12, or compiled into a program: a static runtime), NCCL and cuBLAS put
@@ -29,7 +29,7 @@ $(FAKE_DIR)/libcuda.so.1: $(FAKE_CUDA_SRC) $(FAKE_HDRS)
 
 $(FAKE_DIR)/libnccl.so.2: $(FAKE_NCCL_SRC) $(FAKE_HDRS) $(FAKE_DIR)/libcuda.so.1
 	@mkdir -p $(@D)
-	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libnccl.so.2 -o $@ $(FAKE_NCCL_SRC) $(FAKE_USE_CUDA) -lpthread
+	$(CC) $(FAKE_CFLAGS) -shared -Wl,-soname,libnccl.so.2 -o $@ $(FAKE_NCCL_SRC) $(FAKE_USE_CUDA) -lpthread -ldl
 
 $(FAKE_DIR)/libcudart.so.12: $(FAKE_CUDART_SRC) $(FAKE_HDRS) $(FAKE_DIR)/libcuda.so.1
 	@mkdir -p $(@D)

@@ -33,6 +33,7 @@ static const char *const g_names[FK_NKINDS] = {
     [FK_SLOW_HOST] = "slow_host",         [FK_NVML_THROTTLE] = "nvml_throttle",
     [FK_NVML_XID] = "nvml_xid",           [FK_NVML_ECC] = "nvml_ecc",
     [FK_NVML_NVLINK] = "nvml_nvlink",     [FK_HOST_STALL] = "host_stall",
+    [FK_STOP_CHANNEL] = "stop_channel",
 };
 
 /* NVML's clock event reason bits (nvmlClocksEventReason*), by the words a fault line uses. */
@@ -87,6 +88,7 @@ static void parse_line(const char *line) {
         r.v = x[1];
         break;
       case FK_SLOW_LINK:
+      case FK_STOP_CHANNEL:
         if (got < 4) return;
         r.b = (long)x[1];
         r.v = x[2];

@@ -4,7 +4,7 @@
  * the behaviour of a running job by rewriting one file. Format (one fault a line, '#' comments):
  *   slow_rank R factor | slow_link A B factor | skip_call R seq | mismatch R seq
  *   never_complete R seq | inprogress R | gpu_lag_ms R ms | capture R | slow_host R factor
- *   host_stall R seq
+ *   host_stall R seq | stop_channel R C seq
  *   nvml_throttle G thermal|power|hw|... | nvml_xid G code | nvml_ecc G count | nvml_nvlink G count
  * Ranks are global ranks (env RANK); G is an NVML device index (the fake NVML's; the fake job
  * gives rank r device r). Removing a line ends that fault.
@@ -27,6 +27,7 @@ enum fk_kind {
   FK_NVML_ECC,      /* v: volatile uncorrected ECC errors */
   FK_NVML_NVLINK,   /* v: NVLink CRC errors */
   FK_HOST_STALL,    /* b: the collective seq whose call blocks the host inside NCCL */
+  FK_STOP_CHANNEL,  /* b: the channel (-1 every one), v: the collective seq, where rank a stops sending */
   FK_NKINDS
 };
 

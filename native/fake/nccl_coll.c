@@ -17,6 +17,7 @@
 #include "fk_faults.h"
 #include "fk_time.h"
 #include "nccl_fake.h"
+#include "nccl_prof.h"
 
 #define FK_GROUP_MAX 4096
 #define FK_INPROGRESS_POLLS 2
@@ -67,13 +68,30 @@ static void host_stall(const struct fk_call *k) {
     fk_sleep_ns(1000000);
 }
 
+/* No-op mode enqueues nothing, but a loaded profiler plugin still gets the caller's events of a
+ * call (its API and launch events), which are what the plugin costs the caller. */
+static ncclResult_t noop_call(struct fk_call *k) {
+  if (fk_prof_version() == 0 || !fk_comm_ok(k->comm)) return ncclSuccess;
+  fk_prof_api_call(k, 0);
+  fk_prof_api_group_end();
+  fk_prof_launch(k, 1);
+  fk_prof_api_end();
+  return ncclSuccess;
+}
+
 ncclResult_t fk_submit(struct fk_call *k) {
-  if (fk_noop) return ncclSuccess;
+  if (fk_noop) return noop_call(k);
   ncclResult_t r = validate(k);
   if (r != ncclSuccess) return r;
   number(k);
   host_stall(k);
-  if (t_group_depth == 0) return enqueued(k, 1, fk_enqueue(k, 1));
+  fk_prof_api_call(k, t_group_depth);
+  if (t_group_depth == 0) {
+    fk_prof_api_group_end();
+    r = enqueued(k, 1, fk_enqueue(k, 1));
+    fk_prof_api_end();
+    return r;
+  }
   if (t_queued == t_qcap) {
     int cap = t_qcap ? 2 * t_qcap : 16;
     struct fk_call *q = cap <= FK_GROUP_MAX ? realloc(t_queue, (size_t)cap * sizeof *q) : NULL;
@@ -103,8 +121,10 @@ GH_EXPORT ncclResult_t pncclGroupEnd(void) {
   int n = t_queued;
   t_queued = 0;
   t_group_err = ncclSuccess;
-  if (r != ncclSuccess) return r;
-  return n > 0 ? enqueued(t_queue, n, fk_enqueue(t_queue, n)) : ncclSuccess;
+  fk_prof_api_group_end();
+  if (r == ncclSuccess && n > 0) r = enqueued(t_queue, n, fk_enqueue(t_queue, n));
+  fk_prof_api_end();
+  return r;
 }
 GH_WEAK_ALIAS(ncclGroupEnd);
 

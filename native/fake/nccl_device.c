@@ -20,6 +20,7 @@
 #include "fk_faults.h"
 #include "fk_time.h"
 #include "nccl_fake.h"
+#include "nccl_prof.h"
 
 struct fk_part {
   struct fakeGpuWork w; /* first: the device hands it back */
@@ -132,7 +133,36 @@ static ncclResult_t wait_coll(struct fk_call *k) {
     if (t > ready) ready = t;
   }
   uint64_t bytes = k->count * fk_dtype_size((ncclDataType_t)k->dtype);
+  k->ready_ns = ready;
   k->deadline_ns = ready + fk_model_ns(c, k->op, bytes, -1);
+  k->stall_rank = fk_stall_rank(c, k->seq, &k->stall_channel);
+  return ncclSuccess;
+}
+
+static int stall_gone(const struct ncclComm *c, const void *arg) {
+  const struct fk_call *k = arg;
+  int channel;
+  return fk_stall_rank(c, k->seq, &channel) < 0;
+}
+
+/* `stop_channel`: the call runs up to its stall (the profiler's steps too), hangs on every rank
+ * while the line stays, then its second half runs. */
+static ncclResult_t wait_stalls(struct fk_batch *b, struct fk_prof_batch *pb, int64_t *end) {
+  for (int i = 0; i < b->n; i++) {
+    struct fk_call *k = &b->calls[i];
+    if (k->stall_rank < 0) continue;
+    fk_log("stop_channel seq=%u rank=%d stopping=%d channel=%d", k->seq, k->comm->rank, k->stall_rank,
+           k->stall_channel);
+    fk_prof_dev_run(pb);
+    ncclResult_t r = fk_wait(k->comm, stall_gone, k);
+    if (r != ncclSuccess) return r;
+    int64_t now = fk_now_ns();
+    uint64_t bytes = k->count * fk_dtype_size((ncclDataType_t)k->dtype);
+    k->ready_ns = now;
+    k->deadline_ns = now + fk_model_ns(k->comm, k->op, bytes, -1) / 2;
+    k->stall_rank = -1;
+    if (k->deadline_ns > *end) *end = k->deadline_ns;
+  }
   return ncclSuccess;
 }
 
@@ -147,7 +177,9 @@ static ncclResult_t wait_p2p(struct fk_call *k) {
   if (r != ncclSuccess) return r;
   int64_t ts = s->send_ns[k->seq % FK_TS_RING][src][dst], tr = s->recv_ns[k->seq % FK_TS_RING][src][dst];
   uint64_t bytes = k->count * fk_dtype_size((ncclDataType_t)k->dtype);
-  k->deadline_ns = (ts > tr ? ts : tr) + fk_model_ns(c, k->op, bytes, peer);
+  k->ready_ns = ts > tr ? ts : tr;
+  k->deadline_ns = k->ready_ns + fk_model_ns(c, k->op, bytes, peer);
+  k->stall_rank = -1;
   return ncclSuccess;
 }
 
@@ -160,18 +192,22 @@ static void report(struct ncclComm *c, ncclResult_t r) {
 static void execute(struct fk_batch *b, int64_t arrival) {
   ncclResult_t res = b->failed ? ncclUnhandledCudaError : ncclSuccess;
   for (int i = 0; i < b->n && res == ncclSuccess; i++) post(&b->calls[i], arrival);
+  struct fk_prof_batch *pb = res == ncclSuccess ? fk_prof_dev_begin(b->calls, b->n, arrival) : NULL;
   int64_t end = arrival;
   for (int i = 0; i < b->n && res == ncclSuccess; i++) {
     struct fk_call *k = &b->calls[i];
     res = k->op == FK_OP_SEND || k->op == FK_OP_RECV ? wait_p2p(k) : wait_coll(k);
     if (k->deadline_ns > end) end = k->deadline_ns;
   }
+  if (res == ncclSuccess) res = wait_stalls(b, pb, &end);
   if (res == ncclSuccess) {
+    fk_prof_dev_run(pb);
     fk_sleep_until(end);
   } else {
     for (int i = 0; i < b->n; i++) report(b->calls[i].comm, res);
     end = fk_now_ns(); /* ended now, in error */
   }
+  fk_prof_dev_end(pb, res == ncclSuccess);
   b->end = end;
 }
 
@@ -254,6 +290,7 @@ ncclResult_t fk_enqueue(const struct fk_call *calls, int n) {
   if (b == NULL) return ncclSystemError;
   memcpy(b->calls, calls, (size_t)n * sizeof *calls);
   b->n = n;
+  fk_prof_launch(b->calls, n); /* before the device may run it: its events parent the device's */
   b->parts = (struct fk_part *)(b->calls + n);
   b->prev = (struct fk_batch **)(b->parts + n);
   for (int i = 0; i < n; i++) {

@@ -86,6 +86,9 @@ struct ncclComm {
   _Atomic int dev_err;     /* first error a device operation met, reported by GetAsyncError */
   struct fk_batch *last;   /* its newest enqueued batch (host side: one thread uses a comm at a
                               time); the next one waits for it on the device */
+  void *prof_ctx;          /* the profiler plugin's context for it (nccl_prof.c) ... */
+  int prof_on;             /* ... once its init succeeded */
+  uint64_t prof_seq[FK_OP_RECV + 1]; /* NCCL's per-function collective sequence (profiler Coll) */
 };
 
 /* One operation, as the host enqueued it. */
@@ -97,7 +100,14 @@ struct fk_call {
   int32_t root; /* root for rooted collectives, peer for P2P */
   int32_t redop;
   uint32_t seq; /* collective sequence, or per-peer P2P count, numbered at enqueue */
-  int64_t deadline_ns;
+  int64_t ready_ns;    /* device time every rank of it had arrived (or a fault let go) ... */
+  int64_t deadline_ns; /* ... and when it ends */
+  /* the profiler: the mask it was enqueued with, its CollApi/P2pApi event, its task (Coll/P2p) */
+  int prof_mask;
+  void *prof_api, *prof_task;
+  uint64_t seq_fn; /* NCCL's sequence of it per function (the profiler's Coll seqNumber) */
+  /* `stop_channel`: the comm rank that stops sending on stall_channel (-1 all) half-way, -1 none */
+  int stall_rank, stall_channel;
 };
 
 /* nccl_shm.c */
@@ -114,6 +124,8 @@ void fk_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* nccl_model.c */
 size_t fk_dtype_size(ncclDataType_t t);
 int64_t fk_model_ns(const struct ncclComm *c, uint32_t op, uint64_t bytes, int peer);
+int64_t fk_link_ns(const struct ncclComm *c, int a, int b, uint64_t bytes); /* comm ranks a -> b */
+uint64_t fk_traffic_bytes(const struct ncclComm *c, uint32_t op, uint64_t bytes); /* this rank sends */
 
 /* nccl_coll.c */
 ncclResult_t fk_submit(struct fk_call *call);

@@ -107,3 +107,23 @@ int64_t fk_model_ns(const struct ncclComm *c, uint32_t op, uint64_t bytes, int p
   }
   return (int64_t)t;
 }
+
+int64_t fk_link_ns(const struct ncclComm *c, int a, int b, uint64_t bytes) {
+  static _Thread_local struct links l;
+  l.n = fk_fault_collect(FK_SLOW_LINK, l.r, FK_MAX_RULES);
+  return (int64_t)((double)bytes / link_bw(&l, c->shm->global_rank[a], c->shm->global_rank[b]) * 1e9 + g_lat_ns);
+}
+
+/* What one rank sends in the ring forms above (S: the call's bytes per rank). */
+uint64_t fk_traffic_bytes(const struct ncclComm *c, uint32_t op, uint64_t bytes) {
+  int n = c->nranks;
+  double S = (double)bytes;
+  if (op == FK_OP_SEND || op == FK_OP_RECV || n == 1) return bytes;
+  switch (op) {
+    case FK_OP_ALLREDUCE: return (uint64_t)(2.0 * (n - 1) / n * S);
+    case FK_OP_ALLGATHER:
+    case FK_OP_REDUCESCATTER: return (uint64_t)((double)(n - 1) * S);
+    case FK_OP_ALLTOALL: return (uint64_t)((double)(n - 1) / n * S);
+    default: return bytes;
+  }
+}

@@ -17,6 +17,7 @@
 
 #include "fk_time.h"
 #include "nccl_fake.h"
+#include "nccl_prof.h"
 
 #define FK_WAIT_SLICE_NS 50000000LL /* re-check aborts and faults this often while blocked */
 
@@ -100,6 +101,8 @@ static int all_attached(const struct ncclComm *c, const void *arg) {
   return (int)atomic_load(&c->shm->attached) >= c->nranks;
 }
 
+/* Once every rank attached the communicator exists: NCCL initialises the profiler plugin's
+ * context for it then (before its proxy thread starts). */
 ncclResult_t fk_wait_attached(struct ncclComm *c) {
   ncclResult_t r = fk_wait(c, all_attached, NULL);
   if (r == ncclSuccess && c->rank == 0) {
@@ -107,12 +110,15 @@ ncclResult_t fk_wait_attached(struct ncclComm *c) {
     shm_name(&c->id, name, sizeof name);
     shm_unlink(name);
   }
+  if (r == ncclSuccess) fk_prof_comm_init(c);
   return r;
 }
 
-/* The host's handle and every batch still on a device hold a reference; the last one unmaps. */
+/* The host's handle and every batch still on a device hold a reference; the last one unmaps,
+ * after the plugin's context goes (no device event of it can come later). */
 void fk_comm_unref(struct ncclComm *c) {
   if (atomic_fetch_sub(&c->refs, 1) != 1) return;
+  fk_prof_comm_fini(c);
   if (c->last != NULL) fk_batch_put(c->last);
   c->magic = 0;
   munmap(c->shm, sizeof(struct fk_shm));

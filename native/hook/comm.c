@@ -73,27 +73,29 @@ static int free_table_slot(void) {
 }
 
 /* Clear an entry for a new communicator without touching its seqlock words (a reader that saw
- * them before must see them move); host_ver is odd meanwhile, gpu_ver bumped. Locks held. */
+ * them before must see them move): the caller holds life_ver; gpu_ver is bumped around the GPU
+ * fields. Locks held. */
 static void reset_entry(struct gh_comm_entry *e) {
   __atomic_store_n(&e->state, GH_COMM_FREE, __ATOMIC_RELEASE);
-  uint32_t hv = gh_ver_begin(&e->host_ver), gv = gh_ver_begin(&e->gpu_ver);
-  size_t vers = offsetof(struct gh_comm_entry, host_ver), after = vers + 2 * sizeof(uint32_t);
+  uint32_t gv = gh_ver_begin(&e->gpu_ver);
+  size_t vers = offsetof(struct gh_comm_entry, host_ver), after = offsetof(struct gh_comm_entry, last_peer);
   memset((char *)e + 8, 0, vers - 8);
+  e->life_op = 0;
   memset((char *)e + after, 0, sizeof *e - after);
   for (int p = 0; p < GH_MAX_PEERS; p++) e->peer_ids[p] = -1;
+  e->last_peer = -1;
+  e->gpu_pending_peer = -1;
   gh_ver_end(&e->gpu_ver, gv);
-  gh_ver_end(&e->host_ver, hv);
 }
 
+/* The caller holds life_ver. */
 static void fill_identity(struct gh_comm_entry *e, uint64_t id, uint64_t parent, int color, int rank,
                           int nranks) {
-  uint32_t v = gh_ver_begin(&e->host_ver);
   e->parent_id = parent;
   e->rank = rank;
   e->nranks = nranks;
   e->color = color;
   e->comm_id = id;
-  gh_ver_end(&e->host_ver, v);
 }
 
 struct gh_comm_entry *gh_comm_begin(uint64_t id, uint64_t parent, int color, int rank, int nranks,
@@ -106,13 +108,13 @@ struct gh_comm_entry *gh_comm_begin(uint64_t id, uint64_t parent, int color, int
   if (idx >= 0) {
     e = &gh_comms[idx];
     gh_marks_detach(idx);
+    uint32_t v = gh_life_begin(&e->life_ver);
     reset_entry(e);
     fill_identity(e, id, parent, color, rank, nranks);
-    uint32_t v = gh_ver_begin(&e->host_ver);
     e->life_op = op;
     e->inflight_enter_ns = enter_ns;
-    gh_ver_end(&e->host_ver, v);
     __atomic_store_n(&e->state, GH_COMM_INIT, __ATOMIC_RELEASE);
+    gh_life_end(&e->life_ver, v);
   }
   gh_marks_unlock();
   pthread_mutex_unlock(&reg_lock);
@@ -123,8 +125,23 @@ void gh_comm_abandon(struct gh_comm_entry *reserved, uint64_t id) {
   if (reserved == NULL) return;
   pthread_mutex_lock(&reg_lock);
   if (__atomic_load_n(&reserved->state, __ATOMIC_ACQUIRE) == GH_COMM_INIT && reserved->comm_id == id)
-    __atomic_store_n(&reserved->state, GH_COMM_FREE, __ATOMIC_RELEASE);
+    gh_comm_set_state(reserved, GH_COMM_FREE);
   pthread_mutex_unlock(&reg_lock);
+}
+
+void gh_comm_end_flight(struct gh_comm_entry *e, uint64_t id, uint32_t state) {
+  uint32_t v = gh_life_begin(&e->life_ver);
+  if (__atomic_load_n(&e->state, __ATOMIC_ACQUIRE) == state && e->comm_id == id) {
+    __atomic_store_n(&e->life_op, 0u, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->inflight_enter_ns, 0, __ATOMIC_RELAXED);
+  }
+  gh_life_end(&e->life_ver, v);
+}
+
+void gh_comm_set_state(struct gh_comm_entry *e, uint32_t state) {
+  uint32_t v = gh_life_begin(&e->life_ver);
+  __atomic_store_n(&e->state, state, __ATOMIC_RELEASE);
+  gh_life_end(&e->life_ver, v);
 }
 
 /* The marks lock keeps the poller off the entry while it changes hands (it writes the GPU fields). */
@@ -142,11 +159,13 @@ struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t pa
   if (idx < 0) idx = free_table_slot();
   if (idx >= 0) {
     e = &gh_comms[idx];
+    uint32_t v = gh_life_begin(&e->life_ver);
     reset_entry(e);
     gh_marks_attach(idx, device);
     fill_identity(e, id, parent, color, rank, nranks);
     e->handle = (uint64_t)(uintptr_t)comm;
     __atomic_store_n(&e->state, GH_COMM_ACTIVE, __ATOMIC_RELEASE);
+    gh_life_end(&e->life_ver, v);
     if (gh_comm_lookup(comm) == NULL) {
       unsigned pos = map_pos(comm);
       for (unsigned i = 0; i < MAP_SLOTS; i++) {
@@ -163,7 +182,7 @@ struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t pa
   }
   if (reserved != NULL && reserved != e && __atomic_load_n(&reserved->state, __ATOMIC_ACQUIRE) == GH_COMM_INIT &&
       reserved->comm_id == id)
-    __atomic_store_n(&reserved->state, GH_COMM_FREE, __ATOMIC_RELEASE);
+    gh_comm_set_state(reserved, GH_COMM_FREE);
   gh_marks_unlock();
   pthread_mutex_unlock(&reg_lock);
   return e;
@@ -184,7 +203,7 @@ void gh_comm_forget(ncclComm_t comm, uint32_t state) {
     if (s->handle == NULL) break;
     if (s->handle == comm) {
       gh_marks_detach(s->idx);
-      __atomic_store_n(&gh_comms[s->idx].state, state, __ATOMIC_RELEASE);
+      gh_comm_set_state(&gh_comms[s->idx], state);
       __atomic_store_n(&s->handle, TOMBSTONE, __ATOMIC_RELEASE);
       break;
     }

@@ -49,6 +49,7 @@ extern struct gh_ring_header *gh_hdr;
 extern struct gh_control *gh_ctl;
 extern struct gh_comm_entry *gh_comms;
 extern struct gh_record *gh_records;
+extern struct gh_progress *gh_prog; /* (v6) the profiler plugin's counters */
 extern uint32_t gh_mask;
 extern int gh_disabled;
 
@@ -147,8 +148,8 @@ static inline void gh_publish(struct gh_record *r, uint64_t index) {
 }
 
 /* The comm entry's seqlocks (layout 5): host_ver around the host fields, written by the one thread
- * inside a call on the communicator (NCCL allows no more), gpu_ver around the gpu_* fields, written
- * by the poller under the marks lock. Odd while the fields change: a reader takes a row whose
+ * inside a data call on the communicator (NCCL allows no more; every other writer takes life_ver,
+ * below), gpu_ver around the gpu_* fields, written by the poller under the marks lock. Odd while the fields change: a reader takes a row whose
  * versions are even and the same before and after it. On x86 the fence costs no instruction. Its
  * readers are other processes, which ThreadSanitizer does not see (nor does it model fences): its
  * builds get the compiler barrier alone. */
@@ -165,6 +166,27 @@ static inline uint32_t gh_ver_begin(uint32_t *ver) {
 }
 static inline void gh_ver_end(uint32_t *ver, uint32_t v) { __atomic_store_n(ver, v + 1, __ATOMIC_RELEASE); }
 
+/* (v6) life_ver: every other writer of a row's host fields (lifecycle calls, an abort from a
+ * watchdog thread while the training thread is inside a call, a slot changing hands) claims it by
+ * CAS from even to odd, waiting out another claimant's few stores, so that host_ver keeps its one
+ * writer. A bare load-and-store (gh_ver_begin) by two writers could make a word even while one of
+ * them is still writing: a reader would take the half-written row. */
+static inline uint32_t gh_life_begin(uint32_t *ver) {
+  uint32_t v = __atomic_load_n(ver, __ATOMIC_RELAXED);
+  for (;;) {
+    if (!(v & 1u) && __atomic_compare_exchange_n(ver, &v, v + 1, 1, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) break;
+    if (v & 1u) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+      v = __atomic_load_n(ver, __ATOMIC_RELAXED);
+    }
+  }
+  GH_VER_FENCE();
+  return v + 1;
+}
+static inline void gh_life_end(uint32_t *ver, uint32_t v) { __atomic_store_n(ver, v + 1, __ATOMIC_RELEASE); }
+
 /* comm.c: communicator registry (handle -> entry index), stable ids. */
 struct gh_comm_entry *gh_comm_lookup(ncclComm_t comm);
 /* A communicator being created (id known before the call): an entry in state INIT with the call
@@ -175,6 +197,10 @@ struct gh_comm_entry *gh_comm_begin(uint64_t id, uint64_t parent, int color, int
 struct gh_comm_entry *gh_comm_register(ncclComm_t comm, uint64_t id, uint64_t parent, int color,
                                        int rank, int nranks, int device, struct gh_comm_entry *reserved);
 void gh_comm_abandon(struct gh_comm_entry *reserved, uint64_t id); /* the creation failed */
+void gh_comm_set_state(struct gh_comm_entry *e, uint32_t state);   /* under life_ver */
+/* A lifecycle call on e returned: its life_op and enter time cleared, unless the entry changed
+ * hands meanwhile (no longer `id` in `state`). */
+void gh_comm_end_flight(struct gh_comm_entry *e, uint64_t id, uint32_t state);
 void gh_comm_forget(ncclComm_t comm, uint32_t state);
 /* forget, only if comm's entry is still `e` with that id (not a new communicator at a reused
  * address, registered while the destroy ran) */
@@ -264,8 +290,8 @@ int gh_poller_want(cudaStream_t stream);
 void gh_poller_fork_child(void);
 
 /* profile.c: CUDA events around calls when the agent selected profile mode. */
-void gh_profile_end(uint32_t slot);
-void gh_profile_group_end(void);
+void gh_profile_end(uint32_t slot, ncclResult_t res);
+void gh_profile_group_end(ncclResult_t res); /* the outermost GroupEnd's result */
 void gh_profile_comm_gone(struct gh_comm_entry *e);
 void gh_profile_fork_child(void);
 void gh_profile_poll(void);
@@ -289,12 +315,14 @@ struct gh_mark_slot {
   uint64_t enter_ns; /* ... and host enqueue time */
   uint64_t shape;   /* GH_MARK_SHAPE(calls covered - 1, collectives covered) */
   uint32_t meta;    /* GH_MARK_META of the first call */
-  uint32_t pad[3];  /* 64 bytes: the hot path indexes with a shift */
+  int32_t peer;     /* the first call's peer (send/recv; a rooted collective's root), -1 none */
+  uint32_t pad[2];  /* 64 bytes: the hot path indexes with a shift */
 };
 /* What the poller last published into a comm entry's gpu_* fields. */
 struct gpu_fields {
   uint64_t calls, seq, lost, pend_seq, count, pend_ns;
   uint32_t op, dtype;
+  int32_t peer, pad;
 };
 struct gh_marks {
   /* the producer: the one thread inside this communicator's calls (NCCL allows no more) */

@@ -34,7 +34,7 @@ uint32_t gh_tid_slow(void);
  * stream is capturing a graph; 0 not profiled), end them (returns the record flags), hand the
  * record index to the poller. */
 int gh_profile_enter(cudaStream_t stream);
-uint32_t gh_profile_exit(int profiled);
+uint32_t gh_profile_exit(int profiled, ncclResult_t res);
 void gh_profile_attach(uint32_t slot, uint64_t record_index, struct gh_comm_entry *e);
 
 /* NCCL forbids using one communicator from several threads at once, so its counters have a single
@@ -58,7 +58,7 @@ struct gh_call {
  * a full ring, a failed or in-progress call). `hint`: GH_MARK_CHECK, or what the caller knows. */
 enum { GH_MARK_CHECK = 0, GH_MARK_CAPTURED = 1, GH_MARK_LOST = 2, GH_MARK_CLEAR = 3 };
 void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
-                  uint64_t count, uint32_t dtype, int hint);
+                  uint64_t count, uint32_t dtype, int peer, int hint);
 
 /* The common case, decided once before the call: monitor mode with no pause request, outside a
  * group, on the communicator this thread used last (still active, not a recycled entry). The
@@ -74,7 +74,7 @@ GH_INLINE int gh_hot_gate(ncclComm_t comm) {
 }
 
 GH_INLINE void gh_hot_enter(struct gh_call *c, int fast, uint16_t op, ncclComm_t comm, cudaStream_t stream,
-                            uint64_t count, uint32_t dtype) {
+                            uint64_t count, uint32_t dtype, int peer) {
   uint64_t ctl = 0;
   struct gh_comm_entry *e = gh_thr.last_entry;
   if (!fast) {
@@ -96,6 +96,7 @@ GH_INLINE void gh_hot_enter(struct gh_call *c, int fast, uint16_t op, ncclComm_t
     __atomic_store_n(&e->last_op, (uint32_t)op, __ATOMIC_RELAXED);
     __atomic_store_n(&e->last_count, count, __ATOMIC_RELAXED);
     __atomic_store_n(&e->last_dtype, dtype, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->last_peer, peer, __ATOMIC_RELAXED);
     gh_ver_end(&e->host_ver, v);
     c->ver = v + 1;
   }
@@ -108,7 +109,7 @@ GH_INLINE void gh_hot_enter(struct gh_call *c, int fast, uint16_t op, ncclComm_t
  * whether the stream captures a graph, record the slot's event behind the call, publish.
  * Everything else goes to gh_mark_slow. The CUDA calls may touch errno: it is put back. */
 GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
-                       uint64_t count, uint32_t dtype, int in_group) {
+                       uint64_t count, uint32_t dtype, int peer, int in_group) {
   struct gh_marks *m = c->m;
   uint64_t h = m->head;
   int hint = GH_MARK_CHECK;
@@ -124,6 +125,7 @@ GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, c
     s->enter_ns = c->enter_ns;
     s->shape = GH_MARK_SHAPE(0, coll);
     s->meta = GH_MARK_META(op, dtype, coll);
+    s->peer = peer;
     int *err = gh_thr.errp;
     int saved = *err, cap;
     hint = GH_MARK_CAPTURED;
@@ -137,7 +139,7 @@ GH_INLINE void gh_mark(const struct gh_call *c, uint16_t op, ncclResult_t res, c
     }
     *err = saved;
   }
-  gh_mark_slow(c, op, res, stream, count, dtype, hint);
+  gh_mark_slow(c, op, res, stream, count, dtype, peer, hint);
 }
 
 GH_INLINE void gh_hot_exit(struct gh_call *c, int fast, uint16_t op, ncclResult_t res, cudaStream_t stream,
@@ -145,7 +147,7 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, int fast, uint16_t op, ncclResult_
   uint64_t ret_ns = gh_clock_exit(&c->stamp, c->enter_ns);
   int in_group = !fast && gh_thr.group_depth > 0;
   uint32_t flags = (res == ncclInProgress ? GH_F_IN_PROGRESS : 0u) | (in_group ? GH_F_IN_GROUP : 0u);
-  if (!fast && c->profiled != 0) flags |= gh_profile_exit(c->profiled);
+  if (!fast && c->profiled != 0) flags |= gh_profile_exit(c->profiled, res);
   struct gh_comm_entry *e = c->e;
   uint64_t seq = c->seq, comm_id = 0;
   int32_t rank = -1, nranks = 0;
@@ -189,7 +191,7 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, int fast, uint16_t op, ncclResult_
     gh_publish(r, idx);
   }
   if (!fast && c->profiled > 0) gh_profile_attach((uint32_t)c->profiled - 1, idx, e);
-  if (fast || e != NULL) gh_mark(c, op, res, stream, count, (uint32_t)dtype, in_group);
+  if (fast || e != NULL) gh_mark(c, op, res, stream, count, (uint32_t)dtype, peer, in_group);
 }
 
 /* Body of a data-path wrapper: pass through when nested or disabled, else record around CALL, on
@@ -201,11 +203,11 @@ GH_INLINE void gh_hot_exit(struct gh_call *c, int fast, uint16_t op, ncclResult_
     struct gh_call c_;                                                                           \
     ncclResult_t res_;                                                                           \
     if (GH_LIKELY(gh_hot_gate(COMM))) {                                                          \
-      gh_hot_enter(&c_, 1, (OP), (COMM), (STREAM), (uint64_t)(COUNT), (uint32_t)(DTYPE));        \
+      gh_hot_enter(&c_, 1, (OP), (COMM), (STREAM), (uint64_t)(COUNT), (uint32_t)(DTYPE), (PEER)); \
       res_ = CALL;                                                                               \
       gh_hot_exit(&c_, 1, (OP), res_, (STREAM), (uint64_t)(COUNT), (int)(DTYPE), (int)(REDOP), (PEER)); \
     } else {                                                                                     \
-      gh_hot_enter(&c_, 0, (OP), (COMM), (STREAM), (uint64_t)(COUNT), (uint32_t)(DTYPE));        \
+      gh_hot_enter(&c_, 0, (OP), (COMM), (STREAM), (uint64_t)(COUNT), (uint32_t)(DTYPE), (PEER)); \
       res_ = CALL;                                                                               \
       gh_hot_exit(&c_, 0, (OP), res_, (STREAM), (uint64_t)(COUNT), (int)(DTYPE), (int)(REDOP), (PEER)); \
     }                                                                                            \

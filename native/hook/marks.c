@@ -39,6 +39,7 @@ struct pending {
   cudaStream_t stream;
   uint64_t first, last, upto, count, enter_ns;
   uint32_t op, dtype, first_coll, ncoll;
+  int32_t peer;
 };
 static GH_TLS struct pending group[GH_MAX_COMMS];
 static GH_TLS int ngroup;
@@ -104,6 +105,7 @@ static void publish(const struct pending *p, int hint) {
   s->enter_ns = p->enter_ns;
   s->shape = GH_MARK_SHAPE(p->last - p->first, p->ncoll);
   s->meta = GH_MARK_META(p->op, p->dtype, p->first_coll);
+  s->peer = p->peer;
   if (gh_cu.ev_record(s->ev, p->stream) != 0) {
     lost(m, p, 1);
     return;
@@ -112,7 +114,7 @@ static void publish(const struct pending *p, int hint) {
 }
 
 void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaStream_t stream,
-                  uint64_t count, uint32_t dtype, int hint) {
+                  uint64_t count, uint32_t dtype, int peer, int hint) {
   struct gh_marks *m = c->m;
   int saved = errno;
   if (stream != m->noted) {
@@ -125,7 +127,7 @@ void gh_mark_slow(const struct gh_call *c, uint16_t op, ncclResult_t res, cudaSt
   struct pending p = {.m = m, .stream = stream, .first = c->call_no, .last = c->call_no,
                       .upto = coll ? c->seq : __atomic_load_n(&c->e->last_seq_entered, __ATOMIC_RELAXED),
                       .count = count, .enter_ns = c->enter_ns, .op = op, .dtype = dtype,
-                      .first_coll = coll, .ncoll = coll};
+                      .first_coll = coll, .ncoll = coll, .peer = peer};
   if (c->profiled < 0) hint = GH_MARK_CAPTURED; /* profile mode already asked */
   else if (c->profiled > 0 && hint == GH_MARK_CHECK) hint = GH_MARK_CLEAR;
   if (res != ncclSuccess) {
@@ -183,6 +185,7 @@ void gh_marks_attach(int idx, int device) {
   m->done_call = m->done_seq = m->calls_done = m->seq_done = 0;
   memset(m->lost_seen, 0, sizeof m->lost_seen);
   memset(&m->shown, 0, sizeof m->shown);
+  m->shown.peer = -1; /* the entry's gpu_pending_peer starts at -1 (reset) */
   m->device = device;
   m->active = 1;
 }
@@ -198,6 +201,7 @@ void gh_marks_detach(int idx) {
   __atomic_store_n(&e->gpu_pending_op, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_dtype, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_count, 0, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_peer, -1, __ATOMIC_RELAXED);
   gh_ver_end(&e->gpu_ver, v);
 }
 
@@ -257,7 +261,8 @@ static void poll_ring(int idx) {
   struct gpu_fields now = {
       .calls = m->calls_done, .seq = m->seq_done, .lost = m->lost_seen[2], .pend_seq = pend_seq,
       .op = p != NULL ? p->meta & 0xffu : 0u, .dtype = p != NULL ? (p->meta >> 8) & 0xffu : 0u,
-      .count = p != NULL ? p->count : 0, .pend_ns = p != NULL ? p->enter_ns : 0};
+      .count = p != NULL ? p->count : 0, .pend_ns = p != NULL ? p->enter_ns : 0,
+      .peer = p != NULL ? p->peer : -1};
   /* Published only when something changed: a seqlock bumped every pass would have a reader that
    * straddles a millisecond find the row changing under it every time. */
   if (memcmp(&now, &m->shown, sizeof now) == 0) return;
@@ -270,6 +275,7 @@ static void poll_ring(int idx) {
   __atomic_store_n(&e->gpu_pending_op, now.op, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_dtype, now.dtype, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_count, now.count, __ATOMIC_RELAXED);
+  __atomic_store_n(&e->gpu_pending_peer, now.peer, __ATOMIC_RELAXED);
   __atomic_store_n(&e->gpu_pending_ns, now.pend_ns, __ATOMIC_RELEASE);
   gh_ver_end(&e->gpu_ver, v);
 }

@@ -8,7 +8,7 @@
 #define _GNU_SOURCE
 #include <pthread.h>
 
-#include "gh_hook.h"
+#include "prof.h"
 
 #define PERIOD_NS 1000000L /* marks and timings complete within ~1 ms of the GPU */
 
@@ -25,6 +25,7 @@ static void *poller(void *arg) {
     nanosleep(&ts, NULL);
     gh_profile_poll();
     gh_marks_poll();
+    gh_prof_poll();
   }
   return NULL;
 }

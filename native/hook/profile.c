@@ -185,27 +185,32 @@ int gh_profile_enter(cudaStream_t stream) {
   uint32_t slot = (uint32_t)(n % POOL);
   res = (int)slot + 1;
   if (gh_thr.group_depth > 0 && group_n < MAX_GROUP) group_slots[group_n++] = slot;
-  else if (gh_thr.group_depth > 0) gh_profile_end(slot); /* group too large: end at issue */
+  else if (gh_thr.group_depth > 0) gh_profile_end(slot, ncclSuccess); /* group too large: end at issue */
 out:
   errno = saved;
   return res;
 }
 
-uint32_t gh_profile_exit(int profiled) {
+uint32_t gh_profile_exit(int profiled, ncclResult_t res) {
   if (profiled < 0) return GH_F_CAPTURED;
   if (gh_thr.group_depth == 0) {
     int saved = errno;
-    gh_profile_end((uint32_t)profiled - 1);
+    gh_profile_end((uint32_t)profiled - 1, res);
     errno = saved;
   }
   return GH_F_PROFILED;
 }
 
-void gh_profile_end(uint32_t slot) {
+/* The end event goes behind the call's work. A call (or group) that failed enqueued nothing, and
+ * one in progress on a non-blocking communicator is not on its stream yet: an end event recorded
+ * now would time nothing (or less than the call), so the record ends GPU_LOST instead. */
+void gh_profile_end(uint32_t slot, ncclResult_t res) {
   struct slot *s = &pool[slot];
   uint32_t st = __atomic_load_n(&s->state, __ATOMIC_ACQUIRE);
   if (st & S_ENDED) return;
-  uint32_t failed = (st & S_FAILED) || gh_cu.ev_record(s->end, s->stream) != 0 ? S_FAILED : 0u;
+  uint32_t failed = (st & S_FAILED) || res != ncclSuccess || gh_cu.ev_record(s->end, s->stream) != 0
+                        ? S_FAILED
+                        : 0u;
   __atomic_fetch_or(&s->state, S_ENDED | failed, __ATOMIC_RELEASE);
 }
 
@@ -216,9 +221,9 @@ void gh_profile_attach(uint32_t slot, uint64_t record_index, struct gh_comm_entr
   __atomic_fetch_or(&s->state, S_ATTACHED, __ATOMIC_RELEASE);
 }
 
-void gh_profile_group_end(void) {
+void gh_profile_group_end(ncclResult_t res) {
   int saved = errno;
-  for (int i = 0; i < group_n; i++) gh_profile_end(group_slots[i]);
+  for (int i = 0; i < group_n; i++) gh_profile_end(group_slots[i], res);
   group_n = 0;
   errno = saved;
 }

@@ -43,6 +43,7 @@
 struct gh_ring_header *gh_hdr;
 struct gh_control *gh_ctl;
 struct gh_comm_entry *gh_comms;
+struct gh_progress *gh_prog;
 struct gh_record *gh_records;
 uint32_t gh_mask;
 int gh_disabled;
@@ -151,7 +152,8 @@ static int open_temp(int dirfd) {
 }
 
 static void fill_header(struct gh_ring_header *h, const char *job, int rank, uint32_t cap,
-                        uint64_t control_off, uint64_t comms_off, uint64_t records_off, uint64_t bytes) {
+                        uint64_t control_off, uint64_t comms_off, uint64_t progress_off, uint64_t records_off,
+                        uint64_t bytes) {
   h->magic = GH_RING_MAGIC;
   h->version = GH_LAYOUT_VERSION;
   h->header_bytes = GH_HEADER_BYTES;
@@ -161,6 +163,7 @@ static void fill_header(struct gh_ring_header *h, const char *job, int rank, uin
   h->max_peers = GH_MAX_PEERS;
   h->control_offset = control_off;
   h->comms_offset = comms_off;
+  h->progress_offset = progress_off;
   h->records_offset = records_off;
   h->file_bytes = bytes;
   strncpy(h->job, job, sizeof h->job - 1);
@@ -186,7 +189,8 @@ static int create_ring(int rank) {
   uint32_t cap = env_capacity();
   uint64_t control_off = GH_HEADER_BYTES;
   uint64_t comms_off = page_up(control_off + sizeof(struct gh_control));
-  uint64_t records_off = page_up(comms_off + GH_MAX_COMMS * sizeof(struct gh_comm_entry));
+  uint64_t progress_off = page_up(comms_off + GH_MAX_COMMS * sizeof(struct gh_comm_entry));
+  uint64_t records_off = page_up(progress_off + sizeof(struct gh_progress));
   uint64_t bytes = records_off + (uint64_t)cap * sizeof(struct gh_record);
   snprintf(ring_name, sizeof ring_name, "rank-%d.ring", rank);
 
@@ -208,7 +212,7 @@ static int create_ring(int rank) {
   if (posix_fallocate(fd, 0, (off_t)bytes) == 0)
     m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (m != MAP_FAILED) {
-    fill_header(m, job, rank, cap, control_off, comms_off, records_off, bytes);
+    fill_header(m, job, rank, cap, control_off, comms_off, progress_off, records_off, bytes);
     struct gh_control *ctl = (struct gh_control *)((char *)m + control_off);
     ctl->job_timeout_ms = gh_env_timeout_ms();
     ctl->pause_cap_ms = ctl->job_timeout_ms / GH_PAUSE_TIMEOUT_SHARE;
@@ -233,6 +237,7 @@ static int create_ring(int rank) {
   __atomic_store_n(&gh_ctl_word, (const gh_ctl_word_t *)gh_ctl, __ATOMIC_RELEASE);
   gh_comms = (struct gh_comm_entry *)((char *)m + comms_off);
   gh_records = (struct gh_record *)((char *)m + records_off);
+  __atomic_store_n(&gh_prog, (struct gh_progress *)((char *)m + progress_off), __ATOMIC_RELEASE);
   gh_mask = cap - 1;
   __atomic_store_n(&gh_hdr, h, __ATOMIC_RELEASE);
   return 1;
@@ -300,6 +305,7 @@ static void on_fork_child(void) {
   gh_disabled = 1;
   gh_hdr = NULL;
   gh_ctl = NULL;
+  gh_prog = NULL; /* a forked child's NCCL (if it made one) counts nowhere */
   __atomic_store_n(&gh_ctl_word, &zero_ctl, __ATOMIC_RELAXED);
   __atomic_store_n(&gh_gpu_busy, 0, __ATOMIC_RELAXED);
   ring_state = 2;

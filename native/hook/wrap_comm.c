@@ -68,10 +68,10 @@ static void note_device(ncclComm_t comm) {
 /* A lifecycle call now inside NCCL on e (0: it returned). */
 static void in_flight(struct gh_comm_entry *e, uint16_t op, uint64_t enter_ns) {
   if (e == NULL) return;
-  uint32_t v = gh_ver_begin(&e->host_ver);
+  uint32_t v = gh_life_begin(&e->life_ver);
   __atomic_store_n(&e->life_op, (uint32_t)op, __ATOMIC_RELAXED);
   __atomic_store_n(&e->inflight_enter_ns, enter_ns, __ATOMIC_RELAXED);
-  gh_ver_end(&e->host_ver, v);
+  gh_life_end(&e->life_ver, v);
 }
 
 /* A non-blocking communicator still initialising may not answer yet: -1, marks then go on the
@@ -286,14 +286,20 @@ GH_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm) {
   int saved = errno;
   gh_thr.depth++;
   struct gh_comm_entry *e = gh_comm_lookup(comm);
+  uint64_t id = e != NULL ? e->comm_id : 0;
   if (e != NULL) {
     gh_record_event(GH_OP_COMM_ABORT, e, 0, -1, 0);
     gh_profile_comm_gone(e);
+    in_flight(e, GH_OP_COMM_ABORT, gh_now_ns()); /* under life_ver: the training thread may be
+                                                  * inside a call on it, writing under host_ver */
     gh_comm_forget(comm, GH_COMM_ABORTED);
   }
   errno = saved;
   ncclResult_t res = f(comm);
+  saved = errno;
+  if (e != NULL) gh_comm_end_flight(e, id, GH_COMM_ABORTED);
   gh_thr.depth--;
+  errno = saved;
   return res;
 }
 

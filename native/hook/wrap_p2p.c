@@ -76,7 +76,7 @@ GH_EXPORT ncclResult_t ncclGroupEnd(void) {
     int pause = GH_CTL_PAUSE(__atomic_load_n(w, __ATOMIC_RELAXED)) != 0;
     int enqueued = res == ncclSuccess || res == ncclInProgress;
     int reached = pause && enqueued && gh_pause_group_target_reached();
-    gh_profile_group_end();
+    gh_profile_group_end(res);
     gh_marks_group_end(res);
     gh_record_event(GH_OP_GROUP_END, NULL, (int)res, -1, t0);
     gh_thr.group_id = 0;

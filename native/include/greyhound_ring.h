@@ -7,6 +7,7 @@
  *   [0, 4096)                      gh_ring_header
  *   [control_offset, +sizeof)      gh_control      (agent writes requests, hook writes answers)
  *   [comms_offset, +max_comms*)    gh_comm_entry[] (live per-communicator counters)
+ *   [progress_offset, +sizeof)     gh_progress     (v6: the profiler plugin's counters)
  *   [records_offset, +capacity*)   gh_record[]     (slot = index & (capacity - 1))
  * Offsets are stored in the header so that readers never hard-code them.
  */
@@ -16,7 +17,7 @@
 #include <stdint.h>
 
 #define GH_RING_MAGIC 0x31474e4952484721ULL /* "!GHRING1" little-endian */
-#define GH_LAYOUT_VERSION 5u
+#define GH_LAYOUT_VERSION 6u
 #define GH_HEADER_BYTES 4096u
 #define GH_DEFAULT_RECORDS 65536u
 #define GH_MAX_COMMS 64
@@ -40,6 +41,10 @@
 #define GH_PAUSE_TIMEOUT_SHARE 4
 /* (v5) Benchmark communicators (split from the job's for P2P checks) alive at once. */
 #define GH_BENCH_MAX_COMMS 16
+/* (v6) The NCCL profiler plugin's counters (gh_progress): fixed slot tables, whatever the scale. */
+#define GH_PROG_SLOTS 64   /* (communicator, channel, peer, direction) of network transfers */
+#define GH_KCH_SLOTS 32    /* (communicator, channel) of kernels */
+#define GH_PROG_CLASSES 16 /* events counted per class, one per bit of NCCL's activation mask */
 
 /* Operation codes; values are part of the layout. */
 enum gh_op {
@@ -90,6 +95,21 @@ enum gh_gpu_api { GH_GPU_API_UNKNOWN = 0, GH_GPU_API_RUNTIME = 1, GH_GPU_API_DRI
  * it, all parked), and SEND/RECV naming comm_id run on that child, which is aborted when one of
  * them fails. DRAIN (v5) waits for the rank's queued GPU work only (drain_ns), so that transfers
  * are issued once both ends have drained. */
+/* (v6) A progress slot's direction, and the last state of its newest network step (NCCL's ProxyStep
+ * states; POSTED: started, no state yet; DONE: its last step, or its op, ended). */
+enum gh_prog_dir { GH_PROG_SEND = 0, GH_PROG_RECV = 1 };
+enum gh_step_state {
+  GH_STEP_NONE = 0,
+  GH_STEP_POSTED = 1,
+  GH_STEP_SEND_GPU_WAIT = 2,  /* waiting for this rank's GPU to fill the buffer */
+  GH_STEP_SEND_PEER_WAIT = 3, /* waiting for the receiver's credit */
+  GH_STEP_SEND_WAIT = 4,      /* on the network, waiting for completion */
+  GH_STEP_RECV_WAIT = 5,      /* waiting for the peer's data on the network */
+  GH_STEP_RECV_FLUSH_WAIT = 6,
+  GH_STEP_RECV_GPU_WAIT = 7,  /* received, waiting for this rank's GPU to take it */
+  GH_STEP_DONE = 8
+};
+
 enum gh_bench_kind { GH_BENCH_SEND = 1, GH_BENCH_RECV = 2, GH_BENCH_GEMM = 3, GH_BENCH_DRAIN = 4, GH_BENCH_SPLIT = 5 };
 
 /* Slot states: the agent moves EMPTY->SUBMITTED and any final state->EMPTY; the hook the rest. */
@@ -126,7 +146,7 @@ struct gh_ring_header {
   char pci_bus_id[20];     /* 228 (v5) PCI bus id of `device` as CUDA names it ("0000:18:00.0"),
                             * NUL-terminated, "" unknown: the GPU's identity on the node, which an
                             * ordinal is not inside containers or device cgroups */
-  uint8_t pad0[8];         /* 248 */
+  uint64_t progress_offset; /* 248 (v6) gh_progress, the profiler plugin's counters */
   uint64_t head;           /* 256 records reserved by writers (own cache line) */
   uint64_t dropped;        /* 264 records dropped because the ring was full */
   uint64_t gpu_dropped;    /* 272 profiled calls whose GPU timing was skipped (pool full) */
@@ -197,10 +217,17 @@ struct gh_comm_entry {
   uint32_t host_ver;                  /* 1448 */
   uint32_t gpu_ver;                   /* 1452 */
   uint32_t life_op;                   /* 1456 (v5) enum gh_op of the lifecycle call inside NCCL on
-                                       * this comm now (init, split, shrink, destroy), 0 none; its
-                                       * enter time is inflight_enter_ns */
-  uint32_t pad1;                      /* 1460 */
-};                                    /* 1464 bytes */
+                                       * this comm now (init, split, shrink, destroy, abort), 0 none;
+                                       * its enter time is inflight_enter_ns */
+  /* (v6) The third seqlock: every writer that is not the thread inside a data call (lifecycle calls,
+   * an abort from a watchdog thread, a table slot changing hands) claims it by CAS from even to
+   * odd, so two of them never write at once, and none of them touches host_ver, whose writer is
+   * then alone. A reader takes a row when all three words read even and unchanged around it. */
+  uint32_t life_ver;                  /* 1460 */
+  int32_t last_peer;                  /* 1464 (v6) peer of the newest call entered (send/recv;
+                                       * root of a rooted collective; -1 otherwise), host_ver */
+  int32_t gpu_pending_peer;           /* 1468 (v6) peer of the oldest call pending on the GPU, gpu_ver */
+};                                    /* 1472 bytes */
 
 struct gh_bench_slot {
   uint64_t req_id;   /*  0 agent-chosen, nonzero */
@@ -240,10 +267,63 @@ struct gh_control {
   uint64_t reserved_v5[5];      /* 9304 */
 };                              /* 9344 bytes */
 
+/* (v6) Network transfer counters of one (communicator, channel, peer, direction), from NCCL's
+ * ProxyOp events (an op's steps, at its start and stop: on by default) and ProxyStep events (each
+ * step and its states: switched on while a suspicion is open). Written by NCCL's proxy threads,
+ * lock-free: a slot is claimed by CAS on key and keeps it until its communicator is finalised;
+ * counters only grow (relaxed atomics). Intra-node transfers (P2P/SHM/NVLink) have no proxy
+ * events, hence no slot. */
+struct gh_prog_slot {
+  uint32_t key;          /*  0 0 free; else comm table index + 1 | channel << 8 | dir << 16 */
+  int32_t peer;          /*  4 the peer's rank in the communicator */
+  uint64_t steps_posted; /*  8 network steps started (an op's nSteps at its start) */
+  uint64_t steps_done;   /* 16 steps completed (each step's stop, or what remained at its op's stop) */
+  uint64_t bytes;        /* 24 bytes of the steps completed */
+  uint64_t net_ns;       /* 32 time completed steps spent on the network (send: SendWait to stop;
+                          * receive: RecvWait to arrival), ProxyStep events only */
+  uint64_t last_ns;      /* 40 CLOCK_MONOTONIC of the slot's last change */
+  uint64_t seq;          /* 48 collective seq (as the comm table counts) of the newest op, 0 unknown */
+  uint16_t ops_posted;   /* 56 ops started, modulo 2^16 */
+  uint16_t ops_done;     /* 58 ops ended, modulo 2^16 */
+  uint8_t op;            /* 60 enum gh_op of the newest op */
+  uint8_t state;         /* 61 enum gh_step_state of its newest step */
+  uint16_t pad;          /* 62 */
+};                       /* 64 bytes */
+
+/* (v6) One (communicator, channel)'s kernel, from NCCL's KernelCh events: a start without its stop
+ * is a channel whose kernel has not finished. */
+struct gh_kch_slot {
+  uint32_t key;          /*  0 0 free; else comm table index + 1 | channel << 8 */
+  uint32_t starts;       /*  4 */
+  uint32_t stops;        /*  8 */
+  uint32_t pad;          /* 12 */
+  uint64_t start_ptimer; /* 16 the GPU's timer at the newest start (v4+; 0 before) */
+  uint64_t stop_ptimer;  /* 24 ... at the newest stop */
+  uint64_t last_ns;      /* 32 CLOCK_MONOTONIC when the newest start or stop was seen */
+};                       /* 40 bytes */
+
+/* (v6) The profiler plugin's region: what NCCL gave it, and the mask it runs with. */
+struct gh_progress {
+  uint32_t plugin_version; /*  0 the interface NCCL took (3..6), 0 never loaded */
+  uint32_t mask_applied;   /*  4 NCCL's activation mask as the plugin last set it */
+  uint32_t mask_extra;     /*  8 agent: classes wanted on top of the default ones (the hook adds
+                            *    the costly ones itself while the control block is in profile mode) */
+  uint32_t contexts;       /* 12 plugin contexts alive (communicators NCCL initialised) */
+  uint64_t dropped;        /* 16 events not counted: a pool or a slot table full, another process's
+                            *    op (PXN) */
+  uint64_t unbound;        /* 24 events of a communicator not yet matched to a comm table row */
+  uint64_t events[GH_PROG_CLASSES];    /* 32 events started per class (bit i of the mask) */
+  struct gh_prog_slot slots[GH_PROG_SLOTS]; /* 160 */
+  struct gh_kch_slot kch[GH_KCH_SLOTS];     /* 4256 */
+};                                          /* 5536 bytes */
+
 #ifndef __cplusplus
+_Static_assert(sizeof(struct gh_prog_slot) == 64, "progress slot layout");
+_Static_assert(sizeof(struct gh_kch_slot) == 40, "kernel channel slot layout");
+_Static_assert(sizeof(struct gh_progress) == 5536, "progress layout");
 _Static_assert(sizeof(struct gh_ring_header) == 384, "header layout");
 _Static_assert(sizeof(struct gh_record) == 128, "record layout");
-_Static_assert(sizeof(struct gh_comm_entry) == 1464, "comm layout");
+_Static_assert(sizeof(struct gh_comm_entry) == 1472, "comm layout");
 _Static_assert(sizeof(struct gh_bench_slot) == 576, "bench slot layout");
 _Static_assert(sizeof(struct gh_control) == 9344, "control layout");
 #endif

@@ -20,6 +20,8 @@ struct ncclComm {
 /* What the tests check of the hook's own use: benchmark splits made, benchmark comms aborted. */
 int stub_splits_with_config, stub_aborts;
 ncclResult_t stub_group_end_result; /* what the outermost ncclGroupEnd answers (a failure, ncclInProgress) */
+/* Called inside ncclAllReduce when set: where real NCCL raises a profiler plugin's task events. */
+void (*stub_inside_allreduce)(void);
 static int group_depth;
 
 static ncclComm_t make(int rank, int nranks, int nonblocking) {
@@ -104,6 +106,7 @@ const char *pncclGetErrorString(ncclResult_t r) { return r == ncclSuccess ? "no 
 ncclResult_t pncclAllReduce(const void *s, void *r, size_t n, ncclDataType_t t, ncclRedOp_t op,
                             ncclComm_t comm, cudaStream_t st) {
   (void)s, (void)r, (void)n, (void)t, (void)op, (void)st;
+  if (stub_inside_allreduce != NULL) stub_inside_allreduce();
   errno = EILSEQ;
   return comm != NULL ? done(comm) : ncclInvalidArgument;
 }

@@ -124,6 +124,8 @@ int main(void) {
   CHECK(LOAD(stub_cuda_records) == rec0 + 3);
   WAIT_FOR(LOAD(e->gpu_pending_ns) != 0);
   CHECK(LOAD(e->gpu_pending_seq) == 2 && LOAD(e->gpu_pending_op) == GH_OP_ALLREDUCE);
+  CHECK(LOAD(e->gpu_pending_peer) == -1 && LOAD(e->last_peer) == 1); /* a collective has no peer;
+                                                                       * the newest call, the send, has */
   CHECK(LOAD(e->gpu_pending_dtype) == ncclFloat32 && LOAD(e->gpu_pending_count) == 100);
   CHECK(LOAD(e->gpu_pending_ns) == enter_of(cid, GH_OP_ALLREDUCE, 2));
   CHECK(LOAD(e->gpu_calls_done) == 1 && LOAD(e->inflight_enter_ns) == 0);
@@ -133,6 +135,7 @@ int main(void) {
   stub_cuda_advance(t2 + 1);
   WAIT_FOR(LOAD(e->gpu_calls_done) == 3 && LOAD(e->gpu_pending_op) == GH_OP_SEND);
   CHECK(LOAD(e->gpu_pending_seq) == 0 && LOAD(e->gpu_seq_done) == 3); /* a send has no collective seq */
+  CHECK(LOAD(e->gpu_pending_peer) == 1); /* ... but a peer: a pending send is named by its pair */
   stub_cuda_finish_all();
   WAIT_FOR(LOAD(e->gpu_calls_done) == 4 && LOAD(e->gpu_pending_ns) == 0);
 
@@ -191,6 +194,34 @@ int main(void) {
     CHECK(LOAD(stub_cuda_records) == rec0);
     WAIT_FOR(LOAD(e->gpu_calls_done) == calls + 1 && LOAD(e->gpu_marks_lost) == lost_before + (uint64_t)k);
   }
+
+  /* Profile mode: a call timed inside a group whose outermost GroupEnd failed gets no end event
+   * (it would time nothing: NCCL enqueued nothing) and its record ends GPU_LOST, never GPU_DONE;
+   * a group that succeeds gets its end event after the GroupEnd and its GPU times. */
+  __atomic_store_n(&stub_cuda_auto, 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&v.ctl->mode, GH_MODE_PROFILE, __ATOMIC_RELEASE);
+  CHECK(ncclAllReduce(NULL, NULL, 2, ncclFloat32, ncclSum, comm, S1) == ncclSuccess); /* makes the pool */
+  for (int k = 0; k < 2; k++) {
+    ncclResult_t want = k == 0 ? ncclInternalError : ncclSuccess;
+    rec0 = LOAD(stub_cuda_records);
+    stub_group_end_result = want;
+    CHECK(ncclGroupStart() == ncclSuccess);
+    CHECK(ncclAllReduce(NULL, NULL, 16 + (size_t)k, ncclFloat32, ncclSum, comm, S1) == ncclSuccess);
+    long issued = LOAD(stub_cuda_records) - rec0; /* the start event (and the mark's own checks) */
+    CHECK(ncclGroupEnd() == want);
+    stub_group_end_result = ncclSuccess;
+    CHECK(LOAD(stub_cuda_records) - rec0 == issued + (k == 0 ? 0 : 2)); /* end event and mark */
+    struct gh_record *r = NULL;
+    for (uint64_t i = LOAD(v.h->head); i-- > 0 && r == NULL;)
+      if (ring_at(&v, i)->op == GH_OP_ALLREDUCE && ring_at(&v, i)->count == 16 + (uint64_t)k) r = ring_at(&v, i);
+    CHECK(r != NULL && (LOAD(r->flags) & GH_F_PROFILED));
+    if (r == NULL) continue;
+    WAIT_FOR(LOAD(r->flags) & (GH_F_GPU_DONE | GH_F_GPU_LOST));
+    CHECK(k == 0 ? (LOAD(r->flags) & (GH_F_GPU_DONE | GH_F_GPU_LOST)) == GH_F_GPU_LOST
+                 : (LOAD(r->flags) & (GH_F_GPU_DONE | GH_F_GPU_LOST)) == GH_F_GPU_DONE);
+  }
+  __atomic_store_n(&v.ctl->mode, GH_MODE_MONITOR, __ATOMIC_RELEASE);
+  __atomic_store_n(&stub_cuda_auto, 0, __ATOMIC_RELEASE);
 
   /* A forked child (a data-loader worker) records nothing: no counters move, no marks. */
   entered = LOAD(e->calls_entered);

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from greyhound.core.period import IterationSegmenter
+from greyhound.core.progress import window_rates
 from greyhound.hookabi import (
     RECORD_DTYPE,
     CommState,
@@ -88,6 +89,11 @@ class RankStream:
     _marked: bool = False  # the hook records GPU completion marks (see _gpu_marked)
     _recent_s: deque[float] = field(default_factory=lambda: deque(maxlen=8))  # iteration times
     _api_pending: bool = field(default=False, init=False)  # announced before gpu_api was known
+    # the profiler plugin's counters at the last sample (for CCL-D's rates over the window):
+    # (comm_id, kind, channel, peer) -> (steps done, bytes, network ns), and when
+    _prog_prev: dict[tuple[int, int, int, int], tuple[int, int, int]] = field(
+        default_factory=dict, init=False)
+    _prog_prev_ns: int = field(default=0, init=False)
 
     def writer_gone(self) -> bool:
         """True when the rank's process ran on this host and no longer exists.
@@ -193,6 +199,8 @@ class CounterRows:
     gpu_pending_op: list[int] = field(default_factory=list)
     gpu_pending_count: list[int] = field(default_factory=list)
     gpu_pending_dtype: list[int] = field(default_factory=list)
+    last_peer: list[int] = field(default_factory=list)
+    gpu_pending_peer: list[int] = field(default_factory=list)
 
     def add(self, rank: int, c: np.void, now_mono_ns: int) -> None:
         """One communicator entry of a rank's ring. Ages are taken against the agent's
@@ -225,11 +233,81 @@ class CounterRows:
         self.gpu_pending_op.append(int(c["gpu_pending_op"]) if pending_ns else 0)
         self.gpu_pending_count.append(int(c["gpu_pending_count"]) if pending_ns else 0)
         self.gpu_pending_dtype.append(int(c["gpu_pending_dtype"]) if pending_ns else 0)
+        self.last_peer.append(-1 if life else int(c["last_peer"]))
+        self.gpu_pending_peer.append(int(c["gpu_pending_peer"]) if pending_ns else -1)
+
+
+@dataclass
+class ProgressCols:
+    """The columns of a ProgressRows message (see its docstring for what each one means)."""
+
+    rank: list[int] = field(default_factory=list)
+    comm_id: list[int] = field(default_factory=list)
+    comm_rank: list[int] = field(default_factory=list)
+    kind: list[int] = field(default_factory=list)
+    channel: list[int] = field(default_factory=list)
+    peer: list[int] = field(default_factory=list)
+    posted: list[int] = field(default_factory=list)
+    done: list[int] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+    net_s: list[float] = field(default_factory=list)
+    stalled_s: list[float] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)
+    rate: list[float] = field(default_factory=list)
+    byte_rate: list[float] = field(default_factory=list)
+    net_bw: list[float] = field(default_factory=list)
+
+    def add(self, stream: RankStream, now_mono_ns: int) -> None:
+        """One rank's plugin slots, with their rates since the rank's previous sample (a slot
+        first seen has none yet: 0). Counters past 2^63 (a corrupt ring) are left out."""
+        rows = stream.reader.progress_rows()
+        big = np.uint64(_I63)
+        ok = ((rows["posted"] < big) & (rows["done"] < big) & (rows["bytes"] < big)
+              & (rows["net_ns"] < big) & (rows["seq"] < big) & (rows["last_ns"] < big))
+        rows = {k: v[ok] for k, v in rows.items()}
+        n = len(rows["kind"])
+        done = rows["done"].astype(np.int64)
+        nbytes = rows["bytes"].astype(np.int64)
+        net = rows["net_ns"].astype(np.int64)
+        keys = list(zip(rows["comm_id"].tolist(), rows["kind"].tolist(), rows["channel"].tolist(),
+                        rows["peer"].tolist(), strict=True))
+        before = [stream._prog_prev.get(k) for k in keys]
+        seen = [b is not None for b in before]
+        d0 = np.array([b[0] if b else d for b, d in zip(before, done.tolist(), strict=True)], np.int64)
+        b0 = np.array([b[1] if b else x for b, x in zip(before, nbytes.tolist(), strict=True)],
+                      np.int64)
+        n0 = np.array([b[2] if b else x for b, x in zip(before, net.tolist(), strict=True)], np.int64)
+        dt = (now_mono_ns - stream._prog_prev_ns) / 1e9 if stream._prog_prev_ns else 0.0
+        rate, byte_rate, net_bw = window_rates(d0, done, b0, nbytes, n0 / 1e9, net / 1e9, dt)
+        unseen = ~np.array(seen, dtype=bool) if n else np.zeros(0, bool)
+        rate[unseen] = byte_rate[unseen] = net_bw[unseen] = 0.0
+        stream._prog_prev = dict(zip(keys, zip(done.tolist(), nbytes.tolist(), net.tolist(),
+                                               strict=True), strict=True))
+        stream._prog_prev_ns = now_mono_ns
+        self.rank.extend([stream.rank] * n)
+        self.comm_id.extend(rows["comm_id"].tolist())
+        self.comm_rank.extend(rows["comm_rank"].tolist())
+        self.kind.extend(rows["kind"].tolist())
+        self.channel.extend(rows["channel"].tolist())
+        self.peer.extend(rows["peer"].tolist())
+        self.posted.extend(rows["posted"].tolist())
+        self.done.extend(done.tolist())
+        self.bytes.extend(nbytes.tolist())
+        self.net_s.extend(np.minimum(net / 1e9, _MAX_AGE_S).tolist())
+        self.stalled_s.extend(_age_s(now_mono_ns, int(t)) for t in rows["last_ns"].tolist())
+        self.seq.extend(rows["seq"].tolist())
+        self.rate.extend(rate.tolist())
+        self.byte_rate.extend(byte_rate.tolist())
+        self.net_bw.extend(net_bw.tolist())
+
+
+_I63 = (1 << 63) - 1
+_MAX_AGE_S = 1e6  # the bus's bound on any age
 
 
 def _age_s(now_ns: int, since_ns: int) -> float:
     """Seconds since a host timestamp; 0 for the hook's "none" (0)."""
-    return max(0.0, (now_ns - since_ns) / 1e9) if since_ns else 0.0
+    return min(max(0.0, (now_ns - since_ns) / 1e9), _MAX_AGE_S) if since_ns else 0.0
 
 
 @dataclass
@@ -384,6 +462,18 @@ class Collector:
             for c in comms:
                 rows.add(stream.rank, c, now_mono_ns)
         return rows
+
+    def progress(self, now_mono_ns: int) -> ProgressCols:
+        """The profiler plugin's counters of every live rank (nothing where it is not loaded)."""
+        cols = ProgressCols()
+        for stream in list(self.streams.values()):
+            if stream.ended:
+                continue
+            try:
+                cols.add(stream, now_mono_ns)
+            except Exception as exc:
+                self._fail(stream, exc)
+        return cols
 
     def close(self) -> None:
         for stream in [*self._retiring, *self.streams.values()]:

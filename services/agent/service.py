@@ -30,7 +30,7 @@ from nats.js import JetStreamContext
 from pydantic import ValidationError
 
 from greyhound.ids import check_token
-from services.agent.collector import Collector, RankIteration, RankStream
+from services.agent.collector import Collector, ProgressCols, RankIteration, RankStream
 from services.agent.control import AgentControl
 from services.agent.health import RingHealth
 from services.agent.nvml import GpuMonitor, NvmlSampler
@@ -45,6 +45,7 @@ from services.common.bus.contract import (
     CounterBatch,
     IterationBatch,
     Message,
+    ProgressRows,
     RankInfo,
     Subjects,
     split_columns,
@@ -202,13 +203,28 @@ class NodeAgent:
             if batch is not None:
                 self.backlog.append((Subjects.collectives(job, self.agent_id), batch))
 
+    def _progress(self, job: str, cols: ProgressCols) -> ProgressRows | None:
+        """The plugin's counters as a message part, None when there are none; rows outside the
+        contract are dropped alone, never the counters they travel with."""
+        if not cols.rank:
+            return None
+        try:
+            return ProgressRows.model_validate(vars(cols))
+        except ValidationError as exc:
+            self.invalid_rows += len(cols.rank)
+            log.warning("job %s: %d progress row(s) outside the bus contract left out: %s", job,
+                        len(cols.rank), str(exc)[:200])
+            return None
+
     def collect_counters(self) -> None:
         now_mono = time.monotonic_ns()
         for job, col in list(self.collectors.items()):
             rows = col.counters(now_mono)
             if not rows.rank:
                 continue
-            batch = self._valid(CounterBatch, job, vars(rows), sampled_ns=time.time_ns())
+            progress = self._progress(job, col.progress(now_mono))
+            batch = self._valid(CounterBatch, job, vars(rows), sampled_ns=time.time_ns(),
+                                progress=progress)
             if batch is not None:
                 self.backlog.append((Subjects.counters(job, self.agent_id), batch))
 

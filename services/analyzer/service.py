@@ -165,7 +165,10 @@ class Analyzer:
         if det.kind != "hang":
             summary = (f"job {det.job_id} {det.kind}: iteration {det.before_s:.3f}s -> "
                        f"{det.after_s:.3f}s ({det.slowdown:.2f}x)")
-            return det.kind, _severity(det.slowdown), {"ranks": det.ranks[:64]}, summary
+            slow: dict[str, Any] = {"ranks": det.ranks[:64]}
+            if det.evidence.get("slow_links"):  # the plugin's rates name a network link
+                slow["slow_links"] = det.evidence["slow_links"]
+            return det.kind, _severity(det.slowdown), slow, summary
         stalled = det.stalled_s or 0.0
         severity = _severity(stalled / det.threshold_s if det.threshold_s else 1.0)
         culprit: dict[str, Any] = {"comm_id": det.comm_id, "ranks": det.ranks[:64]}
@@ -173,7 +176,8 @@ class Analyzer:
         # Cascaded symptoms are already dropped by the diagnosis. Of what is left, a rank that
         # never entered (or entered something else) explains peers stuck in the collective after
         # it, so those causes are named before "all entered, none completes".
-        found = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled) if rows else []
+        found = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled,
+                                   progress=det.evidence.get("progress")) if rows else []
         mine = sorted(found, key=lambda d: _HANG_PRIORITY.get(d.kind, len(_HANG_PRIORITY)))
         if not mine:
             return "hang", severity, culprit, (

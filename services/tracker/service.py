@@ -47,6 +47,7 @@ from pydantic import Field
 from greyhound.core.detector import Method
 from greyhound.core.job_hangs import COUNTER_FIELDS, HangFinding, JobHangMonitor
 from greyhound.core.job_tracker import JobDetection, JobTracker, TooManyRanks
+from greyhound.core.progress import ProgressSample, slow_links
 from services.common.bus.bounds import MAX_LISTED, MAX_SECONDS
 from services.common.bus.client import Consumer, PermanentError, publish
 from services.common.bus.contract import (
@@ -77,6 +78,15 @@ def detection_id(job: str, d: JobDetection) -> str:
     """Same decision, same id: a detection replayed after a crash is de-duplicated."""
     key = f"{job}|{d.kind}|{d.change}|{d.first_iteration}|{d.detected_iteration}"
     return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _slow_links(mon: JobHangMonitor) -> list[dict[str, Any]]:
+    """The links the profiler plugin's latest rates name slow (none without the plugin): a
+    slowdown's network cause, found without pausing the job."""
+    rows = mon.latest_progress()
+    if not rows["rank"]:
+        return []
+    return [dict(link.evidence()) for link in slow_links(ProgressSample.from_columns(rows))][:64]
 
 
 def _level(x: float) -> float:
@@ -220,7 +230,8 @@ class Tracker:
         else:
             st = await self._job(msg.job_id)
             st.hangs.observe_counters(msg.sampled_ns / 1e9,
-                                      {f: getattr(msg, f) for f in COUNTER_FIELDS})
+                                      {f: getattr(msg, f) for f in COUNTER_FIELDS},
+                                      msg.progress.model_dump() if msg.progress else None)
             self._hang_over(msg.job_id, st)
             await self.check_hangs()
             await self._hand_on(msg.job_id, st)
@@ -261,10 +272,10 @@ class Tracker:
         # The agent keeps each rank's iterations in order within and across batches.
         decisions = st.tracker.observe_many(msg.rank, np.asarray(msg.duration_s, dtype=np.float64))
         for d in decisions:
-            st.pending.append(self._detection(msg.job_id, d))
+            st.pending.append(self._detection(msg.job_id, d, st.hangs))
         return bool(decisions)
 
-    def _detection(self, job: str, d: JobDetection) -> DetectionEvent:
+    def _detection(self, job: str, d: JobDetection, mon: JobHangMonitor) -> DetectionEvent:
         """``before_s``/``after_s`` are the levels either side of this change; the evidence says
         which change it is (``onset``, ``further`` slowdown while slow, ``partial`` or ``full``
         recovery) and the job's healthy level, so a second fault reads as one."""
@@ -278,7 +289,7 @@ class Tracker:
             detected_iteration=max(d.detected_iteration, -1), before_s=_level(d.before_s),
             after_s=_level(d.after_s), detected_ns=time.time_ns(), method=self.method,
             evidence={"change": d.change, "healthy_s": _level(d.healthy_s),
-                      "ranks_total": len(d.ranks)})
+                      "ranks_total": len(d.ranks), "slow_links": _slow_links(mon)})
 
     # ---- hangs --------------------------------------------------------------------------------
 
@@ -309,7 +320,7 @@ class Tracker:
             after_s=_level(worst.stalled_s), detected_ns=time.time_ns(), comm_id=worst.comm_id,
             stalled_s=min(worst.stalled_s, MAX_SECONDS),
             threshold_s=min(worst.threshold_s, MAX_SECONDS), method=DetectionEvent.HANG_WATCH,
-            evidence={"counters": mon.rows_for(found),
+            evidence={"counters": mon.rows_for(found), "progress": mon.progress_for(found),
                       "stalled_comms": [f.comm_id for f in found][:1024],
                       "wait_basis": basis,
                       # members whose GPU view is off (no completion marks): host time only

@@ -1,6 +1,7 @@
 """Comm rows are read whole or not at all: the hook updates a row's host fields (the thread inside
-a call) and GPU fields (its poller) under two seqlock words, and the reader takes a row only
-between two reads of them that find them even and unchanged (layout 5)."""
+a call), its GPU fields (its poller) and its lifecycle fields (any other thread: an abort from a
+watchdog, an init taking the slot) under three seqlock words, and the reader takes a row only
+between two reads of them that find them all even and unchanged (layouts 5 and 6)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def test_a_row_mid_update_is_left_out_and_counted(tmp_path: Path) -> None:
     m.comm_table[1]["host_ver"] = 4
     m.comm_table[0]["gpu_ver"] = 1  # the poller is inside row 0
     assert [int(c) for c in reader.comms()["comm_id"]] == [9] and reader.torn == 2
+    m.comm_table[0]["gpu_ver"] = 2
+    m.comm_table[1]["life_ver"] = 7  # another thread (an abort) is inside row 1
+    assert [int(c) for c in reader.comms()["comm_id"]] == [7] and reader.torn == 3
     reader.close()
     w.close()
 

@@ -34,6 +34,9 @@ STRUCTS = {
     "gh_comm_entry": L.COMM_DTYPE,
     "gh_control": L.CONTROL_DTYPE,
     "gh_bench_slot": L.BENCH_SLOT_DTYPE,
+    "gh_prog_slot": L.PROG_SLOT_DTYPE,
+    "gh_kch_slot": L.KCH_SLOT_DTYPE,
+    "gh_progress": L.PROGRESS_DTYPE,
 }
 # Each C enum, the prefix of its members' names, and its Python mirror.
 ENUMS: dict[str, tuple[str, type[Enum]]] = {
@@ -43,6 +46,8 @@ ENUMS: dict[str, tuple[str, type[Enum]]] = {
     "gh_bench_kind": ("GH_BENCH_", L.BenchKind),
     "gh_bench_state": ("GH_BENCH_", L.BenchState),
     "gh_gpu_api": ("GH_GPU_API_", L.GpuApi),
+    "gh_prog_dir": ("GH_PROG_", L.ProgDir),
+    "gh_step_state": ("GH_STEP_", L.StepState),
 }
 _GUARD = "GREYHOUND_RING_H"
 

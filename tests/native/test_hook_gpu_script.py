@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from greyhound import hookabi as H
 from greyhound.fakejob import FakeJob, FakeJobSpec
 from tests.native.helpers import wait_rings
 
@@ -21,6 +22,8 @@ DRIVER = SCRIPT.with_name("gpu_check_driver.py")
 NVML = SCRIPT.with_name("gpu_check_nvml.py")
 SUMMARY = SCRIPT.with_name("gpu_check_summary.py")
 PAUSE = SCRIPT.with_name("gpu_check_pause.py")
+PROFILER = SCRIPT.with_name("gpu_check_profiler.py")
+PLAN = SCRIPT.with_name("gpu_check_plan.sh")
 
 
 def test_gpu_check_is_valid_bash() -> None:
@@ -62,7 +65,7 @@ def _embedded(name: str) -> str:
 
 
 def test_gpu_check_programs_compile() -> None:
-    for prog in (TRAIN, DRIVER, NVML, SUMMARY, PAUSE):
+    for prog in (TRAIN, DRIVER, NVML, SUMMARY, PAUSE, PROFILER):
         subprocess.run([sys.executable, "-m", "py_compile", str(prog)], check=True)
     for name in ("_AGENT", "_WATCHER"):
         compile(_embedded(name), name, "exec")
@@ -147,6 +150,7 @@ def _steps(tmp_path: Path, **over: dict[str, object]) -> Path:
         "nvml": {"ok": True, "via": "ctypes", "bus_ids": {"0": "00000000:1B:00.0", "1": "00000000:43:00.0"}},
         "pause": {"ok": True, "groups": {"ok": True}, "lonely_send": {"ok": True},
                   "timeout_cap": {"ok": True, "held_s": 5.0}},
+        "profiler": {"ok": True, "plugin_version": 5, "events_monitor": {"P2P": 40}},
     }
     for name, value in over.items():
         steps[name] = value
@@ -197,6 +201,60 @@ def test_gpu_check_summary_fails_when_the_pause_checks_fail_or_did_not_run(tmp_p
 
 def test_gpu_check_runs_the_pause_step_before_the_summary() -> None:
     text = SCRIPT.read_text()
-    step = re.search(r'^step pause \d+ 0 "\$PY" "\$ROOT/scripts/gpu_check_pause.py" --out "\$RES/pause"$',
+    step = re.search(r'^step pause 0 "\$PY" "\$ROOT/scripts/gpu_check_pause.py" --out "\$RES/pause"$',
                      text, re.M)
     assert step is not None and step.start() < text.index("gpu_check_summary.py\" \"$RES\"")
+
+
+def _timeout(name: str, spent: int, budget: int = 460) -> int:
+    """What scripts/gpu_check_plan.sh gives step ``name`` once ``spent`` s of ``budget`` are gone."""
+    p = subprocess.run(["bash", "-c", f'source "{PLAN}"; gh_check_timeout {name} {spent} {budget}'],
+                       capture_output=True, text=True, check=True, timeout=30)
+    return int(p.stdout)
+
+
+def test_gpu_check_runs_every_step_of_its_plan_and_the_plan_fits_the_budget() -> None:
+    """The budget's arithmetic: the steps' needs (and the gaps between them) fit in the 460 s,
+    each step keeps what the later ones need, so when every step overruns its need as far as it
+    is let, the last one still gets its need (the old limits added up to 880 s: the last step
+    could be skipped)."""
+    plan = [line.split() for line in re.search(r'GH_CHECK_PLAN="(.*?)"', PLAN.read_text(), re.S)
+            .group(1).strip().splitlines()]  # type: ignore[union-attr]
+    names = [p[0] for p in plan]
+    called = re.findall(r'^(?:\w+=\S+ )*step (\w+) [01] ', SCRIPT.read_text(), re.M)
+    assert called == names and names[-2:] == ["profiler", "pause"]
+    gap = 2
+    assert sum(int(p[1]) + gap for p in plan) <= 460
+    spent = 0
+    for name, need, limit in plan:
+        got = _timeout(name, spent, 460)
+        assert int(need) <= got <= int(limit), (name, spent, got)
+        spent += got + gap  # the worst case: every step runs out its timeout
+    assert spent <= 460 + gap
+    assert _timeout("pause", 460 - 50) == 0  # what cannot get its need says so (skipped)
+    assert _timeout("no_such_step", 0) == 0
+
+
+def test_gpu_check_profiler_step_over_the_fake_nccl(native_build: Path, tmp_path: Path) -> None:
+    """The profiler step against the fake NCCL through ctypes (the GPU run goes through PyTorch):
+    the hook named as the plugin is the preloaded instance, NCCL takes v5 (2.28), the caller's
+    events are bound to the interposer's comm table, profile mode brings the costly classes."""
+    hook = native_build / "libgreyhound_hook.so"
+    env = dict(os.environ, GREYHOUND_SHM_DIR=str(tmp_path / "shm"), GREYHOUND_JOB_ID="prof",
+               RANK="0", WORLD_SIZE="1", GH_PROFILER_VIA="ctypes",
+               GH_NCCL_LIB=str(native_build / "fake" / "libnccl.so.2"),
+               LD_LIBRARY_PATH=str(native_build / "fake"), LD_PRELOAD=str(hook))
+    env.pop("NCCL_PROFILER_PLUGIN", None)
+    p = subprocess.run([sys.executable, str(PROFILER)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.returncode == 0 and res["ok"], (res, p.stderr[-2000:])
+    assert res["plugin"] == str(hook) and res["plugin_version"] == 5 and res["unbound"] == 0
+    assert res["events_monitor"]["P2P"] == 40 and "KERNEL_LAUNCH" not in res["events_monitor"]
+    assert res["events_profile"]["KERNEL_LAUNCH"] > 0
+    assert int(res["mask_default"], 16) & int(H.ProfileClass.KERNEL_LAUNCH) == 0
+    # without the hook preloaded there is no plugin to name, and the step says it failed
+    env.pop("LD_PRELOAD")
+    bare = subprocess.run([sys.executable, str(PROFILER)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert bare.returncode == 1 and not json.loads(bare.stdout.strip().splitlines()[-1])["ok"]

@@ -49,6 +49,8 @@ Seconds = Annotated[float, Field(gt=0.0, le=MAX_SECONDS, allow_inf_nan=False)]
 Age = Annotated[float, Field(ge=0.0, le=MAX_SECONDS, allow_inf_nan=False)]  # 0: none
 UnixSeconds = Annotated[float, Field(gt=0.0, le=MAX_UNIX_S, allow_inf_nan=False)]
 Severity = Annotated[float, Field(ge=0.0, le=MAX_SECONDS, allow_inf_nan=False)]
+MAX_RATE = 1e18  # per second: steps, bytes (an exabyte a second is no link)
+Rate = Annotated[float, Field(ge=0.0, le=MAX_RATE, allow_inf_nan=False)]  # 0: unknown
 Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME, pattern=_NO_CONTROL)]
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT, pattern=r"^[^\x00]*$")]
 # Used as the Nats-Msg-Id header and as database keys: no spaces, no control characters.

@@ -35,6 +35,7 @@ from services.common.bus.bounds import (
     ObjectId,
     Peer,
     Rank,
+    Rate,
     Seconds,
     Severity,
     SignedNanos,
@@ -221,13 +222,17 @@ class AgentHello(Message):
 
 
 class Columnar(Message):
-    """A batch of rows sent as one list per field (``COLUMNS``), all of one length."""
+    """A batch of rows sent as one list per field (``COLUMNS``), all of one length; a column of
+    ``OPTIONAL`` (added after the message first shipped) may be empty instead, as an older
+    producer sends it."""
 
     COLUMNS: ClassVar[tuple[str, ...]] = ()
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="after")
     def _same_lengths(self) -> Self:
-        lengths = {f: len(getattr(self, f)) for f in self.COLUMNS}
+        lengths = {f: len(getattr(self, f)) for f in self.COLUMNS
+                   if f not in self.OPTIONAL or len(getattr(self, f))}
         if len(set(lengths.values())) > 1:
             raise ValueError(f"columns must have equal lengths, got {lengths}")
         return self
@@ -239,7 +244,7 @@ class Columnar(Message):
         (a corrupt ring, a clock that jumped), and how many rows were left out; None when none
         is left. A producer uses this so that one bad row costs that row, not the batch nor the
         producer. Errors outside the rows (the envelope) are the producer's bug: raised."""
-        cols = {name: list(columns[name]) for name in cls.COLUMNS}
+        cols = {name: list(columns[name]) for name in cls.COLUMNS if name in columns}
         dropped = 0
         for _ in range(3):
             try:
@@ -283,6 +288,49 @@ class IterationBatch(Columnar):
         return len(self.rank)
 
 
+class ProgressRows(BaseModel):
+    """CCL-D's kernel-level counters from NCCL's profiler plugin (the hook), one row per (rank,
+    communicator, channel, peer, kind) of this agent's ranks.
+
+    ``kind`` 0 sends, 1 receives (network transfers: NCCL raises no step events for peers on the
+    same node), 2 a channel's kernel. ``peer`` is the peer's rank in the communicator (-1 for a
+    kernel), ``comm_rank`` the owner's. ``posted`` / ``done`` count network steps (CCL-D's
+    SendCount and RecvCount; a kernel: starts and stops), ``bytes`` and ``net_s`` the bytes done
+    and their time on the network, ``stalled_s`` how long ago the row last moved (on its host's
+    clock), ``seq`` the collective (the comm table's sequence) of its newest op (0 unknown).
+    ``rate`` (steps/s, CCL-D's SendRate and RecvRate), ``byte_rate`` (bytes/s) and ``net_bw``
+    (bytes per second of network time) are over the agent's last sampling window, 0 unknown."""
+
+    model_config = STRICT
+
+    rank: list[Rank] = Field(max_length=MAX_ROWS)
+    comm_id: list[Id64] = Field(max_length=MAX_ROWS)
+    comm_rank: list[CommRank] = Field(max_length=MAX_ROWS)
+    kind: list[Literal[0, 1, 2]] = Field(max_length=MAX_ROWS)
+    channel: list[Code] = Field(max_length=MAX_ROWS)
+    peer: list[Peer] = Field(max_length=MAX_ROWS)
+    posted: list[Counter] = Field(max_length=MAX_ROWS)
+    done: list[Counter] = Field(max_length=MAX_ROWS)
+    bytes: list[Counter] = Field(max_length=MAX_ROWS)
+    net_s: list[Age] = Field(max_length=MAX_ROWS)
+    stalled_s: list[Age] = Field(max_length=MAX_ROWS)
+    seq: list[Counter] = Field(max_length=MAX_ROWS)
+    rate: list[Rate] = Field(max_length=MAX_ROWS)
+    byte_rate: list[Rate] = Field(max_length=MAX_ROWS)
+    net_bw: list[Rate] = Field(max_length=MAX_ROWS)
+
+    COLUMNS: ClassVar[tuple[str, ...]] = (
+        "rank", "comm_id", "comm_rank", "kind", "channel", "peer", "posted", "done", "bytes",
+        "net_s", "stalled_s", "seq", "rate", "byte_rate", "net_bw")
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> Self:
+        lengths = {len(getattr(self, f)) for f in self.COLUMNS}
+        if len(lengths) > 1:
+            raise ValueError("progress columns must have equal lengths")
+        return self
+
+
 class CounterBatch(Columnar):
     """CCL-D style per-communicator counters of each rank, sampled by the agent (columnar).
 
@@ -298,7 +346,10 @@ class CounterBatch(Columnar):
     the oldest call enqueued and not done on the GPU (0 when none), and ``gpu_pending_seq`` /
     ``_op`` / ``_count`` / ``_dtype`` describe that call (seq 0 for a send or receive), so ranks
     stuck at one sequence compare what each one is stuck in. A hung collective shows as a large
-    ``gpu_pending_s`` while every host has left NCCL.
+    ``gpu_pending_s`` while every host has left NCCL. ``last_peer`` and ``gpu_pending_peer``
+    (layout 6; empty from older agents) name the peer of those calls (a send or receive's, a
+    rooted collective's root; -1 none), so a point-to-point hang is named by its pair.
+    ``progress`` carries the profiler plugin's counters of the same ranks, when it runs.
     """
 
     kind: Literal["counters"] = "counters"
@@ -324,12 +375,17 @@ class CounterBatch(Columnar):
     gpu_pending_op: list[Code] = Field(max_length=MAX_ROWS)
     gpu_pending_count: list[Counter] = Field(max_length=MAX_ROWS)
     gpu_pending_dtype: list[Code] = Field(max_length=MAX_ROWS)
+    last_peer: list[Peer] = Field(default_factory=list, max_length=MAX_ROWS)
+    gpu_pending_peer: list[Peer] = Field(default_factory=list, max_length=MAX_ROWS)
+    progress: ProgressRows | None = None
 
     COLUMNS: ClassVar[tuple[str, ...]] = (
         "rank", "comm_id", "comm_rank", "nranks", "entered", "completed", "last_seq_entered",
         "last_seq_completed", "inflight_s", "last_op", "last_count", "last_dtype", "gpu_marks",
         "gpu_completed", "gpu_seq_completed", "gpu_pending_s", "gpu_pending_seq",
-        "gpu_pending_op", "gpu_pending_count", "gpu_pending_dtype")
+        "gpu_pending_op", "gpu_pending_count", "gpu_pending_dtype", "last_peer",
+        "gpu_pending_peer")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("last_peer", "gpu_pending_peer")
 
 
 DetectionKind = Literal["slowdown", "recovery", "hang"]
@@ -499,6 +555,8 @@ def split_columns(msg: Message) -> tuple[Message, Message] | None:
     data = msg.model_dump(exclude={"event_id"})
     lo = {**data, **{c: data[c][:half] for c in msg.COLUMNS}}
     hi = {**data, **{c: data[c][half:] for c in msg.COLUMNS}}
+    if "progress" in hi:
+        hi["progress"] = None  # rows of their own, sent once
     return type(msg).model_validate(lo), type(msg).model_validate(hi)
 
 

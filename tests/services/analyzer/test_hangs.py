@@ -67,3 +67,69 @@ def test_hang_event_becomes_a_named_incident() -> None:
     kind, severity, culprit, summary = Analyzer._classify(det)
     assert kind == "hang_inconsistent" and culprit["ranks"] == [3] and severity == 2.0
     assert culprit["comm_id"] == COMM and "allreduce #9" in summary
+
+
+def _all_pending() -> dict[str, list[Any]]:
+    """Four ranks entered collective 10 and none finished it on the GPU: the comm table names all."""
+    rows = _past_the_hung_call(odd_op=Op.ALLREDUCE)
+    rows.update(last_seq_entered=[10] * 4, entered=[10] * 4, completed=[10] * 4,
+                last_seq_completed=[10] * 4)
+    return rows
+
+
+def _ring_progress(stopping: int) -> dict[str, list[Any]]:
+    """The plugin's rows of a ring channel where ``stopping`` stopped sending first."""
+    cols: dict[str, list[Any]] = {}
+    for r in range(4):
+        d = (r - stopping) % 4
+        for kind, peer, done in ((0, (r + 1) % 4, 6 + d), (1, (r - 1) % 4, 6 + (3 if d == 0 else d - 1))):
+            row = dict(rank=r, comm_id=COMM, comm_rank=r, kind=kind, channel=1, peer=peer,
+                       posted=12, done=done, bytes=done * 100, net_s=0.1, stalled_s=35.0, seq=10,
+                       rate=0.0, byte_rate=0.0, net_bw=0.0)
+            for k, v in row.items():
+                cols.setdefault(k, []).append(v)
+    return cols
+
+
+def test_a_hang_where_every_rank_is_stuck_names_who_stopped_first_from_the_plugins_rows() -> None:
+    ev: dict[str, Any] = {"counters": _all_pending(), "wait_basis": "gpu"}
+    det = DetectionEvent(job_id="j", kind="hang", ranks=[0, 1, 2, 3], first_iteration=-1,
+                         detected_iteration=-1, before_s=0.5, after_s=40.0, detected_ns=NOW,
+                         comm_id=COMM, stalled_s=40.0, threshold_s=20.0, method="hang-watch",
+                         evidence=ev)
+    kind, _, culprit, _ = Analyzer._classify(det)
+    assert kind == "hang_hardware" and culprit["ranks"] == [0, 1, 2, 3]
+    det = det.model_copy(update={"evidence": {**ev, "progress": _ring_progress(1)}})
+    kind, _, culprit, summary = Analyzer._classify(det)
+    assert kind == "hang_hardware" and culprit["ranks"] == [1] and "ranks [1]" in summary
+    (link,) = culprit["diagnosis"]["inside_links"]
+    assert (link["src"], link["dst"], link["channel"], link["stopped"]) == (1, 2, 1, "sender")
+
+
+def test_a_slowdown_names_the_slow_link_the_plugins_rates_found() -> None:
+    link = {"comm_id": 5, "src": 2, "dst": 3, "src_rank": 2, "dst_rank": 3, "channels": [0, 1],
+            "bandwidth_Bps": 2.5e8, "others_Bps": 1e9, "ratio": 0.25}
+    det = DetectionEvent(job_id="j", kind="slowdown", ranks=[], first_iteration=10,
+                         detected_iteration=14, before_s=0.1, after_s=0.3, detected_ns=NOW,
+                         method="bocd", evidence={"change": "onset", "slow_links": [link]})
+    kind, _, culprit, _ = Analyzer._classify(det)
+    assert kind == "slowdown" and culprit["slow_links"] == [link]
+    kind, _, culprit, _ = Analyzer._classify(det.model_copy(update={"evidence": {"change": "onset"}}))
+    assert "slow_links" not in culprit
+
+
+def test_a_pipeline_pair_that_disagrees_on_the_size_is_named_by_the_pair() -> None:
+    """Stage 0 sends 1 Mi floats to stage 1, which posted a receive of one more: both pending on
+    the GPU. The comm table's pending peers name the pair and its sizes (layout 6)."""
+    n = 2
+    rows: dict[str, list[Any]] = {f: [0] * n for f in COUNTER_FIELDS}
+    rows.update(rank=[4, 12], comm_id=[COMM] * n, comm_rank=[0, 1], nranks=[n] * n,
+                entered=[7, 7], completed=[7, 7], last_op=[int(Op.SEND), int(Op.RECV)],
+                gpu_marks=[1] * n, gpu_completed=[6] * n, gpu_pending_s=[40.0] * n,
+                gpu_pending_op=[int(Op.SEND), int(Op.RECV)], gpu_pending_count=[1 << 20, (1 << 20) + 1],
+                gpu_pending_dtype=[7] * n, gpu_pending_peer=[1, 0], last_peer=[1, 0])
+    (d,) = diagnose_from_rows(rows, now_ns=NOW, stalled_s=40.0)
+    assert d.kind == "hang_inconsistent" and d.ranks == [4, 12]
+    assert (d.evidence["send_count"], d.evidence["recv_count"]) == (1 << 20, (1 << 20) + 1)
+    rows["gpu_pending_peer"] = []  # an older agent: no peers, the pair cannot be checked
+    assert all(d.kind != "hang_inconsistent" for d in diagnose_from_rows(rows, now_ns=NOW, stalled_s=40.0))

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.common.bus.contract import CounterBatch, DetectionEvent, Subjects
+from services.common.bus.contract import CounterBatch, DetectionEvent, ProgressRows, Subjects
 from services.common.bus.streams import EVENTS
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
@@ -96,3 +96,22 @@ async def test_the_hang_is_over_when_the_communicator_moves_again(ctx: ServiceCo
     assert hang.kind == "hang" and hang.before_s > 0  # a level the contract accepts
     assert over.kind == "recovery" and over.hang_over and over.comm_id == hang.comm_id
     assert over.evidence["moved_comms"] == [hang.comm_id]
+
+
+async def test_a_hang_event_carries_the_plugins_rows_of_the_stalled_communicator(
+        ctx: ServiceContext, bus: Bus) -> None:
+    """Where inside the collective the ranks stopped goes with the hang to the analyzer; a batch
+    from an older agent (no peer columns, no plugin rows) is watched as before."""
+    job = f"insidehang-{uuid.uuid4().hex[:6]}"
+    tracker = Tracker(ctx, settings=HANG_FLOOR)
+    old = _counters(job, 0.5).model_copy(update={"last_peer": [], "gpu_pending_peer": []})
+    await tracker.handle(Subjects.counters(job, "a0"), old)
+    cols: dict[str, list[Any]] = {c: [0] * 2 for c in ProgressRows.COLUMNS}
+    cols.update(rank=[1, 2], comm_id=[(1 << 64) - 7] * 2, comm_rank=[1, 2], kind=[0, 1],
+                channel=[1, 1], peer=[2, 1], posted=[24, 24], done=[12, 12], stalled_s=[4.0, 4.0])
+    stuck = _counters(job, 5.0).model_copy(update={"progress": ProgressRows.model_validate(cols)})
+    await tracker.handle(Subjects.counters(job, "a0"), stuck)
+    (event,) = await _events(bus, job)
+    prog = event.evidence["progress"]
+    assert prog["rank"] == [1, 2] and prog["done"] == [12, 12] and prog["channel"] == [1, 1]
+    assert event.evidence["counters"]["gpu_pending_peer"] == [0] * 4
