@@ -73,7 +73,15 @@ def test_kill9_of_greyhound_up_ends_its_children(pg_url: str, tmp_path: Path) ->
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["sleep", "600"], start_new_session=True)
+    """A stand-in process that dies of SIGINT as a postmaster would, even when the tests run
+    with SIGINT ignored (a shell's background job passes SIG_IGN on to its children): exec
+    resets a handled signal to its default and keeps only an ignored one, so the child is
+    started while this process handles SIGINT."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(["sleep", "600"], start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def test_a_pid_given_to_another_process_is_not_signalled() -> None:
