@@ -11,25 +11,26 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from nats.aio.client import Client as NATS
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from greyhound.core.gpu_health import evidence, explain_hang, explain_slow, explanation
 from services.common.bus import control
 from services.common.db import repository as repo
 from services.common.db.models import Incident
-from services.common.runtime import ServiceContext
 
 HANG_UNDETERMINED = "hang"
 
 
-async def job_gpu_health(ctx: ServiceContext, job: str, *, timeout_s: float = 2.0
+async def job_gpu_health(nc: NATS, session: AsyncSession, job: str, *, timeout_s: float = 2.0
                          ) -> list[dict[str, Any]]:
-    """Fresh samples of the job's GPUs from every agent that watches its ranks."""
-    async with ctx.db()() as session:
-        ranks = await repo.job_ranks(session, job)
-        await session.commit()
+    """Fresh samples of the job's GPUs from every agent that watches its ranks (read with
+    ``session``)."""
+    ranks = await repo.job_ranks(session, job)
     agents = sorted({r.agent_id for r in ranks})
     if not agents:
         return []
-    return await control.gpu_health(ctx.nc, job, agents, timeout_s=timeout_s)
+    return await control.gpu_health(nc, job, agents, timeout_s=timeout_s)
 
 
 def attach_slow(incident: Incident, compute_ranks: list[int], samples: list[dict[str, Any]]

@@ -50,8 +50,8 @@ from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import ANALYZER
 from services.common.db import repository as repo
 from services.common.db.models import Incident
-from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext, supervise
+from services.common.unit_of_work import UnitOfWork, Work
 
 log = logging.getLogger(__name__)
 
@@ -75,24 +75,31 @@ def _severity(x: float) -> float:
 
 
 class Analyzer:
-    def __init__(self, ctx: ServiceContext, localizer: SlowLocalizer | None = None, *,
-                 outbox: Outbox | None = None) -> None:
+    def __init__(self, ctx: ServiceContext, work: Work,
+                 localizer: SlowLocalizer | None = None) -> None:
         self.ctx = ctx
+        self.work = work
         self.localizer = localizer
-        self.outbox = outbox or (localizer.outbox if localizer is not None
-                                 else Outbox.of(ctx, "analyzer"))
         self._chains: dict[str, asyncio.Task[None]] = {}
+        # what the consumer calls: handle, in a unit of work of its own per detection
+        self.consume = work.per_message(self.handle, claim=ANALYZER.durable)
 
-    async def handle(self, subject: str, det: DetectionEvent) -> None:
-        """A database failure propagates: the consumer retries what may succeed later."""
+    async def handle(self, uow: UnitOfWork, subject: str, det: DetectionEvent) -> None:
+        """One detection, claimed by the consumer's unit of work; a database failure
+        propagates: the consumer retries what may succeed later."""
         # a hang's GPUs may say why (an Xid): asked before the incident is written, briefly
         # (an agent that cannot answer in 1 s delays the incident by at most 3 s)
-        gpus = (await job_gpu_health(self.ctx, det.job_id, timeout_s=1.0)
+        gpus = (await job_gpu_health(self.ctx.nc, uow.session, det.job_id, timeout_s=1.0)
                 if det.kind == "hang" else [])
-        done = await self._record(det, gpus)
-        await self.outbox.flush([e.event_id for e in done.events])
-        if done.localize is not None and self.localizer is not None:
-            self._localize(done.localize, det, second=done.second)
+        done = await self._record(uow.session, det, gpus)
+        for event in done.events:
+            await uow.stage(Subjects.incident(det.job_id), event)
+        incident_id = done.localize
+        if incident_id is not None and self.localizer is not None:
+            async def localize() -> None:
+                self._localize(incident_id, det, second=done.second)
+
+            uow.after_commit(localize)
 
     async def resume(self) -> int:
         """Localise again every open incident left ``detected`` without a localisation result
@@ -100,9 +107,8 @@ class Analyzer:
         found), unless its job is being profiled now; how many were started."""
         if self.localizer is None:
             return 0
-        async with self.ctx.db()() as session:
+        async with self.work.read() as session:
             rows = await repo.unlocalized_incidents(session, SLOW_KEY)
-            await session.commit()
         started = 0
         for inc in rows:
             if inc.job_id in self._chains or inc.job_id in self.localizer.tasks:
@@ -149,9 +155,8 @@ class Analyzer:
     async def _known(self, job: str, exclude: str) -> KnownCauses:
         """What the job's other open slowdown incidents name, read when the localisation runs
         (the first incident's own localisation may have finished only just now)."""
-        async with self.ctx.db()() as session:
+        async with self.work.read() as session:
             rows = await repo.open_incidents(session, job, SLOW_KEY)
-            await session.commit()
         return KnownCauses.from_culprits((i.id, i.culprit) for i in rows if i.id != exclude)
 
     async def stop(self) -> None:
@@ -189,8 +194,8 @@ class Analyzer:
             f"job {det.job_id}: {d.kind} on communicator {comm} at {d.op} #{d.seq}; "
             f"ranks {d.ranks[:16]}; stalled {stalled:.1f}s")
 
-    async def _record(self, det: DetectionEvent, gpus: list[dict[str, Any]] | None = None
-                      ) -> Recorded:
+    async def _record(self, session: AsyncSession, det: DetectionEvent,
+                      gpus: list[dict[str, Any]] | None = None) -> Recorded:
         change = str(det.evidence.get("change", "onset")) if det.kind != "hang" else None
         detail = {"event_id": det.event_id, "ranks": det.ranks[:64], "method": det.method,
                   "first_iteration": det.first_iteration,
@@ -198,24 +203,15 @@ class Analyzer:
                   "before_s": det.before_s, "after_s": det.after_s}
         if change is not None:
             detail.update(change=change, healthy_s=det.evidence.get("healthy_s"))
-        async with self.ctx.db()() as session:
-            if not await repo.claim_event(session, ANALYZER.durable, det.event_id):
-                return Recorded()
-            await repo.touch_job(session, det.job_id)
-            if det.kind == "hang":
-                done = await self._hang(session, det, detail, gpus or [])
-            elif det.hang_over:
-                done = await self._hang_over(session, det, detail)
-            else:
-                open_ = await repo.open_incidents(session, det.job_id, SLOW_KEY)
-                if det.kind == "recovery":
-                    done = await self._recovery(session, det, detail, change, open_)
-                else:
-                    done = await self._slowdown(session, det, detail, change, open_)
-            for event in done.events:
-                await self.outbox.stage(session, Subjects.incident(det.job_id), event)
-            await session.commit()
-        return done
+        await repo.touch_job(session, det.job_id)
+        if det.kind == "hang":
+            return await self._hang(session, det, detail, gpus or [])
+        if det.hang_over:
+            return await self._hang_over(session, det, detail)
+        open_ = await repo.open_incidents(session, det.job_id, SLOW_KEY)
+        if det.kind == "recovery":
+            return await self._recovery(session, det, detail, change, open_)
+        return await self._slowdown(session, det, detail, change, open_)
 
     async def _hang_over(self, session: AsyncSession, det: DetectionEvent,
                          detail: dict[str, Any]) -> Recorded:
@@ -329,10 +325,11 @@ async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
     """The service: detections, the collective feed, the outbox relay and the retention pass,
     supervised (one that dies ends the process for its supervisor to restart it)."""
     settings = AnalyzerSettings()
-    outbox = Outbox.of(ctx, "analyzer")
-    localizer = SlowLocalizer(ctx, outbox=outbox)
-    analyzer = Analyzer(ctx, localizer, outbox=outbox)
-    consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.handle)
+    work = ctx.work("analyzer")
+    localizer = SlowLocalizer(ctx, work)
+    analyzer = Analyzer(ctx, work, localizer)
+    consumer: Consumer[DetectionEvent] = Consumer(
+        ctx.js, ANALYZER, DetectionEvent, analyzer.consume)
     feed = CollectiveFeed(ctx.js, localizer.buffers)
 
     async def stopper() -> None:
@@ -353,8 +350,8 @@ async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
                 await asyncio.wait_for(stop.wait(), settings.resume_every_s)
 
     try:
-        await supervise(consumer.run(), feed.run(), outbox.run(stop), stopper(), resumer(),
-                        run_retention(ctx.db(), settings, stop,
+        await supervise(consumer.run(), feed.run(), work.relay(stop), stopper(), resumer(),
+                        run_retention(work, settings, stop,
                                       events_max_age_s=ctx.settings.events_max_age_s))
     finally:
         await analyzer.stop()

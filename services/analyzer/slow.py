@@ -38,8 +38,8 @@ from services.common.bus.contract import (
 from services.common.bus.errors import describe, is_transient
 from services.common.db import repository as repo
 from services.common.db.models import Rank
-from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext
+from services.common.unit_of_work import Work
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +47,12 @@ log = logging.getLogger(__name__)
 class SlowLocalizer:
     """Owns the open profiling windows (``buffers``, shared with the collective feed)."""
 
-    def __init__(self, ctx: ServiceContext, *, rule: WindowRule | None = None,
-                 control_timeout_s: float = 3.0, outbox: Outbox | None = None,
-                 record_patience_s: float = 300.0) -> None:
+    def __init__(self, ctx: ServiceContext, work: Work, *, rule: WindowRule | None = None,
+                 control_timeout_s: float = 3.0, record_patience_s: float = 300.0) -> None:
         self.ctx = ctx
+        self.work = work
         self.rule = rule or WindowRule()
         self.control_timeout_s = control_timeout_s
-        self.outbox = outbox or Outbox.of(ctx, "analyzer")
         self.record_patience_s = record_patience_s
         self.buffers: dict[str, ProfileBuffer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -85,10 +84,8 @@ class SlowLocalizer:
             loc, window, timing = await self._profile(det)
             if known is not None:
                 loc = new_causes(loc, known)
-            ids = await self._record_patiently(incident_id, det, loc,
-                                               {"window": window, "timing": timing},
-                                               await gpus)
-            await self.outbox.flush(ids)
+            await self._record_patiently(incident_id, det, loc,
+                                         {"window": window, "timing": timing}, await gpus)
         except asyncio.CancelledError:
             raise
         except Exception:  # one failed localisation must not take the analyzer down
@@ -99,7 +96,9 @@ class SlowLocalizer:
     async def _gpus(self, job: str) -> list[dict[str, Any]]:
         """The job's GPU health now, while it is still slow; [] when it cannot be had."""
         try:
-            return await job_gpu_health(self.ctx, job, timeout_s=self.control_timeout_s)
+            async with self.work.read() as session:
+                return await job_gpu_health(self.ctx.nc, session, job,
+                                            timeout_s=self.control_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -108,13 +107,17 @@ class SlowLocalizer:
 
     async def _record_patiently(self, incident_id: str, det: DetectionEvent,
                                 loc: SlowLocalization, facts: dict[str, Any],
-                                gpus: list[dict[str, Any]]) -> list[str]:
+                                gpus: list[dict[str, Any]]) -> None:
         """Record the result, retrying while the database is away (up to record_patience_s)."""
         deadline = time.monotonic() + self.record_patience_s
         delay = 0.5
         while True:
             try:
-                return await self._record(incident_id, det, loc, facts, gpus)
+                async with self.work.unit() as uow:
+                    for subject, msg in await self._apply(uow.session, incident_id, det, loc,
+                                                          facts, gpus):
+                        await uow.stage(subject, msg)
+                return
             except Exception as exc:
                 if not is_transient(exc) or time.monotonic() + delay > deadline:
                     raise
@@ -127,7 +130,7 @@ class SlowLocalizer:
                        ) -> tuple[SlowLocalization, dict[str, Any], dict[str, object]]:
         """Profile the job until the window is ready; the localisation, the window's facts, and
         which clock its calls were timed on (GPU, host, or both)."""
-        async with self.ctx.db()() as session:
+        async with self.work.read() as session:
             ranks: Sequence[Rank] = await repo.job_ranks(session, det.job_id)
         agents = sorted({r.agent_id for r in ranks})
         node_of_rank: dict[int, NodeLabel] = {
@@ -167,16 +170,6 @@ class SlowLocalizer:
                 ok += 1
         return ok
 
-    async def _record(self, incident_id: str, det: DetectionEvent, loc: SlowLocalization,
-                      facts: dict[str, Any], gpus: list[dict[str, Any]] | None = None
-                      ) -> list[str]:
-        """Commit the result with its announcements; the event ids to send."""
-        async with self.ctx.db()() as session:
-            announce = await self._apply(session, incident_id, det, loc, facts, gpus or [])
-            ids = [await self.outbox.stage(session, subject, msg) for subject, msg in announce]
-            await session.commit()
-        return ids
-
     async def _apply(self, session: AsyncSession, incident_id: str, det: DetectionEvent,
                      loc: SlowLocalization, facts: dict[str, Any],
                      gpus: list[dict[str, Any]]) -> list[tuple[str, Message]]:
@@ -192,7 +185,6 @@ class SlowLocalizer:
                       else "unexplained")
             detail = {"result": result, "by": "analyzer", "evidence": evidence}
             await repo.add_timeline(session, incident, stage or "detected", detail)
-            await session.commit()
             log.info("incident %s: profiling found nothing (%s)", incident.id, result)
             if stage is None:
                 return []

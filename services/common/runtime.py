@@ -19,8 +19,10 @@ from services.common.bus.client import connect, ensure_streams
 from services.common.db.migrate import upgrade_async
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
+from services.common.outbox import Outbox
 from services.common.redact import redact
 from services.common.settings import Settings
+from services.common.unit_of_work import Work
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,11 @@ class ServiceContext:
         if self.sessions is None:
             raise RuntimeError("this service was started without a database")
         return self.sessions
+
+    def work(self, producer: str, *, ordered: bool = False) -> Work:
+        """The service's units of work, announcing through its outbox as ``producer`` (one per
+        process: the outbox orders its sends, and its relay runs as one of the tasks)."""
+        return Work(self.db(), Outbox.of(self, producer, ordered=ordered))
 
     async def close(self) -> None:
         try:

@@ -16,12 +16,11 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from greyhound.core.escalation import Strategy
-from services.common.bus.contract import JobLayout, Message, Subjects
-from services.common.bus.errors import describe
+from services.common.bus.contract import JobLayout, Subjects
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan
-from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext
+from services.common.unit_of_work import UnitOfWork, Work
 from services.planner import build
 from services.planner.build import STRATEGIES, Culprit, JobState
 from services.planner.delivery import announce, note, take_back
@@ -36,8 +35,7 @@ WATCH_GRACE_S = 600.0  # a watched job with no validated incident by then is no 
 
 
 class PlannerBase(abc.ABC):
-    def __init__(self, ctx: ServiceContext, settings: PlannerSettings | None = None, *,
-                 outbox: Outbox | None = None) -> None:
+    def __init__(self, ctx: ServiceContext, settings: PlannerSettings | None = None) -> None:
         self.ctx = ctx
         self.config = settings or PlannerSettings()
         self.tracked: dict[str, Tracked] = {}
@@ -45,38 +43,17 @@ class PlannerBase(abc.ABC):
         self._watch_tasks: dict[str, asyncio.Task[None]] = {}
         self._watch_since: dict[str, float] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._outbox = outbox
+        self._work: Work | None = None
         self._saved_at = time.monotonic()
 
     @property
-    def outbox(self) -> Outbox:
-        """Made on first use: the context's connections may open after the planner is built."""
-        if self._outbox is None:
-            self._outbox = Outbox.of(self.ctx, "planner")
-        return self._outbox
-
-    async def _stage(self, session: AsyncSession, subject: str, msg: Message) -> None:
-        """``msg`` goes out only if the caller's transaction, which made what it says, commits."""
-        await self.outbox.stage(session, subject, msg)
-
-    async def flush(self) -> None:
-        """Send every committed planner message still unsent, oldest first; never raises (what
-        stays unsent, the relay sends). All of them, not only this unit of work's: the plans
-        stream keeps each job's last message, so a version whose first send failed (or that a
-        killed process left) must not be overtaken by the next one, which a send of only the
-        newest ids would do while the relay waits out its grace period."""
-        try:
-            async with self.ctx.db()() as session:
-                ids = await repo.unsent_ids(session, self.outbox.producer,
-                                            limit=self.outbox.batch)
-        except Exception as exc:
-            log.warning("planner: reading the unsent messages failed; the relay sends them: %s",
-                        describe(exc))
-            return
-        await self.outbox.flush(ids)
-
-    async def _claimed(self, session: AsyncSession, event_id: str) -> bool:
-        return await repo.claim_event(session, "planner", event_id)
+    def work(self) -> Work:
+        """Made on first use: the context's connections may open after the planner is built.
+        Its outbox is ordered: the plans stream keeps each job's last message, so a version
+        whose first send failed (or that a killed process left) must go out before the next."""
+        if self._work is None:
+            self._work = self.ctx.work("planner", ordered=True)
+        return self._work
 
     async def _overheads(self, session: AsyncSession, job: str,
                          layout: JobLayout) -> dict[Strategy, float]:
@@ -124,10 +101,11 @@ class PlannerBase(abc.ABC):
                 repo.move_plan(plan, "withdraw", reason="the fault ended before it took effect")
                 await note(session, incident, "plan_withdrawn", plan, reason=plan.reason)
 
-    async def _end(self, session: AsyncSession, t: Tracked | None, incident: Incident,
+    async def _end(self, uow: UnitOfWork, t: Tracked | None, incident: Incident,
                    why: str) -> None:
         """The fault is over: every plan of the incident goes (those in force are reverted,
         delivered like plans), and its escalation closes."""
+        session = uow.session
         await self._withdraw_undelivered(session, incident)
         layout = await self._layout(session, incident.job_id)
         for plan in reversed(await self._in_force(session, incident.job_id)):
@@ -136,7 +114,7 @@ class PlannerBase(abc.ABC):
             others = [p for p in await self._in_force(session, incident.job_id) if p.id != plan.id]
             cost = t.esc.overheads.get(STRATEGIES[plan.strategy]) if t is not None else None
             msg = await take_back(session, plan, layout, others_in_force=others, cost_s=cost)
-            await self._stage(session, Subjects.plan(plan.job_id), msg)
+            await uow.stage(Subjects.plan(plan.job_id), msg)
             action, stage = ("revert", "plan_reverted") if plan.status == "applied" \
                 else ("withdraw", "plan_withdrawn")
             repo.move_plan(plan, action, reason=why)

@@ -33,11 +33,12 @@ class PlannerRounds(PlannerBase):
         await self._hold_limits()
         await self._save()
         self._drop_idle_watches()
-        await self.flush()
+        await self.work.send_pending()
 
     async def _deliver_approved(self) -> None:
         """Plans an operator approved since: into force, unless their incident is over."""
-        async with self.ctx.db()() as session:
+        async with self.work.unit() as uow:
+            session = uow.session
             plans = await repo.approved_undelivered(session, ("S2", "S3"))
             for plan in plans:
                 t = self.tracked.get(plan.incident_id)
@@ -51,27 +52,25 @@ class PlannerRounds(PlannerBase):
                     continue
                 cost = t.esc.overheads.get(STRATEGIES[plan.strategy]) if t else None
                 msg = await deliver(session, plan, layout, cost)
-                await self._stage(session, Subjects.plan(plan.job_id), msg)
+                await uow.stage(Subjects.plan(plan.job_id), msg)
                 log.info("plan %s (%s) approved by an operator: delivered to job %s as "
                          "version %d", plan.id, plan.strategy, plan.job_id, msg.version)
-            await session.commit()
 
     async def _expire(self) -> None:
-        async with self.ctx.db()() as session:
-            for plan in await repo.due_proposals(session, datetime.now(UTC)):
+        async with self.work.unit() as uow:
+            for plan in await repo.due_proposals(uow.session, datetime.now(UTC)):
                 repo.move_plan(plan, "expire", reason=f"no decision within "
                                f"{self.config.proposal_ttl_s:g} s")
-                incident = await repo.get_incident_for_update(session, plan.incident_id)
-                await note(session, incident, "plan_expired", plan, reason=plan.reason)
+                incident = await repo.get_incident_for_update(uow.session, plan.incident_id)
+                await note(uow.session, incident, "plan_expired", plan, reason=plan.reason)
                 log.info("plan %s (%s) expired", plan.id, plan.strategy)
-            await session.commit()
 
     async def _decisions(self) -> None:
         """Pending plans that were rejected or expired (or withdrawn): the ladder moves past."""
         waiting = {t.pending_plan: t for t in self.tracked.values() if t.pending_plan}
         if not waiting:
             return
-        async with self.ctx.db()() as session:
+        async with self.work.read() as session:
             plans = await repo.plans_by_id(session, [p for p in waiting if p])
         for plan_id, plan in plans.items():
             t = waiting[plan_id]
@@ -102,7 +101,8 @@ class PlannerRounds(PlannerBase):
                 continue
             if now - t.last_check_at < c.recheck_s:
                 continue
-            async with self.ctx.db()() as session:
+            async with self.work.unit() as uow:
+                session = uow.session
                 plans = [p for p in await repo.plans_of_incidents(session, [t.incident_id])
                          if p.status == "applied"]
                 layout = await self._layout(session, t.job_id)
@@ -113,8 +113,7 @@ class PlannerRounds(PlannerBase):
                 s = Suspicion(job_id=t.job_id, incident_id=t.incident_id, kind="compute_slow",
                               ranks=sorted(culprit.gpu_ranks), comm_ids=[],
                               evidence={"by": "planner", "recheck": [p.id for p in plans]})
-                await self._stage(session, Subjects.suspicion(t.job_id), s)
-                await session.commit()
+                await uow.stage(Subjects.suspicion(t.job_id), s)
             t.recheck_id, t.recheck_at = s.event_id, now
             log.info("incident %s: asking the validator whether ranks %s are still slow",
                      t.incident_id, s.ranks)
@@ -132,12 +131,11 @@ class PlannerRounds(PlannerBase):
                 continue
             if now - t.resolved_at < c.hold_max_s:
                 continue
-            async with self._locks[t.job_id], self.ctx.db()() as session:
-                incident = await repo.get_incident_for_update(session, t.incident_id)
+            async with self._locks[t.job_id], self.work.unit() as uow:
+                incident = await repo.get_incident_for_update(uow.session, t.incident_id)
                 if incident is not None:
-                    await self._end(session, t, incident, f"held {c.hold_max_s:g} s after the "
+                    await self._end(uow, t, incident, f"held {c.hold_max_s:g} s after the "
                                     "job recovered under it; nothing can check the fault")
-                await session.commit()
 
     async def _save(self) -> None:
         if time.monotonic() - self._saved_at < 5.0:
@@ -146,11 +144,10 @@ class PlannerRounds(PlannerBase):
         dirty = [t for t in self.tracked.values() if t.dirty]
         if not dirty:
             return
-        async with self.ctx.db()() as session:
+        async with self.work.unit() as uow:
             for t in dirty:
-                await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
+                await repo.save_escalation(uow.session, t.incident_id, t.job_id, t.state())
                 t.dirty = False
-            await session.commit()
 
     def _drop_idle_watches(self) -> None:
         now = time.monotonic()
@@ -163,7 +160,7 @@ class PlannerRounds(PlannerBase):
 
     async def restore(self) -> None:
         """Escalations of open incidents (or with plans still in force) from the database."""
-        async with self.ctx.db()() as session:
+        async with self.work.read() as session:
             rows = await repo.open_escalations(session)
         restored: list[Tracked] = []
         for row, incident in rows:

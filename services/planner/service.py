@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from functools import partial
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -41,6 +42,7 @@ from services.common.bus.streams import PLANNER, ConsumerSpec
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan
 from services.common.runtime import ServiceContext, supervise
+from services.common.unit_of_work import UnitOfWork
 from services.planner import build
 from services.planner.base import IN_FORCE, culprit_of, in_layout
 from services.planner.build import NAMES, STRATEGIES
@@ -57,24 +59,30 @@ Event = IncidentEvent | DetectionEvent | PlanReport
 class Planner(PlannerRounds):
     """The planner's message handlers (its periodic round and shared state: rounds, base)."""
 
-    async def handle(self, subject: str, msg: Event) -> None:
-        if isinstance(msg, PlanReport):
-            await self._report(msg)
-        elif isinstance(msg, DetectionEvent):
-            await self._detection(msg)
-        elif msg.stage == "validated":
-            await self._validated(msg)
-        elif msg.stage == "resolved":
-            await self._resolved(msg)
-        await self.flush()
+    async def consume(self, subject: str, msg: Event) -> None:
+        """What the consumer calls: ``handle`` in a unit of work of its own, incident events
+        and plan reports claimed in the processed-events ledger (a detection only starts or
+        judges a watch, which is done twice harmlessly)."""
+        await self.work.per_message(self.handle, claim=PLANNER.durable,
+                                    claims=lambda m: not isinstance(m, DetectionEvent)
+                                    )(subject, msg)
 
-    async def _detection(self, det: DetectionEvent) -> None:
+    async def handle(self, uow: UnitOfWork, subject: str, msg: Event) -> None:
+        if isinstance(msg, PlanReport):
+            await self._report(uow, msg)
+        elif isinstance(msg, DetectionEvent):
+            await self._detection(uow, msg)
+        elif msg.stage == "validated":
+            await self._validated(uow, msg)
+        elif msg.stage == "resolved":
+            await self._resolved(uow, msg)
+
+    async def _detection(self, uow: UnitOfWork, det: DetectionEvent) -> None:
         job = det.job_id
         if det.kind == "slowdown":
             # A job that declared no layout gets no plan: reading its iterations would be waste.
-            async with self.ctx.db()() as session:
-                if await self._layout(session, job) is None:
-                    return
+            if await self._layout(uow.session, job) is None:
+                return
             span = max(det.detected_iteration - det.first_iteration + 3, 3) * max(det.after_s, 0.0)
             back = min(self.config.lookback_s, max(span, 1.0))
             self._watch(job, datetime.fromtimestamp(det.detected_ns / 1e9 - back, UTC))
@@ -85,49 +93,44 @@ class Planner(PlannerRounds):
             mine = [t for t in self.tracked.values() if t.job_id == job and not t.resolved]
             if not mine:
                 return
-            async with self.ctx.db()() as session:
-                watch = self.watches.get(job)
-                for t in mine:
-                    plans = [p for p in await repo.plans_of_incidents(session, [t.incident_id])
-                             if p.status in IN_FORCE and p.version is not None]
-                    if not plans:
-                        continue
-                    since = None if watch is None or t.applied_count is None \
-                        else watch.series.count - t.applied_count
-                    under = level(watch.series.since(t.applied_count)) \
-                        if watch is not None and t.applied_count is not None else None
-                    t.recovered_under_plan = recovery_is_the_plans(
-                        before_s=det.before_s, preplan_s=t.preplan_s, under_plan_s=under,
-                        iterations_since=since, settle=self.config.settle_iterations,
-                        unconfirmed=any(p.status == "approved" for p in plans))
-                    t.dirty = True
-                    log.info("job %s: recovery %.3fs -> %.3fs is %s (incident %s)", job,
-                             det.before_s, det.after_s,
-                             "the plan's doing" if t.recovered_under_plan else "the fault's end",
-                             t.incident_id)
+            watch = self.watches.get(job)
+            for t in mine:
+                plans = [p for p in await repo.plans_of_incidents(uow.session, [t.incident_id])
+                         if p.status in IN_FORCE and p.version is not None]
+                if not plans:
+                    continue
+                since = None if watch is None or t.applied_count is None \
+                    else watch.series.count - t.applied_count
+                under = level(watch.series.since(t.applied_count)) \
+                    if watch is not None and t.applied_count is not None else None
+                t.recovered_under_plan = recovery_is_the_plans(
+                    before_s=det.before_s, preplan_s=t.preplan_s, under_plan_s=under,
+                    iterations_since=since, settle=self.config.settle_iterations,
+                    unconfirmed=any(p.status == "approved" for p in plans))
+                t.dirty = True
+                log.info("job %s: recovery %.3fs -> %.3fs is %s (incident %s)", job,
+                         det.before_s, det.after_s,
+                         "the plan's doing" if t.recovered_under_plan else "the fault's end",
+                         t.incident_id)
 
-    async def _validated(self, ev: IncidentEvent) -> None:
-        async with self._locks[ev.job_id], self.ctx.db()() as session:
-            if not await self._claimed(session, ev.event_id):
-                return
-            incident = await repo.get_incident_for_update(session, ev.incident_id)
+    async def _validated(self, uow: UnitOfWork, ev: IncidentEvent) -> None:
+        async with self._locks[ev.job_id]:
+            incident = await repo.get_incident_for_update(uow.session, ev.incident_id)
             if incident is None:
-                await session.commit()
                 return
             tracked = self.tracked.get(incident.id)
             validation = incident.evidence.get("validation") or {}
             if tracked is not None:
                 if tracked.recheck_id and validation.get("suspicion") == tracked.recheck_id:
-                    await self._recheck_result(session, tracked, incident, validation)
+                    await self._recheck_result(uow, tracked, incident, validation)
                 elif validation.get("verdict") not in (None, "transient"):
                     tracked.culprit = culprit_of(incident)
                     tracked.dirty = True
-                await session.commit()
                 return
-            started = await self._start(session, incident, validation)
-            await session.commit()
+            started = await self._start(uow.session, incident, validation)
         if started is not None:
-            await self._observe(ev.job_id)
+            # its first loss counts once the escalation it saved is committed
+            uow.after_commit(partial(self._observe, ev.job_id))
 
     async def _start(self, session: AsyncSession, incident: Incident,
                      validation: dict[str, object]) -> Tracked | None:
@@ -165,7 +168,7 @@ class Planner(PlannerRounds):
                  {s.name: round(v, 3) for s, v in esc.overheads.items()})
         return t
 
-    async def _recheck_result(self, session: AsyncSession, t: Tracked, incident: Incident,
+    async def _recheck_result(self, uow: UnitOfWork, t: Tracked, incident: Incident,
                               validation: dict[str, object]) -> None:
         t.recheck_id = None
         t.last_check_at = time.monotonic()
@@ -173,7 +176,7 @@ class Planner(PlannerRounds):
             log.info("incident %s: re-check still finds %s", incident.id, validation.get("gpus"))
             return
         why = "a re-validation found the culprit healthy again: the fault has ended"
-        await self._end(session, t, incident, why)
+        await self._end(uow, t, incident, why)
 
     async def _observe(self, job: str, _new: list[float] | None = None) -> None:
         """Feed every escalation of the job the iterations it has not seen (the watch calls this
@@ -195,17 +198,17 @@ class Planner(PlannerRounds):
                     t.dirty = True
                     if isinstance(decision, Apply):
                         await self._propose(t, decision)
-        await self.flush()
 
     async def _propose(self, t: Tracked, d: Apply) -> None:
         name = NAMES[d.strategy]
         c = self.config
-        async with self.ctx.db()() as session:
+        async with self.work.unit() as uow:
+            session = uow.session
             incident = await repo.get_incident_for_update(session, t.incident_id)
             layout = await self._layout(session, t.job_id)
             if incident is None or layout is None or incident.status == "resolved":
                 t.esc.failed(d.strategy)
-                await session.rollback()
+                uow.discard()
                 return
             state, _ = await job_state(session, t.job_id)
             proposal = build.propose(d.strategy, layout, in_layout(t, state, layout), state, c)
@@ -214,7 +217,6 @@ class Planner(PlannerRounds):
                 log.info("incident %s: %s would change nothing; the ladder moves past it",
                          t.incident_id, name)
                 await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
-                await session.commit()
                 return
             policy = c.policy(name)
             now = datetime.now(UTC)
@@ -243,20 +245,17 @@ class Planner(PlannerRounds):
                 await announce(session, plan, "approved", by="policy",
                                dashboard=self.ctx.settings.api_public_url)
                 msg = await deliver(session, plan, layout, t.esc.overheads.get(d.strategy))
-                await self._stage(session, Subjects.plan(t.job_id), msg)
+                await uow.stage(Subjects.plan(t.job_id), msg)
             await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
             t.dirty = False
-            await session.commit()
 
-    async def _report(self, rep: PlanReport) -> None:
-        async with self._locks[rep.job_id], self.ctx.db()() as session:
-            if not await self._claimed(session, rep.event_id):
-                return
+    async def _report(self, uow: UnitOfWork, rep: PlanReport) -> None:
+        session = uow.session
+        async with self._locks[rep.job_id]:
             sent = await repo.get_delivery(session, rep.job_id, rep.version, for_update=True)
             if sent is None or sent.outcome is not None:
                 log.warning("job %s: report on version %d ignored (%s)", rep.job_id, rep.version,
                             "unknown version" if sent is None else "already reported")
-                await session.commit()
                 return
             sent.outcome, sent.cost_s, sent.error = rep.outcome, rep.cost_s, rep.error
             sent.reporter, sent.reported_at = rep.reporter or None, datetime.now(UTC)
@@ -265,16 +264,16 @@ class Planner(PlannerRounds):
             t = self.tracked.get(plan.incident_id)
             if sent.action == "apply" and plan.status == "approved" and plan.version == rep.version:
                 if rep.outcome == "applied":
-                    await self._applied(session, plan, incident, t, rep)
+                    await self._applied(uow, plan, incident, t, rep)
                 else:
-                    await self._failed(session, plan, incident, t, rep)
+                    await self._failed(uow, plan, incident, t, rep)
             if t is not None:
                 await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
                 t.dirty = False
-            await session.commit()
 
-    async def _applied(self, session: AsyncSession, plan: Plan, incident: Incident | None,
+    async def _applied(self, uow: UnitOfWork, plan: Plan, incident: Incident | None,
                        t: Tracked | None, rep: PlanReport) -> None:
+        session = uow.session
         repo.move_plan(plan, "apply")
         plan.cost_s = rep.cost_s
         detail = {"plan_id": plan.id, "strategy": plan.strategy, "version": plan.version,
@@ -287,7 +286,7 @@ class Planner(PlannerRounds):
                 stage = "plan_applied"  # localised again meanwhile, or over already
             await repo.add_timeline(session, incident, stage, detail)
             if stage == "mitigated":
-                await self._stage(session, Subjects.incident(plan.job_id), IncidentEvent(
+                await uow.stage(Subjects.incident(plan.job_id), IncidentEvent(
                     job_id=plan.job_id, incident_id=incident.id, stage="mitigated",
                     kind=incident.kind, severity=incident.severity, summary=incident.summary))
         await announce(session, plan, "applied", note_text=f"cost {rep.cost_s} s",
@@ -307,15 +306,16 @@ class Planner(PlannerRounds):
         log.info("plan %s (%s) applied on job %s as version %s, cost %s s", plan.id,
                  plan.strategy, plan.job_id, plan.version, rep.cost_s)
 
-    async def _failed(self, session: AsyncSession, plan: Plan, incident: Incident | None,
+    async def _failed(self, uow: UnitOfWork, plan: Plan, incident: Incident | None,
                       t: Tracked | None, rep: PlanReport) -> None:
+        session = uow.session
         repo.move_plan(plan, "fail", reason=rep.error or "the job could not apply it")
         await note(session, incident, "plan_failed", plan, error=rep.error)
         layout = await self._layout(session, plan.job_id)
         if layout is not None:  # the job's current version must say what it really runs
             others = [p for p in await self._in_force(session, plan.job_id) if p.id != plan.id]
             msg = await take_back(session, plan, layout, others_in_force=others, cost_s=None)
-            await self._stage(session, Subjects.plan(plan.job_id), msg)
+            await uow.stage(Subjects.plan(plan.job_id), msg)
         if t is not None:
             strategy = STRATEGIES[plan.strategy]
             if t.esc.pending is strategy:
@@ -325,14 +325,12 @@ class Planner(PlannerRounds):
         log.warning("plan %s (%s) failed on job %s: %s", plan.id, plan.strategy, plan.job_id,
                     rep.error)
 
-    async def _resolved(self, ev: IncidentEvent) -> None:
-        async with self._locks[ev.job_id], self.ctx.db()() as session:
-            if not await self._claimed(session, ev.event_id):
-                return
+    async def _resolved(self, uow: UnitOfWork, ev: IncidentEvent) -> None:
+        session = uow.session
+        async with self._locks[ev.job_id]:
             incident = await repo.get_incident_for_update(session, ev.incident_id)
             t = self.tracked.get(ev.incident_id)
             if incident is None:
-                await session.commit()
                 return
             if t is not None and t.recovered_under_plan:
                 t.resolved, t.resolved_at = True, time.monotonic()
@@ -342,8 +340,7 @@ class Planner(PlannerRounds):
                 log.info("incident %s resolved under its plan: the plan stays in force until "
                          "the fault is found over", incident.id)
             else:
-                await self._end(session, t, incident, "the job recovered: the fault has ended")
-            await session.commit()
+                await self._end(uow, t, incident, "the job recovered: the fault has ended")
 
 
 async def run_planner(ctx: ServiceContext, stop: asyncio.Event,
@@ -353,7 +350,7 @@ async def run_planner(ctx: ServiceContext, stop: asyncio.Event,
     or raises when its consumer cannot go on (the process exits for its supervisor)."""
     planner = planner or Planner(ctx, settings)
     await planner.restore()
-    consumer: Consumer[Event] = Consumer(ctx.js, spec, Event, planner.handle)
+    consumer: Consumer[Event] = Consumer(ctx.js, spec, Event, planner.consume)
 
     async def ticker() -> None:
         while not stop.is_set():
@@ -369,7 +366,7 @@ async def run_planner(ctx: ServiceContext, stop: asyncio.Event,
         consumer.stop()
 
     try:
-        await supervise(consumer.run(), ticker(), stopper(), planner.outbox.run(stop))
+        await supervise(consumer.run(), ticker(), stopper(), planner.work.relay(stop))
     finally:
         await planner.close()
 

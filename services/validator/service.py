@@ -52,6 +52,7 @@ from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -79,8 +80,8 @@ from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import VALIDATOR
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Rank
-from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext, supervise
+from services.common.unit_of_work import UnitOfWork, Work
 from services.validator.gpu_evidence import confirmed_gpu_health
 from services.validator.guard import SuspicionRefused, refusal
 from services.validator.plan import (
@@ -146,30 +147,34 @@ class _Budget:
 
 class Validator:
     def __init__(self, ctx: ServiceContext, settings: ValidatorSettings | None = None, *,
-                 outbox: Outbox | None = None) -> None:
+                 work: Work | None = None) -> None:
         self.ctx = ctx
         self.config = settings or ValidatorSettings()
         self.runs: deque[Run] = deque(maxlen=RUNS_KEPT)
         self.holder = f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:12]}"
-        self._outbox = outbox
+        self._work = work
         self.refused = 0  # suspicions refused by the guard (no pause)
         self._jobs: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # job -> (lock, [users])
 
     @property
-    def outbox(self) -> Outbox:
+    def work(self) -> Work:
         """Made when first needed: a validator used for its checks alone needs no database."""
-        if self._outbox is None:
-            self._outbox = Outbox.of(self.ctx, "validator")
-        return self._outbox
+        if self._work is None:
+            self._work = self.ctx.work("validator")
+        return self._work
 
-    async def handle(self, subject: str, s: Suspicion) -> None:
-        """A database or bus failure propagates: the consumer tells a transient one (retried
+    async def consume(self, subject: str, s: Suspicion) -> None:
+        """What the consumer calls: ``handle`` in a unit of work of its own."""
+        await self.work.per_message(self.handle)(subject, s)
+
+    async def handle(self, uow: UnitOfWork, subject: str, s: Suspicion) -> None:
+        """Check the suspicion against its incident, then (once that read is over) validate it.
+        A database or bus failure propagates: the consumer tells a transient one (retried
         later) from a permanent one (dead-lettered) with bus.errors.classify."""
-        async with self.ctx.db()() as session:
-            ranks = list(await repo.job_ranks(session, s.job_id))
-            incident = await repo.get_incident(session, s.incident_id)
+        ranks = list(await repo.job_ranks(uow.session, s.job_id))
+        incident = await repo.get_incident(uow.session, s.incident_id)
         self._check(s, incident, ranks)
-        await self.validate_once(s)
+        uow.after_commit(partial(self.validate_once, s))
 
     def _check(self, s: Suspicion, incident: Incident | None, ranks: Sequence[Rank]) -> None:
         """Refuse (dead-letter, before any agent is asked anything) a suspicion no open,
@@ -205,7 +210,7 @@ class Validator:
             log.info("suspicion %s of job %s: not validated again (%s)", s.event_id, s.job_id,
                      outcome)
             return
-        async with self.ctx.db()() as session:
+        async with self.work.read() as session:
             ranks = list(await repo.job_ranks(session, s.job_id))
         lease = asyncio.create_task(self._keep_lease(s.event_id), name=f"lease-{s.event_id}")
         try:
@@ -215,11 +220,10 @@ class Validator:
             if run.verdict is not None and run.verdict.gpus:
                 run.gpu_health, run.explanation = await confirmed_gpu_health(
                     self.ctx.nc, s.job_id, ranks, run.verdict.gpus)
-            ids = await self._record_patiently(s, ranks, run)
+            await self._record_patiently(s, ranks, run)
         finally:
             lease.cancel()
             await asyncio.gather(lease, return_exceptions=True)
-        await self.outbox.flush(ids)
 
     def _lease_until(self) -> tuple[datetime, datetime]:
         now = datetime.now(UTC)
@@ -227,13 +231,11 @@ class Validator:
 
     async def _claim(self, s: Suspicion) -> repo.ClaimOutcome:
         now, until = self._lease_until()
-        async with self.ctx.db()() as session:
-            got = await repo.claim_validation(
-                session, suspicion_id=s.event_id, incident_id=s.incident_id, job_id=s.job_id,
-                suspicion=s.model_dump_json(), holder=self.holder, now=now, lease_until=until,
-                max_attempts=self.config.max_attempts)
-            await session.commit()
-        return got
+        async with self.work.unit() as uow:
+            return await repo.claim_validation(
+                uow.session, suspicion_id=s.event_id, incident_id=s.incident_id,
+                job_id=s.job_id, suspicion=s.model_dump_json(), holder=self.holder, now=now,
+                lease_until=until, max_attempts=self.config.max_attempts)
 
     async def _keep_lease(self, suspicion_id: str) -> None:
         """Renew the claim while the validation runs; a renewal the database misses is retried
@@ -241,10 +243,9 @@ class Validator:
         while True:
             await asyncio.sleep(self.config.claim_lease_s / 3)
             try:
-                async with self.ctx.db()() as session:
-                    mine = await repo.renew_claim(session, suspicion_id, self.holder,
+                async with self.work.unit() as uow:
+                    mine = await repo.renew_claim(uow.session, suspicion_id, self.holder,
                                                   self._lease_until()[1])
-                    await session.commit()
             except Exception as exc:
                 log.warning("could not renew the claim on suspicion %s: %s", suspicion_id,
                             describe(exc))
@@ -256,14 +257,13 @@ class Validator:
 
     async def _abandon(self, s: Suspicion, attempts: int) -> None:
         """Out of tries: say so on the incident; the job is not paused again."""
-        async with self.ctx.db()() as session:
-            incident = await repo.get_incident_for_update(session, s.incident_id)
+        async with self.work.unit() as uow:
+            incident = await repo.get_incident_for_update(uow.session, s.incident_id)
             if incident is not None:
                 incident.evidence = {**incident.evidence, "validation": {
                     "suspicion": s.event_id, "outcome": f"abandoned: {attempts} attempt(s) "
                     "interrupted (the validator stopped mid-validation)", "attempt": attempts}}
-            await repo.finish_claim(session, s.event_id, "abandoned", datetime.now(UTC))
-            await session.commit()
+            await repo.finish_claim(uow.session, s.event_id, "abandoned", datetime.now(UTC))
         log.warning("suspicion %s of job %s abandoned after %d interrupted attempt(s)",
                     s.event_id, s.job_id, attempts)
 
@@ -271,11 +271,10 @@ class Validator:
         """Validate what a dead validator left (lapsed claims) and suspicions no validator ever
         claimed; how many were taken up."""
         now = datetime.now(UTC)
-        async with self.ctx.db()() as session:
+        async with self.work.read() as session:
             lapsed = [c.suspicion for c in await repo.lapsed_claims(session, now)]
             lost = [m.payload for m in await repo.unclaimed_suspicions(
                 session, now - timedelta(seconds=self.config.unclaimed_after_s))]
-            await session.commit()
         for raw in [*lapsed, *lost]:
             s = Suspicion.model_validate_json(raw)
             log.info("suspicion %s of job %s: validating it again (its validator stopped, or "
@@ -518,25 +517,24 @@ class Validator:
 
     # ---- the incident -----------------------------------------------------------------------
 
-    async def _record_patiently(self, s: Suspicion, ranks: Sequence[Rank], run: Run) -> list[str]:
-        """Record the result, retrying while the database is away (the measurements exist only
-        here; the lease is renewed meanwhile); the event ids to send."""
+    async def _record_patiently(self, s: Suspicion, ranks: Sequence[Rank], run: Run) -> None:
+        """Record the result with its announcements, retrying while the database is away (the
+        measurements exist only here; the lease is renewed meanwhile)."""
         deadline = time.monotonic() + self.config.record_patience_s
         delay = 0.5
         while True:
             try:
-                async with self.ctx.db()() as session:
-                    announce = await self._record(session, s, ranks, run)
-                    if not await repo.finish_claim_held(session, s.event_id, self.holder,
+                async with self.work.unit() as uow:
+                    announce = await self._record(uow.session, s, ranks, run)
+                    if not await repo.finish_claim_held(uow.session, s.event_id, self.holder,
                                                         datetime.now(UTC)):
-                        await session.rollback()
+                        uow.discard()
                         log.warning("suspicion %s: claim no longer held; result dropped",
                                     s.event_id)
-                        return []
-                    ids = [await self.outbox.stage(session, Subjects.incident(s.job_id), e)
-                           for e in announce]
-                    await session.commit()
-                return ids
+                        return
+                    for e in announce:
+                        await uow.stage(Subjects.incident(s.job_id), e)
+                return
             except Exception as exc:
                 if not is_transient(exc) or time.monotonic() + delay > deadline:
                     raise
@@ -632,11 +630,11 @@ async def run_validator(ctx: ServiceContext, stop: asyncio.Event,
     or raises when its consumer, its outbox relay or its resume loop cannot go on (the process
     exits for its supervisor)."""
     validator = validator or Validator(ctx, settings)
-    consumer: Consumer[Suspicion] = Consumer(ctx.js, VALIDATOR, Suspicion, validator.handle)
+    consumer: Consumer[Suspicion] = Consumer(ctx.js, VALIDATOR, Suspicion, validator.consume)
 
     async def stopper() -> None:
         await stop.wait()
         consumer.stop()
 
-    await supervise(consumer.run(), stopper(), validator.outbox.run(stop),
+    await supervise(consumer.run(), stopper(), validator.work.relay(stop),
                     validator.run_resume(stop))

@@ -81,7 +81,7 @@ async def _decide(session: Session, settings: SettingsDep, plan_id: str, decisio
     await enqueue(session, event=event, key=key, incident_id=plan.incident_id,
                   payload=plan_payload(event, key, facts, occurred_at=now,
                                        dashboard=settings.api_public_url), now=now)
-    await session.commit()
+    await session.flush()  # what this unit wrote, read back as it will be committed
     session.expunge_all()
     fresh = await repo.get_plan(session, plan_id)
     assert fresh is not None

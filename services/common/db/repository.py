@@ -1,5 +1,6 @@
-"""All SQL lives here. Functions take the caller's session and never commit: the caller owns the
-unit of work (a request, or one bus message) and commits once, then acks or publishes."""
+"""All SQL lives here. Functions take the caller's session and never commit: the session is a
+unit of work's (services.common.unit_of_work: a request, one bus message), which commits once,
+then sends what it staged, then the message is acked."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ from services.common.db.models import (
 async def ping(session: AsyncSession) -> None:
     """A round trip to the database (health checks)."""
     await session.execute(text("select 1"))
+
+
+async def try_lock(session: AsyncSession, key: int) -> bool:
+    """Take the transaction-scoped advisory lock ``key`` unless another transaction holds it."""
+    return bool(await session.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}))
 
 
 async def claim_event(session: AsyncSession, consumer: str, event_id: str) -> bool:

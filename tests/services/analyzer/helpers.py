@@ -29,6 +29,6 @@ def fed_localizer(ctx: ServiceContext, job: str
     """A localizer whose windows fill from the collectives, through the analyzer's own durable
     as the analyzer process feeds it (the buffers keep ``job``'s, what other tests left is
     passed over); stop the feed and await the task when done."""
-    localizer = SlowLocalizer(ctx, rule=WindowRule(min_rows=16, max_wall_s=8.0))
+    localizer = SlowLocalizer(ctx, ctx.work("analyzer"), rule=WindowRule(min_rows=16, max_wall_s=8.0))
     feed = CollectiveFeed(ctx.js, localizer.buffers)
     return localizer, feed, asyncio.create_task(feed.run())

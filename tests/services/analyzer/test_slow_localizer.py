@@ -102,7 +102,7 @@ async def run_case(ctx: ServiceContext, agents_nc: dict[str, BusClient], operato
     det = DetectionEvent(job_id=job, kind="slowdown", ranks=[0, 1, 2, 3], first_iteration=100,
                          detected_iteration=104, before_s=before_s, after_s=after_s,
                          detected_ns=0)
-    await Analyzer(ctx, localizer).handle(Subjects.detection(job), det)
+    await Analyzer(ctx, localizer.work, localizer).consume(Subjects.detection(job), det)
     for _ in range(200):
         if not localizer.tasks:
             break

@@ -114,8 +114,8 @@ async def detecting_services(bus: Bus, settings: Settings) -> AsyncIterator[Anal
     db = settings.database_url or ""
     tracker = await start_service("tracker", settings, backends=bus.backends("tracker", db))
     ctx = await start_service("analyzer", settings, backends=bus.backends("analyzer", db))
-    analyzer = Analyzer(ctx, localizer=None)
-    consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.handle)
+    analyzer = Analyzer(ctx, ctx.work("analyzer"))
+    consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.consume)
     tasks = [asyncio.create_task(run_tracker(tracker, stop)), asyncio.create_task(consumer.run())]
     try:
         yield analyzer

@@ -85,7 +85,7 @@ async def test_a_live_or_finished_claim_is_not_validated_again(ctx: ServiceConte
     await claim_row(ctx, s, state=state, attempts=1, lease_s=60.0)
     seen = await control_requests(operator, job)
     v = Validator(ctx, ValidatorSettings())
-    await v.handle(Subjects.suspicion(job), s)  # a redelivery
+    await v.consume(Subjects.suspicion(job), s)  # a redelivery
     assert await v.resume_once() == 0  # nothing lapsed, nothing lost
     assert not v.runs and not seen
     claim = await claim_of(ctx, s)
