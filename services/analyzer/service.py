@@ -49,6 +49,7 @@ from services.common.bus.contract import DetectionEvent, IncidentEvent, Incident
 from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import ANALYZER
 from services.common.db import repository as repo
+from services.common.db.documents import Culprit, Detection, Evidence, OtherHang
 from services.common.db.models import Incident
 from services.common.runtime import ServiceContext, supervise
 from services.common.unit_of_work import UnitOfWork, Work
@@ -157,7 +158,8 @@ class Analyzer:
         (the first incident's own localisation may have finished only just now)."""
         async with self.work.read() as session:
             rows = await repo.open_incidents(session, job, SLOW_KEY)
-        return KnownCauses.from_culprits((i.id, i.culprit) for i in rows if i.id != exclude)
+        return KnownCauses.from_culprits((i.id, i.culprit.as_json()) for i in rows
+                                         if i.id != exclude)
 
     async def stop(self) -> None:
         for task in list(self._chains.values()):
@@ -165,15 +167,15 @@ class Analyzer:
         await asyncio.gather(*self._chains.values(), return_exceptions=True)
 
     @staticmethod
-    def _classify(det: DetectionEvent) -> tuple[str, float, dict[str, Any], str]:
+    def _classify(det: DetectionEvent) -> tuple[str, float, Culprit, str]:
         """Kind, severity, culprit and summary of a new incident for this detection."""
         if det.kind != "hang":
             summary = (f"job {det.job_id} {det.kind}: iteration {det.before_s:.3f}s -> "
                        f"{det.after_s:.3f}s ({det.slowdown:.2f}x)")
-            return det.kind, _severity(det.slowdown), {"ranks": det.ranks[:64]}, summary
+            return det.kind, _severity(det.slowdown), Culprit(ranks=det.ranks[:64]), summary
         stalled = det.stalled_s or 0.0
         severity = _severity(stalled / det.threshold_s if det.threshold_s else 1.0)
-        culprit: dict[str, Any] = {"comm_id": det.comm_id, "ranks": det.ranks[:64]}
+        culprit = Culprit(comm_id=det.comm_id, ranks=det.ranks[:64])
         rows = det.evidence.get("counters", {})
         # Cascaded symptoms are already dropped by the diagnosis. Of what is left, a rank that
         # never entered (or entered something else) explains peers stuck in the collective after
@@ -186,10 +188,10 @@ class Analyzer:
                 f"{stalled:.1f}s (cause not determined)")
         d = mine[0]
         comm = unsigned64(d.comm_id)
-        culprit = {"comm_id": comm, "ranks": d.ranks[:64], "seq": d.seq, "op": d.op,
-                   "diagnosis": d.evidence,
-                   "others": [{"kind": o.kind, "comm_id": unsigned64(o.comm_id), "seq": o.seq,
-                               "ranks": o.ranks[:16]} for o in mine[1:16]]}
+        culprit = Culprit(comm_id=comm, ranks=d.ranks[:64], seq=d.seq, op=d.op,
+                          diagnosis=d.evidence,
+                          others=[OtherHang(kind=o.kind, comm_id=unsigned64(o.comm_id),
+                                            seq=o.seq, ranks=o.ranks[:16]) for o in mine[1:16]])
         return d.kind, severity, culprit, (
             f"job {det.job_id}: {d.kind} on communicator {comm} at {d.op} #{d.seq}; "
             f"ranks {d.ranks[:16]}; stalled {stalled:.1f}s")
@@ -197,12 +199,13 @@ class Analyzer:
     async def _record(self, session: AsyncSession, det: DetectionEvent,
                       gpus: list[dict[str, Any]] | None = None) -> Recorded:
         change = str(det.evidence.get("change", "onset")) if det.kind != "hang" else None
-        detail = {"event_id": det.event_id, "ranks": det.ranks[:64], "method": det.method,
-                  "first_iteration": det.first_iteration,
-                  "detected_iteration": det.detected_iteration,
-                  "before_s": det.before_s, "after_s": det.after_s}
+        detail = Detection(event_id=det.event_id, ranks=det.ranks[:64], method=det.method,
+                           first_iteration=det.first_iteration,
+                           detected_iteration=det.detected_iteration,
+                           before_s=det.before_s, after_s=det.after_s)
         if change is not None:
-            detail.update(change=change, healthy_s=det.evidence.get("healthy_s"))
+            detail = detail.model_copy(update={"change": change,
+                                               "healthy_s": det.evidence.get("healthy_s")})
         await repo.touch_job(session, det.job_id)
         if det.kind == "hang":
             return await self._hang(session, det, detail, gpus or [])
@@ -214,17 +217,17 @@ class Analyzer:
         return await self._slowdown(session, det, detail, change, open_)
 
     async def _hang_over(self, session: AsyncSession, det: DetectionEvent,
-                         detail: dict[str, Any]) -> Recorded:
+                         detail: Detection) -> Recorded:
         """The stalled communicators move again: the job's hang incident is over."""
         incident = await repo.find_open_incident(session, det.job_id, "hang")
         if incident is None:
             return Recorded()
-        await repo.add_timeline(session, incident, "resolved",
-                                {**detail, "comm_id": det.comm_id, "by": "hang-watch",
-                                 "moved_comms": det.evidence.get("moved_comms", [])})
+        await repo.add_timeline(session, incident, "resolved", detail.model_copy(update={
+            "comm_id": det.comm_id, "by": DetectionEvent.HANG_WATCH,
+            "moved_comms": list(det.evidence.get("moved_comms", []))}))
         return Recorded([self._event(det, incident, "resolved")])
 
-    async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+    async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                     gpus: list[dict[str, Any]]) -> Recorded:
         # One open incident per job and problem family: a hang stalls many communicators at once.
         kind, severity, culprit, summary = self._classify(det)
@@ -235,10 +238,11 @@ class Analyzer:
             if words:
                 extra["explanation"] = words
                 summary = f"{summary}; {words}"
+            # the tracker's view of the hang (its counter rows, the stalled communicators...)
+            evidence = Evidence.model_validate({"detection": detail, **det.evidence, **extra})
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key="hang", severity=severity,
-                summary=summary, culprit=culprit,
-                evidence={"detection": detail, **det.evidence, **extra}, stage_detail=detail)
+                summary=summary, culprit=culprit, evidence=evidence, stage_detail=detail)
             stage: IncidentStage = "localized" if kind != "hang" else "detected"
             if stage == "localized":
                 await repo.add_timeline(session, incident, "localized", culprit)
@@ -248,13 +252,13 @@ class Analyzer:
             stage = "detected"
         return Recorded([self._event(det, incident, stage)])
 
-    async def _slowdown(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+    async def _slowdown(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                         change: str | None, open_: Sequence[Incident]) -> Recorded:
         kind, severity, culprit, summary = self._classify(det)
         if not open_:
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key=SLOW_KEY, severity=severity,
-                summary=summary, culprit=culprit, evidence={"detection": detail},
+                summary=summary, culprit=culprit, evidence=Evidence(detection=detail),
                 stage_detail=detail)
             return Recorded([self._event(det, incident, "detected")], incident.id)
         if change != "further":
@@ -271,20 +275,19 @@ class Analyzer:
             session, job_id=det.job_id, kind=kind,
             dedup_key=f"{SLOW_KEY}+{det.first_iteration}:{det.event_id[:8]}",
             severity=severity, summary=summary, culprit=culprit,
-            evidence={"detection": detail, "while_open": others}, stage_detail=detail)
+            evidence=Evidence(detection=detail, while_open=others), stage_detail=detail)
         for other in open_:
             await repo.add_timeline(session, other, "detected",
-                                    {**detail, "further": incident.id})
+                                    detail.model_copy(update={"further": incident.id}))
         return Recorded([self._event(det, incident, "detected")], incident.id, second=True)
 
-    async def _recovery(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+    async def _recovery(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                         change: str | None, open_: Sequence[Incident]) -> Recorded:
         if not open_:
             return Recorded()
         if change == "partial":
-            steps = [OpenStep(i.id, float(i.evidence.get("detection", {}).get("before_s", 0.0)),
-                              float(i.evidence.get("detection", {}).get("after_s", 0.0)))
-                     for i in open_]
+            steps = [OpenStep(i.id, d.before_s if (d := i.evidence.detection) else 0.0,
+                              d.after_s if d else 0.0) for i in open_]
             ended = ended_by(steps, det.before_s, det.after_s) if len(open_) > 1 else None
             if ended is None:  # one cause eased but the job is still slow: note it
                 for incident in open_:
@@ -307,17 +310,17 @@ class Analyzer:
 
 def _detection_of(inc: Incident) -> DetectionEvent | None:
     """The detection an incident was opened from, rebuilt from what it recorded."""
-    d = inc.evidence.get("detection") or {}
+    d = inc.evidence.detection
+    if d is None:
+        return None
     try:
         return DetectionEvent(
-            job_id=inc.job_id, kind="slowdown", ranks=list(d.get("ranks") or [])[:64],
-            first_iteration=int(d["first_iteration"]),
-            detected_iteration=int(d["detected_iteration"]), before_s=float(d["before_s"]),
-            after_s=float(d["after_s"]), detected_ns=time.time_ns(),
-            method=str(d.get("method") or "bocd-v"),
-            evidence={"change": d.get("change") or "onset",
-                      "healthy_s": d.get("healthy_s") or d["before_s"]})
-    except (KeyError, TypeError, ValueError, ValidationError):
+            job_id=inc.job_id, kind="slowdown", ranks=d.ranks[:64],
+            first_iteration=d.first_iteration, detected_iteration=d.detected_iteration,
+            before_s=d.before_s, after_s=d.after_s, detected_ns=time.time_ns(),
+            method=d.method or "bocd-v",
+            evidence={"change": d.change or "onset", "healthy_s": d.healthy_s or d.before_s})
+    except ValidationError:
         return None
 
 

@@ -21,7 +21,7 @@ __all__ = ["IncidentCost", "TimelinePoint", "cost_of", "localization_latency_s",
 
 def timeline_of(inc: Incident) -> list[TimelinePoint]:
     """The incident's timeline (it must be loaded) as the core reads it."""
-    return [TimelinePoint(e.stage, e.at, e.detail) for e in inc.timeline]
+    return [TimelinePoint(e.stage, e.at, e.detail.as_json()) for e in inc.timeline]
 
 
 def cost_of(inc: Incident, *, gpus: int | None, now: datetime) -> IncidentCost:

@@ -88,7 +88,7 @@ async def from_database(session: AsyncSession, snap: Snapshot, now: datetime) ->
         loc = localization_latency_s(timeline, inc.opened_at)
         if loc is not None:
             snap.localization_latency.append(loc)
-        pause = validation_pause_s(inc.evidence)
+        pause = validation_pause_s(inc.evidence.as_json())
         if pause is not None:
             snap.pauses.append(pause)
         if cost.gpu_hours_lost is not None:

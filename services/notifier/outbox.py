@@ -54,6 +54,6 @@ async def incident_facts(session: AsyncSession, inc: Incident,
     """The incident as a message shows it, with its cost so far (the timeline must be loaded)."""
     cost = cost_of(inc, gpus=await job_gpus(session, inc.job_id), now=now or datetime.now(UTC))
     return IncidentFacts(id=inc.id, job_id=inc.job_id, kind=inc.kind, status=inc.status,
-                         severity=inc.severity, summary=inc.summary, culprit=inc.culprit,
+                         severity=inc.severity, summary=inc.summary, culprit=inc.culprit.as_json(),
                          opened_at=inc.opened_at, resolved_at=inc.resolved_at,
                          gpu_hours_lost=cost.gpu_hours_lost)

@@ -138,10 +138,14 @@ class PlannerBase(abc.ABC):
 
 
 def culprit_of(incident: Incident) -> Culprit:
-    detection = incident.evidence.get("detection") or {}
-    before, after = detection.get("before_s"), detection.get("after_s")
-    slowdown = float(after) / float(before) if before and after else float(incident.severity)
-    return Culprit.from_incident(incident.culprit, incident.evidence, slowdown)
+    """The validated culprit in ranks, with each slow GPU's slowdown from its GEMM time."""
+    detection, validation = incident.evidence.detection, incident.evidence.validation
+    slowdown = (detection.after_s / detection.before_s if detection and detection.before_s
+                and detection.after_s else float(incident.severity))
+    return Culprit.from_validation(
+        gpu_ranks=[g.rank for g in incident.culprit.gpus],
+        link_ranks=[(a, b) for a, b in incident.culprit.link_ranks],
+        gemm_s=validation.gemm_s or {} if validation else {}, slowdown=slowdown)
 
 
 def in_layout(t: Tracked, state: JobState, layout: JobLayout) -> Culprit:

@@ -18,7 +18,7 @@ become nodes through the job's ``gpus_per_node``: host names play no part.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -68,27 +68,26 @@ class Culprit:
     slowdown: float = 1.0
 
     @classmethod
-    def from_incident(cls, culprit: Mapping[str, Any], evidence: Mapping[str, Any],
-                      slowdown: float) -> Culprit:
-        """``culprit`` and ``evidence`` as the validator writes them (services.validator)."""
-        ranks = [int(g["rank"]) for g in culprit.get("gpus") or []
-                 if isinstance(g, Mapping) and isinstance(g.get("rank"), int)]
-        links = tuple((int(a), int(b)) for a, b in culprit.get("link_ranks") or []
-                      if isinstance(a, int) and isinstance(b, int))
-        gemm = _gemm_times((evidence.get("validation") or {}).get("gemm_s") or {})
+    def from_validation(cls, *, gpu_ranks: Sequence[int], link_ranks: Sequence[tuple[int, int]],
+                        gemm_s: Mapping[str, float], slowdown: float) -> Culprit:
+        """From what the validator confirmed: the slow GPUs' ranks, the slow links' end ranks,
+        and each GPU's GEMM time (by rank): a slow GPU's slowdown is its time over the median
+        of the GPUs it was compared with, else the job's iteration ``slowdown``."""
+        ranks = list(gpu_ranks)
+        gemm = _gemm_times(gemm_s)
         peers = [t for r, t in gemm.items() if r not in ranks]
         base = median(peers) if peers else None
         slow = max(1.0, float(slowdown)) if math.isfinite(slowdown) else 1.0
         factors = {r: (gemm[r] / base if base and r in gemm and gemm[r] > base else slow)
                    for r in ranks}
-        return cls(factors, links, slow)
+        return cls(factors, tuple((int(a), int(b)) for a, b in link_ranks), slow)
 
     @property
     def empty(self) -> bool:
         return not self.gpu_ranks and not self.link_ranks
 
 
-def _gemm_times(raw: Mapping[str, Any]) -> dict[int, float]:
+def _gemm_times(raw: Mapping[str, float]) -> dict[int, float]:
     out: dict[int, float] = {}
     for k, v in raw.items():
         try:

@@ -40,6 +40,7 @@ from services.common.bus.client import Consumer
 from services.common.bus.contract import DetectionEvent, IncidentEvent, PlanReport, Subjects
 from services.common.bus.streams import PLANNER, ConsumerSpec
 from services.common.db import repository as repo
+from services.common.db.documents import PlanStep, Validation, plan_params
 from services.common.db.models import Incident, Plan
 from services.common.runtime import ServiceContext, supervise
 from services.common.unit_of_work import UnitOfWork
@@ -119,13 +120,15 @@ class Planner(PlannerRounds):
             if incident is None:
                 return
             tracked = self.tracked.get(incident.id)
-            validation = incident.evidence.get("validation") or {}
-            if tracked is not None:
-                if tracked.recheck_id and validation.get("suspicion") == tracked.recheck_id:
+            validation = incident.evidence.validation
+            if tracked is not None and validation is not None:
+                if tracked.recheck_id and validation.suspicion == tracked.recheck_id:
                     await self._recheck_result(uow, tracked, incident, validation)
-                elif validation.get("verdict") not in (None, "transient"):
+                elif validation.confirmed:
                     tracked.culprit = culprit_of(incident)
                     tracked.dirty = True
+                return
+            if tracked is not None:
                 return
             started = await self._start(uow.session, incident, validation)
         if started is not None:
@@ -133,10 +136,10 @@ class Planner(PlannerRounds):
             uow.after_commit(partial(self._observe, ev.job_id))
 
     async def _start(self, session: AsyncSession, incident: Incident,
-                     validation: dict[str, object]) -> Tracked | None:
-        verdict = validation.get("verdict")
+                     validation: Validation | None) -> Tracked | None:
         kind = KINDS.get(incident.kind)
-        if incident.status == "resolved" or verdict in (None, "transient") or kind is None:
+        if incident.status == "resolved" or validation is None or not validation.confirmed \
+                or kind is None:
             return None  # nothing confirmed to act on (the checks could not reproduce it)
         layout = await self._layout(session, incident.job_id)
         if layout is None:
@@ -146,8 +149,8 @@ class Planner(PlannerRounds):
         culprit = culprit_of(incident)
         if culprit.empty:
             return None
-        detection = incident.evidence.get("detection") or {}
-        healthy = float(detection.get("before_s") or detection.get("healthy_s") or 0.0)
+        detection = incident.evidence.detection
+        healthy = (detection.before_s or detection.healthy_s or 0.0) if detection else 0.0
         if not healthy > 0:
             return None
         state, _ = await job_state(session, incident.job_id)
@@ -155,7 +158,7 @@ class Planner(PlannerRounds):
                          tolerance=self.config.tolerance, alpha=self.config.alpha,
                          available=build.available(layout, culprit))
         t = Tracked(incident.id, incident.job_id, esc, culprit, gpu_of_rank=state.gpu_of_rank,
-                    preplan_s=float(detection.get("after_s") or 0.0) or None)
+                    preplan_s=detection.after_s or None if detection else None)
         watch = self._watch(incident.job_id, incident.opened_at
                             - timedelta(seconds=self.config.lookback_s))
         # the slow iterations since the watch began (at the tracker's slowdown) count too
@@ -169,11 +172,11 @@ class Planner(PlannerRounds):
         return t
 
     async def _recheck_result(self, uow: UnitOfWork, t: Tracked, incident: Incident,
-                              validation: dict[str, object]) -> None:
+                              validation: Validation) -> None:
         t.recheck_id = None
         t.last_check_at = time.monotonic()
-        if validation.get("verdict") != "transient":
-            log.info("incident %s: re-check still finds %s", incident.id, validation.get("gpus"))
+        if validation.verdict != "transient":
+            log.info("incident %s: re-check still finds %s", incident.id, validation.gpus)
             return
         why = "a re-validation found the culprit healthy again: the fault has ended"
         await self._end(uow, t, incident, why)
@@ -222,9 +225,9 @@ class Planner(PlannerRounds):
             now = datetime.now(UTC)
             plan = await repo.create_plan(
                 session, incident_id=t.incident_id, job_id=t.job_id, strategy=name,
-                params={**proposal.params, "summary": proposal.summary,
-                        "loss_s": round(d.loss_s, 6), "overhead_s": round(d.overhead_s, 6),
-                        "why": d.reason},
+                params=plan_params({**proposal.params, "summary": proposal.summary,
+                                    "loss_s": round(d.loss_s, 6),
+                                    "overhead_s": round(d.overhead_s, 6), "why": d.reason}),
                 policy=policy, expected_gain=proposal.expected_gain,
                 expires_at=None if policy == "automatic" else now + timedelta(
                     seconds=c.proposal_ttl_s))
@@ -276,8 +279,8 @@ class Planner(PlannerRounds):
         session = uow.session
         repo.move_plan(plan, "apply")
         plan.cost_s = rep.cost_s
-        detail = {"plan_id": plan.id, "strategy": plan.strategy, "version": plan.version,
-                  "cost_s": rep.cost_s, "summary": plan.params.get("summary", "")}
+        detail = PlanStep(plan_id=plan.id, strategy=plan.strategy, version=plan.version,
+                          cost_s=rep.cost_s, summary=plan.params.summary or "")
         if incident is not None:
             stage = "mitigated"
             try:

@@ -228,10 +228,12 @@ class Tracker:
         if self.work is None:
             log.debug("no database: hello of %s on %s not recorded", msg.agent_id, msg.job_id)
             return
+        off = set(msg.marks_off)
         async with self.work.unit() as uow:
             await repo.touch_job(uow.session, msg.job_id, world_size=msg.world_size)
             await repo.upsert_ranks(uow.session, msg.job_id, msg.agent_id,
-                                    [r.model_dump() for r in msg.ranks])
+                                    [{**r.model_dump(), "marks_off": r.rank in off}
+                                     for r in msg.ranks])
 
     async def _iterations(self, msg: IterationBatch, seq: int | None) -> None:
         st = await self._job(msg.job_id, seq)

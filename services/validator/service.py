@@ -79,6 +79,7 @@ from services.common.bus.control import ControlTimeout, request
 from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import VALIDATOR
 from services.common.db import repository as repo
+from services.common.db.documents import Culprit, Evidence, Gpu, Validation
 from services.common.db.models import Incident, Rank
 from services.common.runtime import ServiceContext, supervise
 from services.common.unit_of_work import UnitOfWork, Work
@@ -260,9 +261,9 @@ class Validator:
         async with self.work.unit() as uow:
             incident = await repo.get_incident_for_update(uow.session, s.incident_id)
             if incident is not None:
-                incident.evidence = {**incident.evidence, "validation": {
-                    "suspicion": s.event_id, "outcome": f"abandoned: {attempts} attempt(s) "
-                    "interrupted (the validator stopped mid-validation)", "attempt": attempts}}
+                incident.evidence = incident.evidence.merged(Evidence(validation=Validation(
+                    suspicion=s.event_id, outcome=f"abandoned: {attempts} attempt(s) "
+                    "interrupted (the validator stopped mid-validation)", attempt=attempts)))
             await repo.finish_claim(uow.session, s.event_id, "abandoned", datetime.now(UTC))
         log.warning("suspicion %s of job %s abandoned after %d interrupted attempt(s)",
                     s.event_id, s.job_id, attempts)
@@ -550,20 +551,25 @@ class Validator:
         if incident is None:
             log.warning("suspicion %s names unknown incident %s", s.event_id, s.incident_id)
             return []
-        detail = _jsonable({"suspicion": s.event_id, "suspected": s.kind,
-                            "pause_s": round(run.pause_s, 4), **run.evidence})
+        facts = _jsonable({"suspicion": s.event_id, "suspected": s.kind,
+                           "pause_s": round(run.pause_s, 4), **run.evidence,
+                           # the ranks whose benchmark times are host times (no marks)
+                           "marks_off_ranks": sorted(r.rank for r in ranks if r.marks_off)})
         if run.verdict is None:
-            incident.evidence = {**incident.evidence,
-                                 "validation": {**detail, "outcome": run.failure}}
+            failed = Validation.model_validate({**facts, "outcome": run.failure})
+            incident.evidence = incident.evidence.merged(Evidence(validation=failed))
             log.warning("job %s: validation not done: %s", s.job_id, run.failure)
             return []
         v = run.verdict
-        detail.update(_jsonable({"verdict": v.kind, "gpus": v.gpus,
-                                 "links": [list(x) for x in v.links], **v.evidence}))
+        facts.update(_jsonable({"verdict": v.kind, "gpus": v.gpus,
+                                "links": [list(x) for x in v.links], **v.evidence}))
         if run.gpu_health is not None:
-            detail["gpu_health"] = _jsonable(run.gpu_health)
-        incident.evidence = {**incident.evidence, "validation": detail,
-                             **({"explanation": run.explanation} if run.explanation else {})}
+            facts["gpu_health"] = _jsonable(run.gpu_health)
+        detail = Validation.model_validate(facts)
+        found = Evidence(validation=detail)
+        if run.explanation:
+            found = found.model_copy(update={"explanation": run.explanation})
+        incident.evidence = incident.evidence.merged(found)
         if await repo.add_timeline(session, incident, "validated", detail) == "resolved":
             log.info("incident %s recovered while it was validated: it stays resolved",
                      incident.id)
@@ -574,13 +580,13 @@ class Validator:
             log.info("job %s: checks did not reproduce the slowdown", s.job_id)
         else:
             incident.kind = v.kind
-            incident.culprit = {**incident.culprit, **culprit(v, ranks)}
+            incident.culprit = incident.culprit.merged(culprit(v, ranks))
         return [IncidentEvent(job_id=s.job_id, incident_id=incident.id, stage="validated",
                               kind=incident.kind, severity=incident.severity,
                               summary=incident.summary)]
 
 
-def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> dict[str, Any]:
+def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> Culprit:
     """The confirmed GPUs (with node, host, local device) and links (as node pairs).
 
     ``ranks`` names the slow GPUs' ranks; a link's end ranks are in ``link_ranks`` and join
@@ -594,8 +600,8 @@ def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> dict[str, Any]:
             return f"rank{rank}"
         return r.node if r.node is not None else r.host
 
-    gpus = [{"rank": g, "node": node(g), "host": info[g].host if g in info else None,
-             "device": info[g].device if g in info else None} for g in v.gpus]
+    gpus = [Gpu(rank=g, node=node(g), host=info[g].host if g in info else None,
+                device=info[g].device if g in info else None) for g in v.gpus]
     links: list[list[int | str]] = []  # node pairs, each once (many rank pairs share one)
     for a, b in v.links:
         pair = sorted((node(a), node(b)), key=_node_order)
@@ -603,8 +609,8 @@ def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> dict[str, Any]:
             links.append(pair)
     slow = sorted({*v.gpus, *(r for link in v.links for r in link)})
     nodes = sorted({node(r) for r in slow}, key=_node_order)
-    return {"gpus": gpus, "links": links, "link_ranks": [list(x) for x in v.links],
-            "slow_ranks": slow, "ranks": sorted(set(v.gpus)) or slow, "nodes": nodes}
+    return Culprit(gpus=gpus, links=links, link_ranks=[list(x) for x in v.links],
+                   slow_ranks=slow, ranks=sorted(set(v.gpus)) or slow, nodes=nodes)
 
 
 def _node_order(n: int | str) -> tuple[bool, str]:

@@ -37,7 +37,8 @@ async def fleet(session: Session, settings: ApiSettingsDep, _: Viewer,
     jobs = sorted({i.job_id for i in incidents})
     ranks = await repo.ranks_of_jobs(session, jobs)
     comps = build_fleet(
-        [FleetIncident(i.id, i.job_id, i.kind, i.opened_at, i.culprit, i.evidence)
+        [FleetIncident(i.id, i.job_id, i.kind, i.opened_at, i.culprit.as_json(),
+                       i.evidence.as_json())
          for i in incidents],
         placements_of([(r.job_id, r.rank, r.host, r.device, r.node) for r in ranks]),
         now=now, window=window, drain_incidents=settings.fleet_drain_incidents,

@@ -25,6 +25,7 @@ from services.api.schemas import (
 )
 from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.db import repository as repo
+from services.common.db.documents import OperatorNote
 from services.common.db.models import Incident
 from services.notifier.outbox import job_gpus
 
@@ -131,7 +132,7 @@ async def acknowledge(incident_id: str, body: Note, session: Session,
     inc.acknowledged_at = datetime.now(UTC)
     inc.acknowledged_by = who.name
     # The lifecycle keeps the status on an acknowledgement (greyhound.core.lifecycle.advance).
-    await repo.add_timeline(session, inc, "acknowledged", {"by": who.name, "note": body.note})
+    await repo.add_timeline(session, inc, "acknowledged", OperatorNote(by=who.name, note=body.note))
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="incident.ack",
                      target_type="incident", target_id=inc.id, note=body.note)
     return await _reload(session, incident_id)
@@ -146,7 +147,7 @@ async def close(incident_id: str, body: RequiredNote, uow: Unit, who: Operator) 
     session = uow.session
     inc = await _unresolved_for_update(session, incident_id)
     await repo.add_timeline(session, inc, "resolved",
-                            {"by": who.name, "note": body.note, "manual": True})
+                            OperatorNote(by=who.name, note=body.note, manual=True))
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="incident.close",
                      target_type="incident", target_id=inc.id, note=body.note)
     await uow.stage(Subjects.incident(inc.job_id), IncidentEvent(

@@ -35,12 +35,9 @@ async def current_plan(job_id: str, session: Session, _: Viewer) -> JobPlanOut:
         return JobPlanOut(job_id=job_id, version=0)
     m = d.message
     return JobPlanOut(job_id=job_id, version=d.version, plan_id=d.plan_id,
-                      incident_id=m.get("incident_id"), strategy=m.get("strategy"),
-                      action=m.get("action"), microbatches=m.get("microbatches"),
-                      gpu_of_rank=m.get("gpu_of_rank"),
-                      swaps=[(int(a), int(b)) for a, b in m.get("swaps") or []],
-                      cost_s=m.get("cost_s"), summary=m.get("summary", ""), issued_at=d.at,
-                      reported=d.outcome)
+                      incident_id=m.incident_id, strategy=m.strategy, action=m.action,
+                      microbatches=m.microbatches, gpu_of_rank=m.gpu_of_rank, swaps=m.swaps,
+                      cost_s=m.cost_s, summary=m.summary, issued_at=d.at, reported=d.outcome)
 
 
 @router.put("/{job_id}/layout", response_model=JobLayout, summary="Declare the job's layout",
@@ -54,7 +51,7 @@ async def declare_layout(job_id: str, body: JobLayout, session: Session,
         check_token(job_id, "job id")
     except ValueError as exc:
         raise Invalid(str(exc)) from None
-    await repo.set_job_layout(session, job_id, body.model_dump(exclude_none=True))
+    await repo.set_job_layout(session, job_id, body)
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="job.layout",
                      target_type="job", target_id=job_id, detail=body.model_dump())
     return body

@@ -65,5 +65,5 @@ def test_hang_event_becomes_a_named_incident() -> None:
                          comm_id=COMM, stalled_s=40.0, threshold_s=20.0, method="hang-watch",
                          evidence={"counters": _past_the_hung_call(), "wait_basis": "gpu"})
     kind, severity, culprit, summary = Analyzer._classify(det)
-    assert kind == "hang_inconsistent" and culprit["ranks"] == [3] and severity == 2.0
-    assert culprit["comm_id"] == COMM and "allreduce #9" in summary
+    assert kind == "hang_inconsistent" and culprit.ranks == [3] and severity == 2.0
+    assert culprit.comm_id == COMM and "allreduce #9" in summary

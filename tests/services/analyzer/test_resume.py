@@ -10,6 +10,7 @@ import uuid
 from services.analyzer.service import Analyzer
 from services.common.bus.contract import DetectionEvent, Subjects
 from services.common.db import repository as repo
+from services.common.db.documents import AnalyzerNote, Localization
 from services.common.runtime import ServiceContext
 from tests.conftest import Bus
 from tests.services.analyzer.helpers import fed_localizer
@@ -40,8 +41,8 @@ async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext, own_
         (inc,) = await repo.list_incidents(session, job_id=other)
         inc = await repo.get_incident_for_update(session, inc.id)
         assert inc is not None
-        await repo.add_timeline(session, inc, "detected", {"by": "analyzer",
-                                                           "result": "unexplained"})
+        await repo.add_timeline(session, inc, "detected", AnalyzerNote(
+            result="unexplained", by="analyzer", evidence=Localization()))
         await session.commit()
 
     agents = StandInJob(own_bus, job)
@@ -57,7 +58,7 @@ async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext, own_
             await asyncio.sleep(0.05)
         async with ctx.db()() as session:
             (inc,) = await repo.list_incidents(session, job_id=job)
-        assert inc.status == "localized" and inc.culprit["ranks"] == [SLOW_RANK], inc.culprit
+        assert inc.status == "localized" and inc.culprit.ranks == [SLOW_RANK], inc.culprit
         assert agents.actions["set_mode:profile"] == len(AGENTS)
         assert await analyzer.resume() == 0
     finally:
@@ -84,4 +85,4 @@ async def test_a_hang_incident_is_resolved_when_the_hang_is_over(ctx: ServiceCon
         (inc,) = await repo.list_incidents(session, job_id=job)
     assert inc.kind == "hang" and inc.status == "resolved"
     assert [e.stage for e in inc.timeline] == ["detected", "resolved"]
-    assert inc.timeline[-1].detail["moved_comms"] == [7]
+    assert inc.timeline[-1].detail.as_json()["moved_comms"] == [7]

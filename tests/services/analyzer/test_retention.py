@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.analyzer.retention import RETENTION_LOCK, retention_pass
 from services.analyzer.settings import AnalyzerSettings
+from services.common.db.documents import Topology
 from services.common.db.models import (
     AuditEntry,
     Incident,
@@ -35,8 +36,8 @@ def ago(days: float) -> datetime:
 
 async def seed(s: async_sessionmaker[AsyncSession]) -> None:
     async with s() as session:
-        session.add_all([Job(id="gone", topology={}, first_seen_at=ago(300), last_seen_at=ago(200)),
-                         Job(id="live", topology={}, first_seen_at=ago(300), last_seen_at=ago(1))])
+        session.add_all([Job(id="gone", topology=Topology(), first_seen_at=ago(300), last_seen_at=ago(200)),
+                         Job(id="live", topology=Topology(), first_seen_at=ago(300), last_seen_at=ago(1))])
         await session.flush()
         session.add(Rank(job_id="gone", rank=0, host="h", device=0, pid=1, agent_id="a"))
         session.add_all([

@@ -94,8 +94,9 @@ async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
     async def rows() -> list[dict[str, Any]]:
         async with ctx.db()() as session:
             found = await repo.list_incidents(session, job_id=job)
-            return [{"id": r.id, "kind": r.kind, "status": r.status, "culprit": r.culprit,
-                     "opened": r.opened_at, "timeline": [(e.stage, e.detail) for e in r.timeline]}
+            return [{"id": r.id, "kind": r.kind, "status": r.status, "culprit": r.culprit.as_json(),
+                     "opened": r.opened_at,
+                         "timeline": [(e.stage, e.detail.as_json()) for e in r.timeline]}
                     for r in sorted(found, key=lambda r: r.opened_at)]
 
     try:
@@ -151,7 +152,7 @@ async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
                            key=lambda r: r.opened_at)
         assert [(r.kind, r.status) for r in found] == [("compute_slow", "localized"),
                                                         ("slowdown", "resolved")]
-        assert found[1].timeline[-1].detail["result"] == "known cause"
+        assert found[1].timeline[-1].detail.as_json()["result"] == "known cause"
     finally:
         feed.stop()
         await feeding

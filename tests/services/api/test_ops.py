@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.api.app import create_app
 from services.common.db import repository as repo
+from services.common.db.documents import Evidence, Validation
 from tests.conftest import Bus
 from tests.services.api.conftest import Api, api_settings
 
@@ -38,7 +39,8 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 async def test_metrics_from_database_and_jetstream(api: Api) -> None:
     await api.job("job-m", world_size=16)
     await api.incident("job-m", before_s=1.0, after_s=2.0, stages=("localized",),
-                       evidence={"validation": {"verdict": "compute_slow", "pause_s": 3.0}})
+                       evidence=Evidence(validation=Validation(suspicion="s1", verdict="compute_slow",
+                                                               pause_s=3.0)))
     await api.incident("job-m", kind="hang_hardware", before_s=0.0, after_s=90.0)
     async with api.ctx.db()() as session:
         hook = await repo.create_webhook(session, name="m", url="http://127.0.0.1:9/", secret_enc="x",

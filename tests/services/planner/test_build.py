@@ -27,13 +27,12 @@ DP4 = JobLayout(tp=2, dp=4, pp=2, gpus_per_node=4, microbatches=16)
 
 
 def test_culprit_takes_the_gemm_ratio_else_the_iteration_slowdown() -> None:
-    culprit = {"gpus": [{"rank": 3}], "link_ranks": [[0, 2]]}
-    evidence = {"validation": {"gemm_s": {"3": 3.0, "2": 1.0, "4": 1.5, "5": 1.0, "x": 9}}}
-    c = Culprit.from_incident(culprit, evidence, slowdown=1.4)
+    gemm = {"3": 3.0, "2": 1.0, "4": 1.5, "5": 1.0, "x": 9.0}
+    c = Culprit.from_validation(gpu_ranks=[3], link_ranks=[(0, 2)], gemm_s=gemm, slowdown=1.4)
     assert c.gpu_ranks == {3: 3.0} and c.link_ranks == ((0, 2),) and c.slowdown == 1.4
-    bare = Culprit.from_incident(culprit, {}, slowdown=1.4)
+    bare = Culprit.from_validation(gpu_ranks=[3], link_ranks=[(0, 2)], gemm_s={}, slowdown=1.4)
     assert bare.gpu_ranks == {3: 1.4}
-    assert Culprit.from_incident({}, {}, 2.0).empty
+    assert Culprit.from_validation(gpu_ranks=[], link_ranks=[], gemm_s={}, slowdown=2.0).empty
 
 
 def test_s2_gives_the_slow_dp_group_fewer_micro_batches() -> None:

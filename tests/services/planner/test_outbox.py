@@ -95,7 +95,7 @@ async def test_a_version_whose_send_fails_is_not_overtaken_and_each_goes_out_onc
                  for d in await _stored(rig, PLANS, Subjects.plan(rig.job))]
         assert [(p.version, p.action) for p in plans] == [(2, "revert")]  # the last one kept
         (mitigated,) = await _mitigated(rig, inc)
-        v1, v2 = (d.message["event_id"] for d in await rig.deliveries())
+        v1, v2 = (d.message.event_id for d in await rig.deliveries())
     assert order == [v1, mitigated.event_id, v2], order
     assert set(failed) == {v1} and failed[v1] >= 2, failed  # retried, by flushes and ticks
 

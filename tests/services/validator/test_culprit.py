@@ -15,13 +15,13 @@ def _ranks(n: int, per_node: int) -> list[Rank]:
 def test_links_are_node_pairs_once_and_ranks_are_the_slow_gpus() -> None:
     v = ValidationVerdict("mixed_slow", [3], [(14, 22), (13, 21), (21, 13), (9, 17)])
     c = culprit(v, _ranks(24, 8))
-    assert c["links"] == [[1, 2]]  # four rank pairs, one congested node pair
-    assert c["link_ranks"] == [[14, 22], [13, 21], [21, 13], [9, 17]]
-    assert c["ranks"] == [3]  # the link's end ranks are not blamed
-    assert c["slow_ranks"] == [3, 9, 13, 14, 17, 21, 22]
-    assert c["nodes"] == [0, 1, 2]
+    assert c.links == [[1, 2]]  # four rank pairs, one congested node pair
+    assert c.link_ranks == [[14, 22], [13, 21], [21, 13], [9, 17]]
+    assert c.ranks == [3]  # the link's end ranks are not blamed
+    assert c.slow_ranks == [3, 9, 13, 14, 17, 21, 22]
+    assert c.nodes == [0, 1, 2]
 
 
 def test_a_link_alone_names_its_end_ranks() -> None:
     c = culprit(ValidationVerdict("comm_slow", [], [(5, 9)]), _ranks(16, 4))
-    assert c["ranks"] == [5, 9] and c["links"] == [[1, 2]]
+    assert c.ranks == [5, 9] and c.links == [[1, 2]]
