@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from greyhound.core.incident_opening import hang_opening, slowdown_opening
 from greyhound.core.known_causes import KnownCauses, OpenStep, ended_by
 from greyhound.hookabi import unsigned64
 from services.analyzer.gpu_evidence import explain_hang_with_gpus, job_gpu_health
@@ -56,7 +57,6 @@ from services.common.unit_of_work import UnitOfWork, Work
 
 log = logging.getLogger(__name__)
 
-_HANG_PRIORITY = {"hang_not_entered": 0, "hang_inconsistent": 1, "hang_hardware": 2}
 SLOW_KEY = "slowdown"
 
 
@@ -68,11 +68,6 @@ class Recorded:
     events: list[IncidentEvent] = field(default_factory=list)
     localize: str | None = None
     second: bool = False
-
-
-def _severity(x: float) -> float:
-    """Severities as the contract and the incidents table take them: finite, 0..MAX_SECONDS."""
-    return min(max(x, 0.0), MAX_SECONDS) if x == x else MAX_SECONDS
 
 
 class Analyzer:
@@ -158,8 +153,7 @@ class Analyzer:
         (the first incident's own localisation may have finished only just now)."""
         async with self.work.read() as session:
             rows = await repo.open_incidents(session, job, SLOW_KEY)
-        return KnownCauses.from_culprits((i.id, i.culprit.as_json()) for i in rows
-                                         if i.id != exclude)
+        return KnownCauses.from_culprits((i.id, i.culprit) for i in rows if i.id != exclude)
 
     async def stop(self) -> None:
         for task in list(self._chains.values()):
@@ -168,33 +162,25 @@ class Analyzer:
 
     @staticmethod
     def _classify(det: DetectionEvent) -> tuple[str, float, Culprit, str]:
-        """Kind, severity, culprit and summary of a new incident for this detection."""
+        """Kind, severity, culprit and summary of a new incident for this detection
+        (greyhound.core.incident_opening; a hang's counter rows diagnosed first)."""
         if det.kind != "hang":
-            summary = (f"job {det.job_id} {det.kind}: iteration {det.before_s:.3f}s -> "
-                       f"{det.after_s:.3f}s ({det.slowdown:.2f}x)")
-            return det.kind, _severity(det.slowdown), Culprit(ranks=det.ranks[:64]), summary
+            o = slowdown_opening(det.job_id, det.kind, det.before_s, det.after_s,
+                                 cap=MAX_SECONDS)
+            return o.kind, o.severity, Culprit(ranks=det.ranks[:64]), o.summary
         stalled = det.stalled_s or 0.0
-        severity = _severity(stalled / det.threshold_s if det.threshold_s else 1.0)
-        culprit = Culprit(comm_id=det.comm_id, ranks=det.ranks[:64])
         rows = det.evidence.get("counters", {})
-        # Cascaded symptoms are already dropped by the diagnosis. Of what is left, a rank that
-        # never entered (or entered something else) explains peers stuck in the collective after
-        # it, so those causes are named before "all entered, none completes".
         found = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled) if rows else []
-        mine = sorted(found, key=lambda d: _HANG_PRIORITY.get(d.kind, len(_HANG_PRIORITY)))
-        if not mine:
-            return "hang", severity, culprit, (
-                f"job {det.job_id}: communicator {det.comm_id} made no progress for "
-                f"{stalled:.1f}s (cause not determined)")
-        d = mine[0]
-        comm = unsigned64(d.comm_id)
-        culprit = Culprit(comm_id=comm, ranks=d.ranks[:64], seq=d.seq, op=d.op,
+        o = hang_opening(det.job_id, det.comm_id, stalled, det.threshold_s, found,
+                         cap=MAX_SECONDS)
+        d = o.cause
+        if d is None:
+            return o.kind, o.severity, Culprit(comm_id=det.comm_id, ranks=det.ranks[:64]), o.summary
+        culprit = Culprit(comm_id=unsigned64(d.comm_id), ranks=d.ranks[:64], seq=d.seq, op=d.op,
                           diagnosis=d.evidence,
-                          others=[OtherHang(kind=o.kind, comm_id=unsigned64(o.comm_id),
-                                            seq=o.seq, ranks=o.ranks[:16]) for o in mine[1:16]])
-        return d.kind, severity, culprit, (
-            f"job {det.job_id}: {d.kind} on communicator {comm} at {d.op} #{d.seq}; "
-            f"ranks {d.ranks[:16]}; stalled {stalled:.1f}s")
+                          others=[OtherHang(kind=x.kind, comm_id=unsigned64(x.comm_id),
+                                            seq=x.seq, ranks=x.ranks[:16]) for x in o.others])
+        return o.kind, o.severity, culprit, o.summary
 
     async def _record(self, session: AsyncSession, det: DetectionEvent,
                       gpus: list[dict[str, Any]] | None = None) -> Recorded:

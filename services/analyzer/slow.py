@@ -241,7 +241,7 @@ def _merge_culprit(old: Culprit, loc: SlowLocalization) -> Culprit:
                    compute_ranks=union(prior.compute_ranks, loc.compute_ranks),
                    comm_ids=union(prior.comm_ids, [unsigned64(c) for c in loc.comm_ids]),
                    nodes=union(prior.nodes, loc.nodes),
-                   links=union(prior.links, [list(p) for p in loc.links]))
+                   links=union(prior.links, [tuple(p) for p in loc.links]))
 
 
 def _key(x: Any) -> str:

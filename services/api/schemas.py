@@ -19,7 +19,7 @@ from pydantic import (
 from services.api.errors import storable_text
 from services.api.tokens import Role
 from services.common.db.documents import Document
-from services.notifier.payload import EVENTS, Format
+from services.common.webhooks.payload import EVENTS, Format
 
 JobState = Literal["healthy", "slow", "hung"]
 

@@ -28,10 +28,10 @@ from services.common.db.models import Webhook, WebhookDelivery
 from services.common.runtime import ServiceContext
 from services.common.settings import Settings
 from services.common.unit_of_work import UnitOfWork, Work
-from services.notifier.outbox import enqueue, incident_facts
-from services.notifier.payload import STAGE_EVENT, delivery_key, incident_payload
-from services.notifier.secretbox import SecretBox, SecretKeyError
-from services.notifier.sender import Attempt, attempt, retry_delay_s
+from services.common.webhooks.enqueue import enqueue, incident_facts
+from services.common.webhooks.payload import STAGE_EVENT, delivery_key, incident_payload
+from services.common.webhooks.secretbox import SecretBox, SecretKeyError
+from services.common.webhooks.sender import Attempt, attempt, retry_delay_s
 from services.notifier.settings import NotifierSettings
 
 log = logging.getLogger(__name__)

@@ -12,21 +12,20 @@ import time
 from collections import defaultdict
 from datetime import datetime
 
-from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from greyhound.core import plan_build as build
 from greyhound.core.escalation import Strategy
-from services.common.bus.contract import JobLayout, Subjects
+from greyhound.core.plan_build import STRATEGIES, Culprit, JobState, Layout
+from greyhound.core.tracked_incident import Tracked
+from services.common.bus.contract import Subjects
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan
 from services.common.runtime import ServiceContext
 from services.common.unit_of_work import UnitOfWork, Work
-from services.planner import build
-from services.planner.build import STRATEGIES, Culprit, JobState
 from services.planner.delivery import announce, note, take_back
 from services.planner.iterations import IterationWatch
 from services.planner.settings import PlannerSettings
-from services.planner.tracked import Tracked
 
 log = logging.getLogger("services.planner")
 
@@ -56,27 +55,22 @@ class PlannerBase(abc.ABC):
         return self._work
 
     async def _overheads(self, session: AsyncSession, job: str,
-                         layout: JobLayout) -> dict[Strategy, float]:
+                         layout: Layout) -> dict[Strategy, float]:
         """Settings first, then every cost this job reported, oldest first (the same moving
         average the escalation applies within an incident)."""
         c = self.config
         out = {Strategy.MICROBATCH: c.s2_overhead_s, Strategy.TOPOLOGY: c.s3_overhead_s,
-               Strategy.RESTART: build.restart_overhead(layout, c)}
+               Strategy.RESTART: build.restart_overhead(layout, c.plan_costs())}
         for name, cost in await repo.learned_costs(session, job):
             s = STRATEGIES.get(name)
             if s is not None:
                 out[s] += c.alpha * (cost - out[s])
         return out
 
-    async def _layout(self, session: AsyncSession, job: str) -> JobLayout | None:
-        raw = await repo.job_layout(session, job)
-        if raw is None:
-            return None
-        try:
-            return JobLayout.model_validate(raw)
-        except ValidationError as exc:
-            log.warning("job %s: stored layout unusable: %s", job, exc)
-            return None
+    async def _layout(self, session: AsyncSession, job: str) -> Layout | None:
+        """The layout the job declared (checked when it was), as the planning cores read it."""
+        declared = await repo.job_layout(session, job)
+        return None if declared is None else Layout(**declared.model_dump())
 
     def _watch(self, job: str, since: datetime) -> IterationWatch:
         watch = self.watches.get(job)
@@ -148,7 +142,7 @@ def culprit_of(incident: Incident) -> Culprit:
         gemm_s=validation.gemm_s or {} if validation else {}, slowdown=slowdown)
 
 
-def in_layout(t: Tracked, state: JobState, layout: JobLayout) -> Culprit:
+def in_layout(t: Tracked, state: JobState, layout: Layout) -> Culprit:
     """The culprit's ranks where its GPUs are now (a topology plan since moved ranks)."""
     if t.gpu_of_rank == state.gpu_of_rank:
         return t.culprit

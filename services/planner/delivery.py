@@ -15,8 +15,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from greyhound.core.plan_build import JobState, Layout, next_state, undo_swaps
 from greyhound.core.plans import even_split
-from services.common.bus.contract import JobLayout, PlanMessage
+from services.common.bus.contract import PlanMessage
 from services.common.db import repository as repo
 from services.common.db.documents import (
     ConsolidateParams,
@@ -25,9 +26,8 @@ from services.common.db.documents import (
     RoleSwapParams,
 )
 from services.common.db.models import Incident, Plan
-from services.notifier.outbox import decided_by, enqueue
-from services.notifier.payload import PlanFacts, plan_payload
-from services.planner.build import JobState, next_state, undo_swaps
+from services.common.webhooks.enqueue import decided_by, enqueue
+from services.common.webhooks.payload import PlanFacts, plan_payload
 
 
 def state_of(message: PlanMessage | None) -> JobState:
@@ -45,7 +45,7 @@ async def job_state(session: AsyncSession, job_id: str) -> tuple[JobState, int]:
     return (state_of(current.message), current.version) if current else (JobState(), 0)
 
 
-async def _deliver(session: AsyncSession, plan: Plan, layout: JobLayout, action: str, *,
+async def _deliver(session: AsyncSession, plan: Plan, layout: Layout, action: str, *,
                    microbatches: tuple[int, ...] | None, gpu_of_rank: tuple[int, ...] | None,
                    cost_s: float | None, summary: str) -> PlanMessage:
     await repo.lock_job(session, plan.job_id)
@@ -62,7 +62,7 @@ async def _deliver(session: AsyncSession, plan: Plan, layout: JobLayout, action:
     return msg
 
 
-async def deliver(session: AsyncSession, plan: Plan, layout: JobLayout,
+async def deliver(session: AsyncSession, plan: Plan, layout: Layout,
                   cost_s: float | None) -> PlanMessage:
     """Put an approved plan in force: the job's next version carries its state."""
     p = plan.params
@@ -74,7 +74,7 @@ async def deliver(session: AsyncSession, plan: Plan, layout: JobLayout,
     return msg
 
 
-async def take_back(session: AsyncSession, plan: Plan, layout: JobLayout, *,
+async def take_back(session: AsyncSession, plan: Plan, layout: Layout, *,
                     others_in_force: list[Plan], cost_s: float | None) -> PlanMessage:
     """The delivery that undoes ``plan``: S2 returns to the newest other micro-batch plan still in
     force, else the even split; S3 exchanges its GPU swaps back."""
@@ -105,7 +105,7 @@ async def note(session: AsyncSession, incident: Incident | None, stage: str, pla
 
 async def announce(session: AsyncSession, plan: Plan, what: str, *, by: str | None = None,
                    note_text: str = "", dashboard: str | None = None) -> None:
-    """A plan.<what> webhook event, committed with the change (services.notifier.outbox);
+    """A plan.<what> webhook event, committed with the change (services.common.webhooks.enqueue);
     an applied or reverted plan names who decided it."""
     now = datetime.now(UTC)
     if by is None and what in ("applied", "reverted"):

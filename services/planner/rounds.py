@@ -12,12 +12,12 @@ import asyncio
 import time
 from datetime import UTC, datetime
 
+from greyhound.core.plan_build import STRATEGIES
+from greyhound.core.tracked_incident import Tracked
 from services.common.bus.contract import Subjects, Suspicion
 from services.common.db import repository as repo
 from services.planner.base import WATCH_GRACE_S, PlannerBase, in_layout, log
-from services.planner.build import STRATEGIES
 from services.planner.delivery import deliver, job_state, note
-from services.planner.tracked import Tracked
 
 # how much earlier than a saved cursor's batch a restored watch starts: the stream's clock is not
 # the agent's (the iterations before the cursor are skipped by number)

@@ -4,7 +4,7 @@ Per validated incident it keeps GREYHOUND's ski-rental escalation (greyhound.cor
 the cumulative loss over the job's iterations (read from the telemetry stream for that job
 only, from a little before its slowdown: services.planner.iterations), and when the loss reaches
 the next strategy's overhead, that strategy's plan built from the validated culprit
-(services.planner.build). A plan is proposed; its strategy's policy approves it at once
+(greyhound.core.plan_build). A plan is proposed; its strategy's policy approves it at once
 (automatic) or leaves it to an operator over REST, until it expires; an approved plan is
 delivered as the job's next version (services.planner.delivery: the ``plans`` and
 ``plan_deliveries`` rows, ``Subjects.plan(job)``, ``GET /v1/jobs/{id}/plan``); the job's report
@@ -34,8 +34,11 @@ from functools import partial
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from greyhound.core import plan_build as build
 from greyhound.core.escalation import Apply, Escalation
 from greyhound.core.lifecycle import IllegalTransition, advance
+from greyhound.core.plan_build import NAMES, STRATEGIES
+from greyhound.core.tracked_incident import KINDS, Tracked, level, recovery_is_the_plans
 from services.common.bus.client import Consumer
 from services.common.bus.contract import DetectionEvent, IncidentEvent, PlanReport, Subjects
 from services.common.bus.streams import PLANNER, ConsumerSpec
@@ -44,13 +47,10 @@ from services.common.db.documents import PlanStep, Validation, plan_params
 from services.common.db.models import Incident, Plan
 from services.common.runtime import ServiceContext, supervise
 from services.common.unit_of_work import UnitOfWork
-from services.planner import build
 from services.planner.base import IN_FORCE, culprit_of, in_layout
-from services.planner.build import NAMES, STRATEGIES
 from services.planner.delivery import announce, deliver, job_state, note, take_back
 from services.planner.rounds import PlannerRounds
 from services.planner.settings import PlannerSettings
-from services.planner.tracked import KINDS, Tracked, level, recovery_is_the_plans
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,8 @@ class Planner(PlannerRounds):
                 uow.discard()
                 return
             state, _ = await job_state(session, t.job_id)
-            proposal = build.propose(d.strategy, layout, in_layout(t, state, layout), state, c)
+            proposal = build.propose(d.strategy, layout, in_layout(t, state, layout), state,
+                                     c.plan_costs())
             if proposal is None:
                 t.esc.failed(d.strategy)
                 log.info("incident %s: %s would change nothing; the ladder moves past it",

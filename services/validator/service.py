@@ -57,6 +57,20 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from greyhound.core.confirmed_culprit import name_culprit
+from greyhound.core.placement import Placement
+from greyhound.core.validation_plan import (
+    CommView,
+    PausePlan,
+    Transfer,
+    gemm_ranks,
+    link_classes,
+    members,
+    pause_plan,
+    reference_comms,
+    suspect_comms,
+    transfer_rounds,
+)
 from greyhound.core.verdict import (
     ValidationVerdict,
     combine_verdicts,
@@ -85,18 +99,6 @@ from services.common.runtime import ServiceContext, supervise
 from services.common.unit_of_work import UnitOfWork, Work
 from services.validator.gpu_evidence import confirmed_gpu_health
 from services.validator.guard import SuspicionRefused, refusal
-from services.validator.plan import (
-    CommView,
-    PausePlan,
-    Transfer,
-    gemm_ranks,
-    link_classes,
-    members,
-    pause_plan,
-    reference_comms,
-    suspect_comms,
-    transfer_rounds,
-)
 from services.validator.settings import ValidatorSettings
 
 log = logging.getLogger(__name__)
@@ -587,35 +589,17 @@ class Validator:
 
 
 def culprit(v: ValidationVerdict, ranks: Sequence[Rank]) -> Culprit:
-    """The confirmed GPUs (with node, host, local device) and links (as node pairs).
-
-    ``ranks`` names the slow GPUs' ranks; a link's end ranks are in ``link_ranks`` and join
-    ``ranks`` only when no GPU is slow, so a mixed incident does not blame every rank that
-    shares the congested link. ``slow_ranks`` holds both."""
-    info = {r.rank: r for r in ranks}
-
-    def node(rank: int) -> int | str:
-        r = info.get(rank)
-        if r is None:
-            return f"rank{rank}"
-        return r.node if r.node is not None else r.host
-
-    gpus = [Gpu(rank=g, node=node(g), host=info[g].host if g in info else None,
-                device=info[g].device if g in info else None) for g in v.gpus]
-    links: list[list[int | str]] = []  # node pairs, each once (many rank pairs share one)
-    for a, b in v.links:
-        pair = sorted((node(a), node(b)), key=_node_order)
-        if pair not in links:
-            links.append(pair)
-    slow = sorted({*v.gpus, *(r for link in v.links for r in link)})
-    nodes = sorted({node(r) for r in slow}, key=_node_order)
-    return Culprit(gpus=gpus, links=links, link_ranks=[list(x) for x in v.links],
-                   slow_ranks=slow, ranks=sorted(set(v.gpus)) or slow, nodes=nodes)
+    """What the verdict confirmed, named where the job's ranks ran
+    (greyhound.core.confirmed_culprit)."""
+    n = name_culprit(v.gpus, v.links, placements(ranks))
+    return Culprit(gpus=[Gpu(rank=g.rank, node=g.node, host=g.host, device=g.device)
+                         for g in n.gpus],
+                   links=n.links, link_ranks=n.link_ranks, slow_ranks=n.slow_ranks,
+                   ranks=n.ranks, nodes=n.nodes)
 
 
-def _node_order(n: int | str) -> tuple[bool, str]:
-    """Node numbers in numeric order, then host names."""
-    return isinstance(n, str), str(n).zfill(12)
+def placements(ranks: Sequence[Rank]) -> dict[int, Placement]:
+    return {r.rank: Placement(r.host, r.device, r.node) for r in ranks}
 
 
 def _jsonable(value: Any) -> Any:

@@ -11,7 +11,6 @@ from fastapi import APIRouter, Query, Response
 
 from greyhound.core import incident_kinds, lifecycle
 from services.api.auth import Operator, Viewer
-from services.api.cost import cost_of
 from services.api.deps import Session, Unit, problems
 from services.api.errors import Conflict, Invalid, NotFound
 from services.api.schemas import (
@@ -27,7 +26,7 @@ from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.db import repository as repo
 from services.common.db.documents import OperatorNote
 from services.common.db.models import Incident
-from services.notifier.outbox import job_gpus
+from services.common.incident_cost import cost_of, job_gpus
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/incidents", tags=["incidents"])

@@ -10,7 +10,6 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from services.api.auth import Viewer
-from services.api.cost import cost_of
 from services.api.deps import BusDep, Session, problems
 from services.api.errors import NotFound
 from services.api.schemas import (
@@ -26,6 +25,7 @@ from services.api.telemetry import Window, read_window
 from services.api.timeline import job_timeline, rank_states
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Job
+from services.common.incident_cost import cost_of
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

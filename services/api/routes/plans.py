@@ -24,8 +24,8 @@ from services.api.schemas import Note, PlanOut
 from services.api.tokens import Principal
 from services.common.db import repository as repo
 from services.common.db.documents import PlanStep
-from services.notifier.outbox import enqueue
-from services.notifier.payload import PlanFacts, plan_payload
+from services.common.webhooks.enqueue import enqueue
+from services.common.webhooks.payload import PlanFacts, plan_payload
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"])
 

@@ -16,10 +16,10 @@ from services.api.errors import NotFound, Unavailable
 from services.api.schemas import AttemptOut, DeliveryOut, WebhookCreated, WebhookIn, WebhookOut
 from services.common.db import repository as repo
 from services.common.settings import Settings
-from services.notifier.payload import for_format, ping_payload
-from services.notifier.secretbox import SecretBox
-from services.notifier.sender import attempt
-from services.notifier.signing import new_secret
+from services.common.webhooks.payload import for_format, ping_payload
+from services.common.webhooks.secretbox import SecretBox
+from services.common.webhooks.sender import attempt
+from services.common.webhooks.signing import new_secret
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 

@@ -89,9 +89,9 @@ class Culprit(Document):
     compute_ranks: list[int] = Field(default_factory=_empty)
     comm_ids: list[int] = Field(default_factory=_empty)
     nodes: list[NodeLabel] = Field(default_factory=_empty)
-    links: list[list[NodeLabel]] = Field(default_factory=_empty)
+    links: list[tuple[NodeLabel, NodeLabel]] = Field(default_factory=_empty)
     gpus: list[Gpu] = Field(default_factory=_empty)
-    link_ranks: list[list[int]] = Field(default_factory=_empty)
+    link_ranks: list[tuple[int, int]] = Field(default_factory=_empty)
     slow_ranks: list[int] = Field(default_factory=_empty)
     comm_id: int | None = None
     seq: int | None = None

@@ -10,8 +10,8 @@ from sqlalchemy import select
 
 from services.api.app import create_app
 from services.common.db.models import Webhook
-from services.notifier.secretbox import SecretBox
-from services.notifier.signing import verify
+from services.common.webhooks.secretbox import SecretBox
+from services.common.webhooks.signing import verify
 from tests.conftest import Bus
 from tests.services.api.conftest import WEBHOOK_KEY, Api, api_settings
 from tests.services.notifier.receiver import Receiver

@@ -18,7 +18,7 @@ from services.common.db import repository as repo
 from services.common.db.documents import Culprit, Detection, Evidence
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
-from services.notifier.secretbox import SecretBox
+from services.common.webhooks.secretbox import SecretBox
 from services.notifier.service import Notifier, run_notifier
 from services.notifier.settings import NotifierSettings
 from tests.conftest import Bus

@@ -44,8 +44,8 @@ async def test_slow_gpu_and_slow_link_are_confirmed(mini_stack: MiniStack, tmp_p
     host = socket.gethostname()
     assert [g.rank for g in inc.culprit.gpus] == [2]
     assert inc.culprit.gpus[0].host == host and (inc.culprit.gpus[0].device or 0) >= -1
-    assert inc.culprit.link_ranks == [[1, 2]], inc.evidence.validation
-    assert inc.culprit.links == [[host, host]]  # the fake job's host name has no node number
+    assert inc.culprit.link_ranks == [(1, 2)], inc.evidence.validation
+    assert inc.culprit.links == [(host, host)]  # the fake job's host name has no node number
     assert inc.culprit.slow_ranks == [1, 2]
     assert inc.culprit.ranks == [2]  # the GPU; the link's other end is not blamed
     assert [e.stage for e in inc.timeline][-1] == "validated" and inc.status == "validated"

@@ -14,10 +14,10 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.cost import cost_of
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan
-from services.notifier.payload import IncidentFacts, for_format, wants
+from services.common.incident_cost import cost_of, job_gpus
+from services.common.webhooks.payload import IncidentFacts, for_format, wants
 
 
 async def enqueue(session: AsyncSession, *, event: str, key: str, payload: Mapping[str, Any],
@@ -41,19 +41,11 @@ def decided_by(plan: Plan) -> str | None:
     return plan.approvals[-1].approver if plan.approvals else None
 
 
-async def job_gpus(session: AsyncSession, job_id: str) -> int | None:
-    jobs = await repo.jobs_by_id(session, [job_id])
-    job = jobs.get(job_id)
-    if job is not None and job.world_size:
-        return job.world_size
-    return (await repo.rank_counts(session, [job_id])).get(job_id) or None
-
-
 async def incident_facts(session: AsyncSession, inc: Incident,
                          now: datetime | None = None) -> IncidentFacts:
     """The incident as a message shows it, with its cost so far (the timeline must be loaded)."""
     cost = cost_of(inc, gpus=await job_gpus(session, inc.job_id), now=now or datetime.now(UTC))
     return IncidentFacts(id=inc.id, job_id=inc.job_id, kind=inc.kind, status=inc.status,
-                         severity=inc.severity, summary=inc.summary, culprit=inc.culprit.as_json(),
+                         severity=inc.severity, summary=inc.summary, culprit=inc.culprit,
                          opened_at=inc.opened_at, resolved_at=inc.resolved_at,
                          gpu_hours_lost=cost.gpu_hours_lost)
