@@ -35,7 +35,6 @@ from services.common.bus.contract import (
     Subjects,
     Suspicion,
 )
-from services.common.bus.errors import describe, is_transient
 from services.common.db import repository as repo
 from services.common.db.documents import (
     AnalyzerNote,
@@ -45,8 +44,9 @@ from services.common.db.documents import (
     LocalizedNote,
 )
 from services.common.db.models import Rank
+from services.common.patience import patiently
 from services.common.runtime import ServiceContext
-from services.common.unit_of_work import Work
+from services.common.unit_of_work import UnitOfWork, Work
 
 log = logging.getLogger(__name__)
 
@@ -114,23 +114,16 @@ class SlowLocalizer:
     async def _record_patiently(self, incident_id: str, det: DetectionEvent,
                                 loc: SlowLocalization, facts: dict[str, Any],
                                 gpus: list[dict[str, Any]]) -> None:
-        """Record the result, retrying while the database is away (up to record_patience_s)."""
-        deadline = time.monotonic() + self.record_patience_s
-        delay = 0.5
-        while True:
-            try:
-                async with self.work.unit() as uow:
-                    for subject, msg in await self._apply(uow.session, incident_id, det, loc,
-                                                          facts, gpus):
-                        await uow.stage(subject, msg)
-                return
-            except Exception as exc:
-                if not is_transient(exc) or time.monotonic() + delay > deadline:
-                    raise
-                log.warning("incident %s: recording its localisation failed, retrying in "
-                            "%.1fs: %s", incident_id, delay, describe(exc))
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 10.0)
+        """Record the result with its announcements, waiting out a database that is away (up
+        to record_patience_s): the profile exists only here."""
+
+        async def step(uow: UnitOfWork) -> None:
+            for subject, msg in await self._apply(uow.session, incident_id, det, loc, facts,
+                                                  gpus):
+                await uow.stage(subject, msg)
+
+        await patiently(self.work, step, patience_s=self.record_patience_s,
+                        what=f"incident {incident_id}: recording its localisation")
 
     async def _profile(self, det: DetectionEvent) -> tuple[SlowLocalization, dict[str, Any]]:
         """Profile the job until the window is ready; the localisation, and the facts it rests

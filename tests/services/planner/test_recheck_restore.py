@@ -10,6 +10,7 @@ from services.common.bus.contract import IncidentEvent, Subjects, Suspicion
 from services.common.bus.streams import EVENTS
 from services.common.db import repository as repo
 from services.common.db.documents import Evidence, Validation
+from services.planner import rounds
 from tests.services.common.support import stored
 from tests.services.planner.conftest import Bench, Rig
 
@@ -90,8 +91,7 @@ async def test_a_planner_killed_between_saves_counts_again_what_it_had_not_saved
         await rig.wait(lambda: _has(rig, inc), "the escalation to start")
         await rig.iterations(2.0, 2)
         await rig.wait(lambda: _loss(rig, inc, 2.0), "2 s of loss")
-        rig.planner._saved_at = 0.0
-        await rig.planner._save()  # the periodic save
+        await rounds.save(rig.planner.state, now=True)  # the periodic save
         await rig.iterations(2.0, 1)
         await rig.wait(lambda: _loss(rig, inc, 3.0), "3 s of loss")
         for t in rig.planner.tracked.values():
