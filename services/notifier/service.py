@@ -52,7 +52,7 @@ class SenderStats:
 class Notifier:
     ctx: ServiceContext
     box: SecretBox | None
-    config: NotifierSettings = field(default_factory=NotifierSettings)
+    config: NotifierSettings
     rng: random.Random = field(default_factory=random.Random)
     stats: SenderStats = field(default_factory=SenderStats)
     wake: asyncio.Event = field(default_factory=asyncio.Event)

@@ -110,9 +110,9 @@ class TrackerStats:
 class Tracker:
     def __init__(self, ctx: ServiceContext, *, method: Method = "bocd-v",
                  store: TrackerStateStore | None = None, persist_every_s: float | None = None,
-                 settings: TrackerSettings | None = None) -> None:
+                 settings: TrackerSettings) -> None:
         self.ctx = ctx
-        self.settings = settings or TrackerSettings()
+        self.settings = settings
         self.method: Method = method
         self.store = store
         self.persist_every_s = persist_every_s or self.settings.tracker_persist_every_s

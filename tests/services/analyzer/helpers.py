@@ -11,6 +11,7 @@ from services.analyzer.slow import SlowLocalizer
 from services.common.bus.contract import AgentHello, RankInfo, Subjects
 from services.common.runtime import ServiceContext
 from services.tracker.service import Tracker
+from services.tracker.settings import TrackerSettings
 
 AGENTS = ("node-a", "node-b")
 
@@ -19,7 +20,7 @@ async def register_ranks(ctx: ServiceContext, job: str, marks_off: Collection[in
     """Ranks 0-3 of ``job``: two per agent, agent i on host i, announced in each agent's hello
     and recorded by the tracker's handler as it records them (``marks_off``: ranks the hellos
     say have no GPU completion marks)."""
-    tracker = Tracker(ctx)
+    tracker = Tracker(ctx, settings=TrackerSettings())
     for i, agent in enumerate(AGENTS):
         ranks = [RankInfo(rank=r, host=f"host{i}", device=r % 2, pid=100 + r)
                  for r in (2 * i, 2 * i + 1)]

@@ -14,6 +14,7 @@ import pytest
 from fastapi import FastAPI
 
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.api.tokens import display_prefix, hash_token, new_token
 from services.common.bus.client import BusClient
 from services.common.bus.contract import JobLayout, PlanMessage
@@ -134,7 +135,7 @@ def api_settings(nats_url: str, db_url: str, tmp_path: Path, **over: Any) -> Set
 async def api(bus: Bus, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Api]:
     settings = api_settings(bus.url, fresh_db_url, tmp_path)
     ctx = await start_service("api", settings, backends=bus.backends("api", fresh_db_url))
-    app = create_app(ctx.db(), settings=settings, nc=ctx.nc, js=ctx.js)
+    app = create_app(ctx.db(), settings=settings, api=ApiSettings(), nc=ctx.nc, js=ctx.js)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api")
     a = Api(ctx, app, client, bus=bus)
     for role in ROLES:

@@ -15,6 +15,7 @@ from nats.js import JetStreamContext
 
 from services.analyzer.service import Analyzer
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.common.bus.client import Consumer, publish
 from services.common.bus.contract import (
     AgentHello,
@@ -129,7 +130,8 @@ async def detecting_services(bus: Bus, settings: Settings) -> AsyncIterator[Anal
 
 @contextlib.asynccontextmanager
 async def serve_api(ctx: ServiceContext, port: int) -> AsyncIterator[str]:
-    app = create_app(ctx.db(), settings=ctx.settings, nc=ctx.nc, js=ctx.js)
+    app = create_app(ctx.db(), settings=ctx.settings, api=ApiSettings(), nc=ctx.nc,
+                     js=ctx.js)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))
     server.capture_signals = contextlib.nullcontext

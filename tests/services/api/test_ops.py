@@ -9,6 +9,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.common.db import repository as repo
 from services.common.db.documents import Evidence, Validation
 from tests.conftest import Bus
@@ -20,7 +21,8 @@ async def test_readyz_names_what_is_missing(api: Api, bus: Bus, fresh_db_url: st
     r = await api.client.get("/readyz")
     assert r.status_code == 200 and r.json() == {"status": "ready",
                                                  "checks": {"database": "ok", "nats": "ok"}}
-    no_bus = create_app(api.ctx.db(), settings=api_settings(bus.url, fresh_db_url, tmp_path))
+    no_bus = create_app(api.ctx.db(), settings=api_settings(bus.url, fresh_db_url, tmp_path),
+                        api=ApiSettings())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=no_bus),
                                  base_url="http://a") as c:
         r = await c.get("/readyz")

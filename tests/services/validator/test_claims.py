@@ -19,6 +19,7 @@ from services.common.db.documents import Culprit, Empty, Evidence
 from services.common.db.models import ValidationClaim
 from services.common.runtime import ServiceContext
 from services.tracker.service import Tracker
+from services.tracker.settings import TrackerSettings
 from services.validator.service import Validator
 from services.validator.settings import ValidatorSettings
 from tests.conftest import Bus
@@ -135,7 +136,7 @@ async def test_ranks_without_completion_marks_are_named_in_the_validation(
     it cannot even ask the agent, which does not answer: the record says both)."""
     job = f"blind-{uuid.uuid4().hex[:6]}"
     s = await localized(ctx, job)
-    await Tracker(ctx).handle(Subjects.hello(job, "a1"), AgentHello(
+    await Tracker(ctx, settings=TrackerSettings()).handle(Subjects.hello(job, "a1"), AgentHello(
         job_id=job, agent_id="a1", host="h1", marks_off=[1],
         ranks=[RankInfo(rank=r, host="h1", pid=100 + r, device=r) for r in (0, 1)]))
     v = Validator(ctx, ValidatorSettings(status_timeout_s=0.5))
