@@ -25,7 +25,6 @@ after the other, since a job is profiled through one window at a time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -47,11 +46,11 @@ from services.analyzer.slow import SlowLocalizer
 from services.common.bus.bounds import MAX_SECONDS
 from services.common.bus.client import Consumer
 from services.common.bus.contract import DetectionEvent, IncidentEvent, IncidentStage, Subjects
-from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import ANALYZER
 from services.common.db import repository as repo
 from services.common.db.documents import Culprit, Detection, Evidence, OtherHang
 from services.common.db.models import Incident
+from services.common.patience import periodically
 from services.common.runtime import ServiceContext, supervise
 from services.common.unit_of_work import UnitOfWork, Work
 
@@ -326,20 +325,10 @@ async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
         consumer.stop()
         feed.stop()
 
-    async def resumer() -> None:
-        """At start-up and every resume_every_s; the database being away is waited out."""
-        while not stop.is_set():
-            try:
-                await analyzer.resume()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                log.warning("resuming localisations failed: %s", describe(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), settings.resume_every_s)
-
+    resumer = periodically(analyzer.resume, settings.resume_every_s, stop,
+                           what="resuming localisations")
     try:
-        await supervise(consumer.run(), feed.run(), work.relay(stop), stopper(), resumer(),
+        await supervise(consumer.run(), feed.run(), work.relay(stop), stopper(), resumer,
                         run_retention(work, settings, stop,
                                       events_max_age_s=ctx.settings.events_max_age_s))
     finally:

@@ -23,7 +23,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
 
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -32,9 +31,6 @@ from services.common.bus.contract import Message
 from services.common.bus.errors import classify, describe
 from services.common.db import repository as repo
 from services.common.unit_of_work import Work
-
-if TYPE_CHECKING:
-    from services.common.runtime import ServiceContext
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +73,6 @@ class Outbox:
         self.ordered = ordered
         self.stats = OutboxStats()
         self._lock = asyncio.Lock()  # one send pass at a time in this process keeps the order
-
-    @classmethod
-    def of(cls, ctx: ServiceContext, producer: str, *, ordered: bool = False) -> Outbox:
-        """A service's outbox on its connections, paced by its settings."""
-        return cls(ctx.db(), ctx.js, producer=producer, poll_s=ctx.settings.outbox_poll_s,
-                   grace_s=ctx.settings.outbox_grace_s, ordered=ordered)
 
     async def stage(self, session: AsyncSession, subject: str, msg: Message) -> str:
         """Queue ``msg`` in the caller's transaction (sent once the caller committed and called

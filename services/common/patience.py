@@ -1,15 +1,17 @@
-"""Waiting out a database that is away, for a result that exists only in memory.
+"""Waiting out a database that is away (a transient failure: services.common.bus.errors).
 
-A localisation's profile and a validation's measurements cannot be taken again without profiling
-or pausing the job again, so the unit that records them is tried again while its failure is
-transient (services.common.bus.errors), for as long as the service's patience: giving up loses
-the result, waiting keeps it. Kept apart from the unit of work, which the token command uses
-too: that one must not load the bus client.
+For a result that exists only in memory (``patiently``): a localisation's profile and a
+validation's measurements cannot be taken again without profiling or pausing the job again, so
+the unit that records them is tried again for as long as the service's patience; giving up loses
+the result, waiting keeps it. For a periodic step (``periodically``: taking up what a dead
+process left), the next round tries again. Kept apart from the unit of work, which the token
+command uses too: that one must not load the bus client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -39,3 +41,19 @@ async def patiently(work: Work, step: Callable[[UnitOfWork], Awaitable[T]], *,
             log.warning("%s failed, retrying in %.1fs: %s", what, delay, describe(exc))
             await asyncio.sleep(delay)
             delay = min(2 * delay, 10.0)
+
+
+async def periodically(step: Callable[[], Awaitable[object]], every_s: float,
+                       stop: asyncio.Event, *, what: str) -> None:
+    """``step`` at start-up and every ``every_s`` until ``stop``; a transient failure is logged
+    and the next round tries again, any other ends the task (the service's, for its supervisor
+    to restart)."""
+    while not stop.is_set():
+        try:
+            await step()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            log.warning("%s failed: %s", what, describe(exc))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)

@@ -95,7 +95,9 @@ class ServiceContext:
     def work(self, producer: str, *, ordered: bool = False) -> Work:
         """The service's units of work, announcing through its outbox as ``producer`` (one per
         process: the outbox orders its sends, and its relay runs as one of the tasks)."""
-        return Work(self.db(), Outbox.of(self, producer, ordered=ordered))
+        s = self.settings
+        return Work(self.db(), Outbox(self.db(), self.js, producer=producer, ordered=ordered,
+                                      poll_s=s.outbox_poll_s, grace_s=s.outbox_grace_s))
 
     async def close(self) -> None:
         try:

@@ -15,19 +15,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.common.bus.contract import Message
 from services.common.db import repository as repo
 
-if TYPE_CHECKING:
-    from services.common.outbox import Outbox
-
 M = TypeVar("M", bound=Message)
+
+
+class Outbox(Protocol):
+    """What a unit needs to announce its commit: the transactional outbox
+    (services.common.outbox, which runs its own steps in units without one)."""
+
+    async def stage(self, session: AsyncSession, subject: str, msg: Message) -> str: ...
+
+    async def flush(self, event_ids: Sequence[str]) -> int: ...
+
+    async def send_pending(self) -> int: ...
+
+    async def run(self, stop: asyncio.Event) -> None: ...
 AfterCommit = Callable[[], Awaitable[None]]
 
 

@@ -15,7 +15,6 @@ suspicions no validator ever claimed, from what the database kept.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import uuid
@@ -25,11 +24,10 @@ from functools import partial
 
 from services.common.bus.client import Consumer
 from services.common.bus.contract import Subjects, Suspicion
-from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import VALIDATOR
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Rank
-from services.common.patience import patiently
+from services.common.patience import patiently, periodically
 from services.common.runtime import ServiceContext, supervise
 from services.common.unit_of_work import UnitOfWork
 from services.validator.claims import Claims
@@ -148,17 +146,9 @@ class Validator:
         return len(found)
 
     async def run_resume(self, stop: asyncio.Event) -> None:
-        """resume_once at start-up and every resume_every_s; the database being away is
-        waited out, anything else ends the service."""
-        while not stop.is_set():
-            try:
-                await self.resume_once()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                log.warning("resuming validations failed: %s", describe(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.resume_every_s)
+        """resume_once at start-up and every resume_every_s (services.common.patience)."""
+        await periodically(self.resume_once, self.config.resume_every_s, stop,
+                           what="resuming validations")
 
 
 async def run_validator(ctx: ServiceContext, stop: asyncio.Event,

@@ -14,18 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.bus import streams
 from services.common.bus.auth import agent_user, default_agent_id
 from services.common.bus.contract import Subjects
-from services.common.bus.streams import (
-    ANALYZER,
-    ANALYZER_COLLECTIVES,
-    EVENTS,
-    PLANNER,
-    TELEMETRY,
-    TRACKER,
-    VALIDATOR,
-    ConsumerSpec,
-)
+from services.common.bus.streams import ConsumerSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,23 +52,24 @@ class BusAccess:
 
 GRANTS: dict[str, BusAccess] = {
     "tracker": BusAccess(publish=(Subjects.ALL_DETECTIONS,),
-                         consume=(Consume.of(TRACKER, partitioned=True),),
+                         consume=(Consume.of(streams.TRACKER, partitioned=True),),
                          # a job's telemetry since its saved state, after a restart
-                         read=(TELEMETRY,), object_stores=("gh-tracker-state",)),
+                         read=(streams.TELEMETRY,), object_stores=("gh-tracker-state",)),
     "analyzer": BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_SUSPICIONS,
                                    Subjects.ALL_CONTROL),
-                          consume=(Consume.of(ANALYZER), Consume.of(ANALYZER_COLLECTIVES))),
+                          consume=(Consume.of(streams.ANALYZER),
+                                   Consume.of(streams.ANALYZER_COLLECTIVES))),
     "validator": BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_CONTROL,
                                     Subjects.ALL_VALIDATION),
-                           consume=(Consume.of(VALIDATOR),)),
+                           consume=(Consume.of(streams.VALIDATOR),)),
     # Re-checks of a mitigated incident are suspicions; plans and the incident's plan notes
     # are its own to publish; the iteration watch reads telemetry with consumers of its own.
     "planner": BusAccess(publish=(Subjects.ALL_PLANS, Subjects.ALL_SUSPICIONS,
                                   Subjects.ALL_INCIDENTS),
-                         consume=(Consume.of(PLANNER),), read=(TELEMETRY,)),
+                         consume=(Consume.of(streams.PLANNER),), read=(streams.TELEMETRY,)),
     "api": BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_PLAN_REPORTS),
-                     read=(TELEMETRY,), monitor=True),
-    "notifier": BusAccess(consume=(Consume(EVENTS, "notifier"),)),
+                     read=(streams.TELEMETRY,), monitor=True),
+    "notifier": BusAccess(consume=(Consume(streams.EVENTS, "notifier"),)),
     "agent": BusAccess(publish=(Subjects.ALL_HELLO, Subjects.ALL_ITERATIONS,
                                 Subjects.ALL_COUNTERS, Subjects.ALL_COLLECTIVES,
                                 Subjects.ALL_GPU_HEALTH),

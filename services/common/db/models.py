@@ -227,7 +227,7 @@ class Webhook(Base):
     name: Mapped[str] = mapped_column(String(255), default="")
     url: Mapped[str] = mapped_column(Text)
     secret_enc: Mapped[str] = mapped_column(Text)
-    events: Mapped[list[Any]] = mapped_column(default=list)
+    events: Mapped[list[str]] = mapped_column(JSONB, default=list)  # event names; none: all
     format: Mapped[str] = mapped_column(String(16), default="json")
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_by: Mapped[str] = mapped_column(String(255), default="")

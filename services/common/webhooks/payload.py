@@ -152,6 +152,6 @@ def for_format(payload: Mapping[str, Any], fmt: str) -> dict[str, Any]:
     return dict(payload)
 
 
-def wants(events: list[Any], event: str) -> bool:
+def wants(events: list[str], event: str) -> bool:
     """A webhook with no event list gets every event except tests (which are sent on request)."""
     return event in events if events else event != "webhook.test"
