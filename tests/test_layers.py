@@ -133,11 +133,12 @@ def violations(root: Path) -> list[str]:
     return sorted(found.values())
 
 
-def cycles(root: Path) -> list[set[str]]:
+def cycles(root: Path, *, types: bool = False, within: str = "") -> list[set[str]]:
     """Groups of modules that import each other, directly or round about (run-time imports,
-    function-level ones included: a deferred import hides a cycle, it does not remove it)."""
-    found = modules(root)
-    graph = {m: {t for _, t in imported(m, p, runtime=True) if t in found and t != m}
+    function-level ones included: a deferred import hides a cycle, it does not remove it; with
+    ``types``, those under TYPE_CHECKING too), among the modules under ``within``."""
+    found = {m: p for m, p in modules(root).items() if _within(m, within) or not within}
+    graph = {m: {t for _, t in imported(m, p, runtime=not types) if t in found and t != m}
              for m, p in found.items()}
     # Two modules are in one cycle when each reaches the other.
     reach: dict[str, set[str]] = {}
@@ -160,6 +161,12 @@ KNOWN_CYCLES: list[set[str]] = []
 def test_no_new_import_cycles() -> None:
     new = [c for c in cycles(REPO) if c not in KNOWN_CYCLES]
     assert new == []
+
+
+def test_no_import_circle_inside_services_even_for_types() -> None:
+    """Inside services the layers hold for type-only imports too: a circle closed under
+    TYPE_CHECKING (the registry and common.runtime once were one) is layers tangled."""
+    assert cycles(REPO, types=True, within="services") == []
 
 
 def test_every_package_is_walked() -> None:
@@ -215,6 +222,12 @@ def test_the_checker_reports_each_kind_of_violation(tmp_path: Path) -> None:
     (tmp_path / "greyhound/core/other.py").write_text("def f():\n    import greyhound.core\n")
     forged = {"services.x", "stack"}  # services.x imports stack, which imports services.x
     assert cycles(tmp_path) == [forged]  # bad does not import the package back
+    (tmp_path / "services/common/runs.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.common import knows\n")
+    (tmp_path / "services/common/knows.py").write_text("import services.common.runs\n")
+    assert cycles(tmp_path, within="services.common") == []  # run-time: no circle
+    assert cycles(tmp_path, types=True, within="services.common") == [
+        {"services.common.knows", "services.common.runs"}]
     (tmp_path / "greyhound/core/bad.py").write_text("from greyhound.core import other\n")
     assert cycles(tmp_path) == [{"greyhound.core", "greyhound.core.bad", "greyhound.core.other"},
                                 forged]
