@@ -32,6 +32,7 @@ from services.common.embedded import EmbeddedNats
 from services.common.runtime import Backends, start_service
 from services.common.settings import Settings
 from services.tracker.service import Telemetry, Tracker
+from services.tracker.settings import TrackerSettings
 
 
 def _grid(ranks: int, steps: int, seed: int = 0) -> np.ndarray:
@@ -125,7 +126,7 @@ async def _bus_run(shape: BusShape, naive: bool) -> tuple[float, int]:
             for i in range(0, len(msgs), 256):
                 await asyncio.gather(*(ctx.js.publish(s, p, headers={"Nats-Msg-Id": e})
                                        for s, p, e in msgs[i:i + 256]))
-            tracker = Tracker(ctx, method="bocd-v")
+            tracker = Tracker(ctx, method="bocd-v", settings=TrackerSettings())
             handler = _NaiveTracker().handle if naive else tracker.handle
             consumer: Consumer[Any] = Consumer(ctx.js, TRACKER, Telemetry, handler)
             t0 = time.perf_counter()

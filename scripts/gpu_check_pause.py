@@ -182,7 +182,7 @@ def _validator_budget(reported_s: float) -> float | None:
     (a bare PyTorch image)."""
     try:
         from services.common.bus.contract import RankStatus
-        from services.validator.service import pause_budget
+        from services.validator.hold import pause_budget
         from services.validator.settings import ValidatorSettings
     except ImportError:
         return None

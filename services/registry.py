@@ -1,6 +1,5 @@
 """Every Greyhound service, one line each: the ``greyhound`` command's service subcommands,
-``greyhound up``, deploy/compose.yaml and the bus's permissions are built from this table or
-checked against it.
+``greyhound up`` and deploy/compose.yaml are built from this table or checked against it.
 
 A new service is a folder (``services/<name>/service.py`` with its entry point, and its own
 ``settings.py`` if it has knobs) and one line here. An entry point is
@@ -9,11 +8,10 @@ the caller has connected to NATS (and Postgres when needed), declared the stream
 migrations; the service returns once ``stop`` is set, or raises when it cannot go on (the
 process then exits for its supervisor, ``greyhound up`` or compose, to act on).
 
-A line's ``bus`` says what the service may do on NATS: the subjects it publishes (or sends
-requests on), the durable consumers it binds, the streams it reads, the requests it answers.
-The server's users and permissions are generated from it (services.common.bus.permissions:
-the embedded server's config, deploy/nats/greyhound.conf), so a service that is not given a
-right here is refused it by the server: a new subject or consumer needs its line updated.
+What a service may do on NATS is its entry in services.common.bus.grants (``Service.bus``),
+from which the bus's users and permissions are generated: a table below the services, so that
+what configures the bus never loads this registry, which sits above them (it imports their
+entry points).
 """
 
 from __future__ import annotations
@@ -24,18 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.common.bus.auth import agent_user, default_agent_id
-from services.common.bus.contract import Subjects
-from services.common.bus.streams import (
-    ANALYZER,
-    ANALYZER_COLLECTIVES,
-    EVENTS,
-    PLANNER,
-    TELEMETRY,
-    TRACKER,
-    VALIDATOR,
-    ConsumerSpec,
-)
+from services.common.bus import grants
+from services.common.bus.grants import BusAccess
 
 if TYPE_CHECKING:
     from services.common.runtime import ServiceContext
@@ -58,36 +46,6 @@ class Option:
 
 
 @dataclass(frozen=True, slots=True)
-class Consume:
-    """A durable consumer a service binds: ``partitioned`` when there is one per tracker
-    partition (the durable name then follows streams.tracker_spec)."""
-
-    stream: str
-    durable: str
-    partitioned: bool = False
-
-    @staticmethod
-    def of(spec: ConsumerSpec, *, partitioned: bool = False) -> Consume:
-        return Consume(spec.stream, spec.durable, partitioned)
-
-
-@dataclass(frozen=True, slots=True)
-class BusAccess:
-    """What a service may do on the bus (see the module docstring); nothing by default."""
-
-    publish: tuple[str, ...] = ()  # subjects (wildcards allowed) it publishes or requests on
-    consume: tuple[Consume, ...] = ()  # durables it binds, fetches, acks and dead-letters for
-    read: tuple[str, ...] = ()  # streams it reads with short-lived consumers of its own
-    serve: tuple[str, ...] = ()  # request subjects it answers
-    object_stores: tuple[str, ...] = ()  # JetStream object-store buckets it keeps state in
-    monitor: bool = False  # reads stream and consumer state (metrics, readiness)
-    declare_streams: bool = True  # creates/updates the streams on start
-    # One bus user per agent id (agent-<id>): the last token of every publish and serve subject
-    # (the agent id in the contract's per-agent subjects) is bound to that id.
-    per_agent: bool = False
-
-
-@dataclass(frozen=True, slots=True)
 class Service:
     name: str
     entry: str  # "package.module:function"
@@ -97,11 +55,15 @@ class Service:
     on_nodes: bool = False  # runs on every training host, next to the rings, not centrally
     http: bool = False  # serves HTTP: --host and --port (``greyhound up`` passes its own)
     options: tuple[Option, ...] = ()
-    bus: BusAccess = BusAccess()
 
     def __post_init__(self) -> None:
         if ":" not in self.entry:
             raise ValueError(f"service {self.name}: entry {self.entry!r} is not module:function")
+
+    @property
+    def bus(self) -> BusAccess:
+        """What it may do on the bus (services.common.bus.grants)."""
+        return grants.GRANTS[self.name]
 
     def cli_options(self) -> tuple[Option, ...]:
         bind = (Option("--host", "bind address (default: settings)"),
@@ -110,9 +72,7 @@ class Service:
 
     def bus_user(self, options: dict[str, Any] | None = None) -> str:
         """The NATS user this service connects as (an agent's names its agent id)."""
-        if not self.bus.per_agent:
-            return self.name
-        return agent_user((options or {}).get("agent_id") or default_agent_id())
+        return grants.bus_user(self.name, (options or {}).get("agent_id"))
 
     def load(self) -> ServiceMain:
         """The entry point, imported only now (a service's dependencies load with it)."""
@@ -125,42 +85,19 @@ class Service:
 
 
 SERVICES: tuple[Service, ...] = (
-    Service("tracker", "services.tracker.service:run_tracker", "run the tracker service",
-            bus=BusAccess(publish=(Subjects.ALL_DETECTIONS,),
-                          consume=(Consume.of(TRACKER, partitioned=True),),
-                          # a job's telemetry since its saved state, after a restart
-                          read=(TELEMETRY,), object_stores=("gh-tracker-state",))),
-    Service("analyzer", "services.analyzer.service:run_analyzer", "run the analyzer service",
-            bus=BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_SUSPICIONS,
-                                   Subjects.ALL_CONTROL),
-                          consume=(Consume.of(ANALYZER), Consume.of(ANALYZER_COLLECTIVES)))),
+    Service("tracker", "services.tracker.service:run_tracker", "run the tracker service"),
+    Service("analyzer", "services.analyzer.service:run_analyzer", "run the analyzer service"),
     Service("validator", "services.validator.service:run_validator",
-            "run the validator service (pauses and benchmarks suspects)",
-            bus=BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_CONTROL,
-                                   Subjects.ALL_VALIDATION),
-                          consume=(Consume.of(VALIDATOR),))),
-    # Re-checks of a mitigated incident are suspicions; plans and the incident's plan notes
-    # are its own to publish; the iteration watch reads telemetry with consumers of its own.
+            "run the validator service (pauses and benchmarks suspects)"),
     Service("planner", "services.planner.service:run_planner",
-            "run the planner service (ski-rental escalation, plans, delivery to jobs)",
-            bus=BusAccess(publish=(Subjects.ALL_PLANS, Subjects.ALL_SUSPICIONS,
-                                   Subjects.ALL_INCIDENTS),
-                          consume=(Consume.of(PLANNER),), read=(TELEMETRY,))),
-    Service("api", "services.api.service:run_api", "run the REST API service", http=True,
-            bus=BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_PLAN_REPORTS),
-                          read=(TELEMETRY,), monitor=True)),
+            "run the planner service (ski-rental escalation, plans, delivery to jobs)"),
+    Service("api", "services.api.service:run_api", "run the REST API service", http=True),
     Service("notifier", "services.notifier.service:run_notifier",
-            "run the notifier service (signed webhooks to on-call)",
-            bus=BusAccess(consume=(Consume(EVENTS, "notifier"),))),
+            "run the notifier service (signed webhooks to on-call)"),
     Service("agent", "services.agent.service:run_agent",
             "run the node agent (drains the hook's rings)", postgres=False, on_nodes=True,
             options=(Option("--job", "only these job ids (repeatable)", repeat=True),
-                     Option("--agent-id", "default: the host name")),
-            bus=BusAccess(publish=(Subjects.ALL_HELLO, Subjects.ALL_ITERATIONS,
-                                   Subjects.ALL_COUNTERS, Subjects.ALL_COLLECTIVES,
-                                   Subjects.ALL_GPU_HEALTH),
-                          serve=(Subjects.ALL_CONTROL, Subjects.ALL_VALIDATION),
-                          declare_streams=False, per_agent=True)),
+                     Option("--agent-id", "default: the host name"))),
 )
 BY_NAME = {s.name: s for s in SERVICES}
 UP = tuple(s.name for s in SERVICES if s.in_up)

@@ -28,6 +28,7 @@ from greyhound.sim.scenario import JobSpec
 from services.api.tokens import display_prefix, hash_token, new_token
 from services.common.db import repository as repo
 from services.common.db.session import make_engine, make_sessionmaker
+from services.common.unit_of_work import Work
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +47,13 @@ def mint_token(database_url: str, *, role: str, name: str, token_key: bytes | No
     async def make() -> str:
         engine = make_engine(database_url)
         try:
-            async with make_sessionmaker(engine)() as session:
-                secret = new_token()
-                await repo.create_token(session, name=name, role=role,
+            secret = new_token()
+            async with Work(make_sessionmaker(engine)).unit() as uow:
+                await repo.create_token(uow.session, name=name, role=role,
                                         token_hash=hash_token(secret, token_key),
                                         prefix=display_prefix(secret), created_by=created_by,
                                         expires_at=None)
-                await session.commit()
-                return secret
+            return secret
         finally:
             await engine.dispose()
 

@@ -34,12 +34,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import numpy.typing as npt
 
-from greyhound.core.layout import IntArray, ParallelShape, checked_layout, swaps_between
+from greyhound.core.arrays import FloatArray, IntArray
+from greyhound.core.layout import ParallelShape, checked_layout, swaps_between
 from greyhound.core.pipeline_1f1b import pipeline_makespan
 
-FloatArray = npt.NDArray[np.float64]
 Method = Literal["unchanged", "enumerated", "milp", "milp-capped"]
 
 

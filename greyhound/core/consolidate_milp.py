@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from greyhound.core.layout import IntArray, ParallelShape
+from greyhound.core.arrays import IntArray
+from greyhound.core.layout import ParallelShape
 
 if TYPE_CHECKING:
-    from greyhound.core.consolidate import FloatArray, PipelineCosts
+    from greyhound.core.arrays import FloatArray
+    from greyhound.core.consolidate import PipelineCosts
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,10 +27,9 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from greyhound.core.arrays import FloatArray, IntArray
 from greyhound.core.localize import (
     Evidence,
-    FloatArray,
-    IntArray,
     codes,
     combine_codes,
     combine_dense,

@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from greyhound.core.localize import IntArray
+from greyhound.core.arrays import IntArray
 
 TimingBasis = Literal["gpu", "host", "mixed", "none"]
 

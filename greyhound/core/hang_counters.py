@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from greyhound.core.arrays import FloatArray, IntArray
 from greyhound.core.hang_diagnosis import CommCounters, LastRecords
-from greyhound.core.localize import FloatArray, IntArray, codes
+from greyhound.core.localize import codes
 
 NO_OP = "none"  # the op name of an empty pending-call slot
 

@@ -27,7 +27,8 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from greyhound.core.localize import Evidence, FloatArray, IntArray, codes, combine_codes
+from greyhound.core.arrays import FloatArray, IntArray
+from greyhound.core.localize import Evidence, codes, combine_codes
 from greyhound.hookabi.layout import P2P_OP_NAMES
 
 HangKind = Literal["hang_not_entered", "hang_inconsistent", "hang_hardware"]

@@ -33,10 +33,9 @@ stayed as it was; a fault that eased by itself under the plan is counted as save
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 from greyhound.core.incident_kinds import is_hang
 
@@ -46,9 +45,19 @@ PLAN_ENDED = frozenset({"plan_reverted"})
 
 @dataclass(frozen=True)
 class TimelinePoint:
+    """One entry of the incident's timeline as the cost reads it: a detection's levels either
+    side of its change and its iterations (``further``: it opened another incident), or a
+    plan's step and what applying it cost."""
+
     stage: str
     at: datetime
-    detail: Mapping[str, Any]
+    before_s: float | None = None
+    after_s: float | None = None
+    first_iteration: int | None = None
+    detected_iteration: int | None = None
+    further: bool = False
+    plan_id: str | None = None
+    cost_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -75,23 +84,18 @@ class IncidentCost:
     gpu_hours_saved: float | None  # None: no plan took effect (or the size is unknown)
 
 
-def _num(detail: Mapping[str, Any], key: str) -> float | None:
-    v = detail.get(key)
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-
 def detections(timeline: Sequence[TimelinePoint]) -> list[TimelinePoint]:
     """The incident's own detections (not a further fault's), oldest first."""
-    found = [p for p in timeline if p.stage == "detected" and (_num(p.detail, "after_s") or 0) > 0
-             and "further" not in p.detail]
+    found = [p for p in timeline if p.stage == "detected" and (p.after_s or 0) > 0
+             and not p.further]
     return sorted(found, key=lambda p: p.at)
 
 
 def change_began(p: TimelinePoint) -> datetime:
     """When the change a detection reports began: its first changed iteration, (detected -
     first) iterations of the new level before the detection was recorded."""
-    after = _num(p.detail, "after_s") or 0.0
-    f, d = _num(p.detail, "first_iteration"), _num(p.detail, "detected_iteration")
+    after = p.after_s or 0.0
+    f, d = p.first_iteration, p.detected_iteration
     if f is None or d is None or f < 0 or d < f:
         return p.at
     return p.at - timedelta(seconds=(d - f) * after)
@@ -100,7 +104,7 @@ def change_began(p: TimelinePoint) -> datetime:
 def onset(kind: str, first: TimelinePoint) -> datetime:
     """When the problem began, estimated back from its first detection."""
     if is_hang(kind):
-        return first.at - timedelta(seconds=max(_num(first.detail, "after_s") or 0.0, 0.0))
+        return first.at - timedelta(seconds=max(first.after_s or 0.0, 0.0))
     return change_began(first)
 
 
@@ -110,7 +114,7 @@ def levels(found: Sequence[TimelinePoint], start: datetime) -> list[Level]:
     out: list[Level] = []
     for i, p in enumerate(found):
         since = start if i == 0 else max(change_began(p), out[-1].since)
-        out.append(Level(since, float(_num(p.detail, "after_s") or 0.0)))
+        out.append(Level(since, float(p.after_s or 0.0)))
     return out
 
 
@@ -138,10 +142,10 @@ def _plan_span(timeline: Sequence[TimelinePoint], end: datetime
         return None
     ends: dict[str, datetime] = {}
     for p in timeline:
-        if p.stage in PLAN_ENDED and isinstance(p.detail.get("plan_id"), str):
-            ends[p.detail["plan_id"]] = min(p.at, ends.get(p.detail["plan_id"], p.at))
-    last = max(min(ends.get(str(p.detail.get("plan_id")), end), end) for p in applied)
-    cost = sum(max(_num(p.detail, "cost_s") or 0.0, 0.0) for p in applied)
+        if p.stage in PLAN_ENDED and p.plan_id is not None:
+            ends[p.plan_id] = min(p.at, ends.get(p.plan_id, p.at))
+    last = max(min(ends.get(str(p.plan_id), end), end) for p in applied)
+    cost = sum(max(p.cost_s or 0.0, 0.0) for p in applied)
     return applied[0].at, last, cost
 
 
@@ -156,7 +160,7 @@ def incident_cost(*, kind: str, opened_at: datetime, resolved_at: datetime | Non
     span = _plan_span(timeline, end)
     slowdown = peak = fraction = saved = None
     lost_s: float | None = None
-    healthy = _num(found[0].detail, "before_s") if found else None
+    healthy = found[0].before_s if found else None
     if is_hang(kind):
         fraction, lost_s = 1.0, duration
     elif found and healthy is not None and healthy > 0:
@@ -169,7 +173,7 @@ def incident_cost(*, kind: str, opened_at: datetime, resolved_at: datetime | Non
         if span is not None and gpus:
             t0, t1, cost_s = span
             before = [p for p in found if p.at <= t0] or found[:1]
-            would_s = (lost_fraction_at(float(_num(before[-1].detail, "after_s") or 0.0), healthy)
+            would_s = (lost_fraction_at(float(before[-1].after_s or 0.0), healthy)
                        * max((t1 - t0).total_seconds(), 0.0))
             saved = (would_s - lost_seconds(steps, healthy, t0, t1) - cost_s) * gpus / 3600.0
     hours = None if lost_s is None or not gpus else lost_s * gpus / 3600.0
@@ -186,11 +190,3 @@ def localization_latency_s(timeline: Sequence[TimelinePoint], opened_at: datetim
             return max((p.at - opened_at).total_seconds(), 0.0)
     return None
 
-
-def validation_pause_s(evidence: Mapping[str, Any]) -> float | None:
-    """How long the validator held the job paused for its checks, when it ran them."""
-    v = evidence.get("validation")
-    if isinstance(v, Mapping):
-        pause = _num(v, "pause_s")
-        return pause if pause is not None and pause > 0 else None
-    return None

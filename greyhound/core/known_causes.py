@@ -10,9 +10,9 @@ a job recovers only partly, picks which open incident ended from the levels each
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from greyhound.core.slow_localization import LocalizedKind, NodeLabel, SlowLocalization
 
@@ -26,6 +26,22 @@ def _unsigned(v: int) -> int:
 def _link(pair: Sequence[Any]) -> tuple[str, str]:
     a, b = str(pair[0]), str(pair[1])
     return (a, b) if a <= b else (b, a)
+
+
+class Named(Protocol):
+    """What an open incident's culprit names (the analyzer's localisation of it)."""
+
+    @property
+    def compute_ranks(self) -> Sequence[int]: ...
+
+    @property
+    def comm_ids(self) -> Sequence[int]: ...
+
+    @property
+    def links(self) -> Sequence[Sequence[NodeLabel]]: ...
+
+    @property
+    def nodes(self) -> Sequence[NodeLabel]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +59,8 @@ class KnownCauses:
         return not (self.compute_ranks or self.comm_ids or self.links)
 
     @classmethod
-    def from_culprits(cls, culprits: Iterable[tuple[str, Mapping[str, Any]]]) -> KnownCauses:
-        """From (incident id, culprit) pairs as incidents store them."""
+    def from_culprits(cls, culprits: Iterable[tuple[str, Named]]) -> KnownCauses:
+        """From (incident id, culprit) pairs of the job's open incidents."""
         ids: list[str] = []
         compute: set[int] = set()
         comms: set[int] = set()
@@ -52,10 +68,10 @@ class KnownCauses:
         nodes: set[str] = set()
         for incident, culprit in culprits:
             ids.append(incident)
-            compute.update(int(r) for r in culprit.get("compute_ranks", []))
-            comms.update(_unsigned(int(c)) for c in culprit.get("comm_ids", []))
-            links.update(_link(p) for p in culprit.get("links", []))
-            nodes.update(str(n) for n in culprit.get("nodes", []))
+            compute.update(culprit.compute_ranks)
+            comms.update(_unsigned(c) for c in culprit.comm_ids)
+            links.update(_link(p) for p in culprit.links)
+            nodes.update(str(n) for n in culprit.nodes)
         return cls(tuple(ids), frozenset(compute), frozenset(comms), frozenset(links),
                    frozenset(nodes))
 

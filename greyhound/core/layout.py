@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
-IntArray = npt.NDArray[np.int64]
+from greyhound.core.arrays import IntArray
 
 
 @dataclass(frozen=True, slots=True)

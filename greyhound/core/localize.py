@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from greyhound.core.arrays import FloatArray, IntArray
+
 Evidence = dict[str, float | int | str | list[object]]
-IntArray = NDArray[np.int64]
-FloatArray = NDArray[np.float64]
 
 
 # A value range up to this many times the element count is coded through a lookup table: a

@@ -29,10 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
+from greyhound.core.arrays import FloatArray, IntArray
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from greyhound.core.microbatch import FloatArray, check_inputs
+from greyhound.core.arrays import FloatArray
+from greyhound.core.microbatch import check_inputs
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from greyhound.core.arrays import FloatArray, IntArray
 from greyhound.core.hang_diagnosis import HangDiagnosis
-from greyhound.core.localize import Evidence, FloatArray, IntArray
+from greyhound.core.localize import Evidence
 
 SEND, RECV = "send", "recv"
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-IntArray = npt.NDArray[np.int64]
+from greyhound.core.arrays import IntArray
 
 
 def lag_agreement(keys: IntArray, lag: int, blocks: int = 16) -> float:

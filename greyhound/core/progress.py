@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from greyhound.core.localize import Evidence, FloatArray, IntArray
+from greyhound.core.arrays import FloatArray, IntArray
+from greyhound.core.localize import Evidence
 from greyhound.hookabi.layout import signed64
 
 SEND, RECV, KERNEL = 0, 1, 2

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
+from greyhound.core.arrays import BoolArray, IntArray
+
 _NONE = -(1 << 40)
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from greyhound.core.layout import IntArray, ParallelShape, checked_layout, swaps_between
+from greyhound.core.arrays import IntArray
+from greyhound.core.layout import ParallelShape, checked_layout, swaps_between
 
 Link = tuple[int, int]
 

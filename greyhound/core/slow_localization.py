@@ -26,16 +26,9 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from greyhound.core.arrays import FloatArray, IntArray
 from greyhound.core.contribution import CollectiveObservation, classify_slow
-from greyhound.core.localize import (
-    FloatArray,
-    GroupTimings,
-    IntArray,
-    SlowGroup,
-    codes,
-    combine_codes,
-    find_slow_groups,
-)
+from greyhound.core.localize import GroupTimings, SlowGroup, codes, combine_codes, find_slow_groups
 from greyhound.core.period import find_period
 
 LocalizedKind = Literal["compute_slow", "comm_slow", "mixed_slow", "none"]

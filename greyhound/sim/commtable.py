@@ -27,12 +27,11 @@ import numpy as np
 import numpy.typing as npt
 
 from greyhound import hookabi
+from greyhound.core.arrays import BoolArray, IntArray
 from greyhound.sim.records import comm_kinds
 
 U64 = npt.NDArray[np.uint64]
 U8 = npt.NDArray[np.uint8]
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 
 class Progress(IntFlag):

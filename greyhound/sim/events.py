@@ -18,8 +18,7 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
+from greyhound.core.arrays import FloatArray, IntArray
 
 
 class Op(IntEnum):

@@ -11,12 +11,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
+from greyhound.core.arrays import FloatArray
 from greyhound.sim.scenario import HANG_KINDS, FaultSpec, JobSpec
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)

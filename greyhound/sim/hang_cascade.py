@@ -21,13 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
+from greyhound.core.arrays import BoolArray, FloatArray, IntArray
 from greyhound.sim.events import EventBlock, Op
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 
 def call_instances(blocks: Sequence[EventBlock]) -> IntArray:

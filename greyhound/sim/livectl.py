@@ -13,15 +13,13 @@ moment. Nothing here touches files or clocks.
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 
 from greyhound import hookabi
+from greyhound.core.arrays import BoolArray, IntArray
 from greyhound.hookabi import BenchKind, BenchRequest, BenchState, HookControl
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.records import comm_ids
 
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 NCCL_INVALID_ARGUMENT = 4
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xC2B2AE3D27D4EB4F)

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import numpy.typing as npt
 
+from greyhound.core.arrays import IntArray
 from greyhound.core.plans import (
     MicrobatchPlan,
     Plan,
@@ -23,8 +23,6 @@ from greyhound.core.plans import (
     even_split,
 )
 from greyhound.sim.scenario import CostSpec, FaultSpec, JobSpec
-
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(slots=True)

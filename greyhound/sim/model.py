@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from greyhound.core.arrays import FloatArray, IntArray
 from greyhound.core.plans import Plan
 from greyhound.sim import faults as flt
 from greyhound.sim import hang_cascade as hc
@@ -25,14 +26,7 @@ from greyhound.sim import timeline as tl
 from greyhound.sim.events import CommTable, EventBlock, IterationTiming, Op
 from greyhound.sim.mitigation import Layout, apply
 from greyhound.sim.scenario import JobSpec, Scenario
-from greyhound.sim.schedule import (
-    FloatArray,
-    IntArray,
-    pipeline_order,
-    ring_allreduce_s,
-    run_pipeline,
-    tree_allreduce_s,
-)
+from greyhound.sim.schedule import pipeline_order, ring_allreduce_s, run_pipeline, tree_allreduce_s
 
 
 @dataclass(frozen=True, slots=True, eq=False)

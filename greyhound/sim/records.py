@@ -19,10 +19,10 @@ import numpy as np
 import numpy.typing as npt
 
 from greyhound import hookabi
+from greyhound.core.arrays import IntArray
 from greyhound.sim.events import CommKind, CommTable, EventBlock, Op
 
 U64 = npt.NDArray[np.uint64]
-IntArray = npt.NDArray[np.int64]
 
 NEVER_NS = np.iinfo(np.uint64).max  # an enter or return that does not happen
 NCCL_BFLOAT16 = 9

@@ -16,8 +16,7 @@ from functools import lru_cache
 import numpy as np
 import numpy.typing as npt
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
+from greyhound.core.arrays import FloatArray, IntArray
 
 
 @dataclass(frozen=True, slots=True, eq=False)

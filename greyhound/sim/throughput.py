@@ -11,13 +11,12 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-import numpy.typing as npt
 
+from greyhound.core.arrays import FloatArray
 from greyhound.sim.offline import run_offline
 from greyhound.sim.scenario import Scenario
 
 Iterations = Sequence[tuple[float, float]]
-FloatArray = npt.NDArray[np.float64]
 
 
 def offline_iterations(sc: Scenario, *, faults: bool = True) -> list[tuple[float, float]]:

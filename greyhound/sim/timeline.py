@@ -13,8 +13,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from greyhound.core.arrays import FloatArray, IntArray
 from greyhound.sim.events import CommTable, EventBlock, Op
-from greyhound.sim.schedule import FloatArray, IntArray, PipelineOrder, pipeline_order
+from greyhound.sim.schedule import PipelineOrder, pipeline_order
 
 
 @dataclass(frozen=True, slots=True, eq=False)

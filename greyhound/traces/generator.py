@@ -17,11 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
+from greyhound.core.arrays import FloatArray
 from greyhound.traces.labels import Episode, NoiseEvent, Trace
-
-FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True, slots=True)

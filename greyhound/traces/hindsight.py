@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from greyhound.core.arrays import FloatArray
 from greyhound.traces.labels import Episode
-
-FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True, slots=True)

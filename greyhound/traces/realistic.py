@@ -27,13 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
+from greyhound.core.arrays import FloatArray
 from greyhound.traces.generator import log_uniform
 from greyhound.traces.hindsight import label_by_hindsight
 from greyhound.traces.labels import NoiseEvent, Trace
 
-FloatArray = npt.NDArray[np.float64]
 ONSET_TOLERANCE = 6
 
 

@@ -72,9 +72,9 @@ def node_of(host: str) -> int | None:
 
 class NodeAgent:
     def __init__(self, shm_dir: Path, js: JetStreamContext, *, agent_id: str,
-                 jobs: list[str] | None = None, settings: AgentSettings | None = None) -> None:
+                 settings: AgentSettings, jobs: list[str] | None = None) -> None:
         self.shm_dir = Path(shm_dir)
-        self.settings = settings or AgentSettings()
+        self.settings = settings
         self.js = js
         self.agent_id = check_token(agent_id, "agent id")
         self.fixed_jobs = jobs
@@ -340,7 +340,7 @@ async def run_agent(ctx: ServiceContext, stop: asyncio.Event, *, job: list[str] 
                            f"GREYHOUND_NATS_USER={agent_user(agent_id)} and its password, or "
                            "--agent-id to the id the user is bound to")
     agent = NodeAgent(ctx.settings.shm_dir, ctx.js, agent_id=agent_id, jobs=job or None,
-                      settings=settings)
+                      settings=settings or AgentSettings())
     control = AgentControl(agent.agent_id, agent.collectors,
                            gpu=agent.gpu.samples if agent.gpu is not None else None)
     log.info("agent %s watching %s", agent.agent_id, ctx.settings.shm_dir)

@@ -11,25 +11,27 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from nats.aio.client import Client as NATS
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from greyhound.core.gpu_health import evidence, explain_hang, explain_slow, explanation
 from services.common.bus import control
 from services.common.db import repository as repo
+from services.common.db.documents import Culprit, Evidence, GpuHealth
 from services.common.db.models import Incident
-from services.common.runtime import ServiceContext
 
 HANG_UNDETERMINED = "hang"
 
 
-async def job_gpu_health(ctx: ServiceContext, job: str, *, timeout_s: float = 2.0
+async def job_gpu_health(nc: NATS, session: AsyncSession, job: str, *, timeout_s: float = 2.0
                          ) -> list[dict[str, Any]]:
-    """Fresh samples of the job's GPUs from every agent that watches its ranks."""
-    async with ctx.db()() as session:
-        ranks = await repo.job_ranks(session, job)
-        await session.commit()
+    """Fresh samples of the job's GPUs from every agent that watches its ranks (read with
+    ``session``)."""
+    ranks = await repo.job_ranks(session, job)
     agents = sorted({r.agent_id for r in ranks})
     if not agents:
         return []
-    return await control.gpu_health(ctx.nc, job, agents, timeout_s=timeout_s)
+    return await control.gpu_health(nc, job, agents, timeout_s=timeout_s)
 
 
 def attach_slow(incident: Incident, compute_ranks: list[int], samples: list[dict[str, Any]]
@@ -39,21 +41,24 @@ def attach_slow(incident: Incident, compute_ranks: list[int], samples: list[dict
         return None
     findings = explain_slow(samples, compute_ranks)
     words = explanation(findings)
-    incident.evidence = {**incident.evidence, "gpu_health": evidence(samples, findings),
-                         **({"explanation": words} if words else {})}
+    found = Evidence(gpu_health=GpuHealth.model_validate(evidence(samples, findings)))
+    if words:
+        found = found.model_copy(update={"explanation": words})
+    incident.evidence = incident.evidence.merged(found)
     return words
 
 
-def explain_hang_with_gpus(kind: str, culprit: dict[str, Any], samples: list[dict[str, Any]]
-                           ) -> tuple[str, dict[str, Any], dict[str, Any] | None, str | None]:
+def explain_hang_with_gpus(kind: str, culprit: Culprit, samples: list[dict[str, Any]]
+                           ) -> tuple[str, Culprit, GpuHealth | None, str | None]:
     """(kind, culprit, evidence, words) of a hang given its GPUs' health. An Xid, uncorrectable
     ECC or NVLink errors explain a hang; when the counters could not name the cause, the GPU that
     reported them does: the hang is ``hang_hardware`` on that GPU's ranks."""
     if not samples:
         return kind, culprit, None, None
-    findings = explain_hang(samples, list(culprit.get("ranks") or []), now_s=time.time())
+    findings = explain_hang(samples, culprit.ranks, now_s=time.time())
     words = explanation(findings)
     if findings and kind == HANG_UNDETERMINED:
         ranks = sorted({r for f in findings for r in f.ranks})
-        kind, culprit = "hang_hardware", {**culprit, "ranks": ranks[:64], "by": "gpu_health"}
-    return kind, culprit, evidence(samples, findings), words
+        kind = "hang_hardware"
+        culprit = culprit.model_copy(update={"ranks": ranks[:64], "by": "gpu_health"})
+    return kind, culprit, GpuHealth.model_validate(evidence(samples, findings)), words

@@ -30,12 +30,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.analyzer.settings import AnalyzerSettings
 from services.common.bus.errors import classify, describe
 from services.common.db import repository as repo
+from services.common.unit_of_work import Work
 
 log = logging.getLogger(__name__)
 
@@ -60,39 +60,35 @@ def _plan(s: AnalyzerSettings, events_max_age_s: float) -> list[tuple[str, float
     ]
 
 
-async def retention_pass(sessions: async_sessionmaker[AsyncSession], settings: AnalyzerSettings,
-                         *, events_max_age_s: float, now: datetime | None = None
-                         ) -> dict[str, int] | None:
+async def retention_pass(work: Work, settings: AnalyzerSettings, *, events_max_age_s: float,
+                         now: datetime | None = None) -> dict[str, int] | None:
     """Delete what is past its age; rows deleted per table, or None when another process is
-    running a pass. Each batch is its own short transaction."""
+    running a pass. Each batch is its own short unit of work."""
     now = now or datetime.now(UTC)
     deleted: dict[str, int] = {}
-    async with sessions() as session:
-        for what, keep_s, delete in _plan(settings, events_max_age_s):
-            before = now - timedelta(seconds=keep_s)
-            total = 0
-            while True:
-                got = await session.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"),
-                                           {"k": RETENTION_LOCK})
-                if not got:
-                    await session.rollback()
+    for what, keep_s, delete in _plan(settings, events_max_age_s):
+        before = now - timedelta(seconds=keep_s)
+        total = 0
+        while True:
+            async with work.unit() as uow:
+                if not await repo.try_lock(uow.session, RETENTION_LOCK):
+                    uow.discard()
                     return None
-                n = await delete(session, before, settings.retention_batch)
-                await session.commit()
-                total += n
-                if n < settings.retention_batch:
-                    break
-            deleted[what] = total
+                n = await delete(uow.session, before, settings.retention_batch)
+            total += n
+            if n < settings.retention_batch:
+                break
+        deleted[what] = total
     return deleted
 
 
-async def run_retention(sessions: async_sessionmaker[AsyncSession], settings: AnalyzerSettings,
-                        stop: asyncio.Event, *, events_max_age_s: float) -> None:
+async def run_retention(work: Work, settings: AnalyzerSettings, stop: asyncio.Event, *,
+                        events_max_age_s: float) -> None:
     """A pass at start-up and every ``retention_every_s``; the database being away is waited
     out, any other failure (a bug) ends the task, hence the service."""
     while not stop.is_set():
         try:
-            deleted = await retention_pass(sessions, settings, events_max_age_s=events_max_age_s)
+            deleted = await retention_pass(work, settings, events_max_age_s=events_max_age_s)
         except Exception as exc:
             if classify(exc) == "permanent":
                 raise

@@ -25,7 +25,6 @@ after the other, since a job is profiled through one window at a time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from greyhound.core.incident_opening import hang_opening, slowdown_opening
 from greyhound.core.known_causes import KnownCauses, OpenStep, ended_by
 from greyhound.hookabi import unsigned64
 from services.analyzer.gpu_evidence import explain_hang_with_gpus, job_gpu_health
@@ -46,16 +46,16 @@ from services.analyzer.slow import SlowLocalizer
 from services.common.bus.bounds import MAX_SECONDS
 from services.common.bus.client import Consumer
 from services.common.bus.contract import DetectionEvent, IncidentEvent, IncidentStage, Subjects
-from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import ANALYZER
 from services.common.db import repository as repo
+from services.common.db.documents import Culprit, Detection, Evidence, OtherHang
 from services.common.db.models import Incident
-from services.common.outbox import Outbox
+from services.common.patience import periodically
 from services.common.runtime import ServiceContext, supervise
+from services.common.unit_of_work import UnitOfWork, Work
 
 log = logging.getLogger(__name__)
 
-_HANG_PRIORITY = {"hang_not_entered": 0, "hang_inconsistent": 1, "hang_hardware": 2}
 SLOW_KEY = "slowdown"
 
 
@@ -69,30 +69,32 @@ class Recorded:
     second: bool = False
 
 
-def _severity(x: float) -> float:
-    """Severities as the contract and the incidents table take them: finite, 0..MAX_SECONDS."""
-    return min(max(x, 0.0), MAX_SECONDS) if x == x else MAX_SECONDS
-
-
 class Analyzer:
-    def __init__(self, ctx: ServiceContext, localizer: SlowLocalizer | None = None, *,
-                 outbox: Outbox | None = None) -> None:
+    def __init__(self, ctx: ServiceContext, work: Work,
+                 localizer: SlowLocalizer | None = None) -> None:
         self.ctx = ctx
+        self.work = work
         self.localizer = localizer
-        self.outbox = outbox or (localizer.outbox if localizer is not None
-                                 else Outbox.of(ctx, "analyzer"))
         self._chains: dict[str, asyncio.Task[None]] = {}
+        # what the consumer calls: handle, in a unit of work of its own per detection
+        self.consume = work.per_message(self.handle, claim=ANALYZER.durable)
 
-    async def handle(self, subject: str, det: DetectionEvent) -> None:
-        """A database failure propagates: the consumer retries what may succeed later."""
+    async def handle(self, uow: UnitOfWork, subject: str, det: DetectionEvent) -> None:
+        """One detection, claimed by the consumer's unit of work; a database failure
+        propagates: the consumer retries what may succeed later."""
         # a hang's GPUs may say why (an Xid): asked before the incident is written, briefly
         # (an agent that cannot answer in 1 s delays the incident by at most 3 s)
-        gpus = (await job_gpu_health(self.ctx, det.job_id, timeout_s=1.0)
+        gpus = (await job_gpu_health(self.ctx.nc, uow.session, det.job_id, timeout_s=1.0)
                 if det.kind == "hang" else [])
-        done = await self._record(det, gpus)
-        await self.outbox.flush([e.event_id for e in done.events])
-        if done.localize is not None and self.localizer is not None:
-            self._localize(done.localize, det, second=done.second)
+        done = await self._record(uow.session, det, gpus)
+        for event in done.events:
+            await uow.stage(Subjects.incident(det.job_id), event)
+        incident_id = done.localize
+        if incident_id is not None and self.localizer is not None:
+            async def localize() -> None:
+                self._localize(incident_id, det, second=done.second)
+
+            uow.after_commit(localize)
 
     async def resume(self) -> int:
         """Localise again every open incident left ``detected`` without a localisation result
@@ -100,9 +102,8 @@ class Analyzer:
         found), unless its job is being profiled now; how many were started."""
         if self.localizer is None:
             return 0
-        async with self.ctx.db()() as session:
+        async with self.work.read() as session:
             rows = await repo.unlocalized_incidents(session, SLOW_KEY)
-            await session.commit()
         started = 0
         for inc in rows:
             if inc.job_id in self._chains or inc.job_id in self.localizer.tasks:
@@ -149,9 +150,8 @@ class Analyzer:
     async def _known(self, job: str, exclude: str) -> KnownCauses:
         """What the job's other open slowdown incidents name, read when the localisation runs
         (the first incident's own localisation may have finished only just now)."""
-        async with self.ctx.db()() as session:
+        async with self.work.read() as session:
             rows = await repo.open_incidents(session, job, SLOW_KEY)
-            await session.commit()
         return KnownCauses.from_culprits((i.id, i.culprit) for i in rows if i.id != exclude)
 
     async def stop(self) -> None:
@@ -160,79 +160,63 @@ class Analyzer:
         await asyncio.gather(*self._chains.values(), return_exceptions=True)
 
     @staticmethod
-    def _classify(det: DetectionEvent) -> tuple[str, float, dict[str, Any], str]:
-        """Kind, severity, culprit and summary of a new incident for this detection."""
+    def _classify(det: DetectionEvent) -> tuple[str, float, Culprit, str]:
+        """Kind, severity, culprit and summary of a new incident for this detection
+        (greyhound.core.incident_opening; a hang's counter rows diagnosed first)."""
         if det.kind != "hang":
-            summary = (f"job {det.job_id} {det.kind}: iteration {det.before_s:.3f}s -> "
-                       f"{det.after_s:.3f}s ({det.slowdown:.2f}x)")
-            slow: dict[str, Any] = {"ranks": det.ranks[:64]}
-            if det.evidence.get("slow_links"):  # the plugin's rates name a network link
-                slow["slow_links"] = det.evidence["slow_links"]
-            return det.kind, _severity(det.slowdown), slow, summary
+            o = slowdown_opening(det.job_id, det.kind, det.before_s, det.after_s,
+                                 cap=MAX_SECONDS)
+            # the plugin's rates may name a network link (greyhound.core.progress)
+            links = list(det.evidence.get("slow_links") or [])
+            return (o.kind, o.severity, Culprit(ranks=det.ranks[:64], slow_links=links),
+                    o.summary)
         stalled = det.stalled_s or 0.0
-        severity = _severity(stalled / det.threshold_s if det.threshold_s else 1.0)
-        culprit: dict[str, Any] = {"comm_id": det.comm_id, "ranks": det.ranks[:64]}
         rows = det.evidence.get("counters", {})
-        # Cascaded symptoms are already dropped by the diagnosis. Of what is left, a rank that
-        # never entered (or entered something else) explains peers stuck in the collective after
-        # it, so those causes are named before "all entered, none completes".
         found = diagnose_from_rows(rows, now_ns=det.detected_ns, stalled_s=stalled,
                                    progress=det.evidence.get("progress")) if rows else []
-        mine = sorted(found, key=lambda d: _HANG_PRIORITY.get(d.kind, len(_HANG_PRIORITY)))
-        if not mine:
-            return "hang", severity, culprit, (
-                f"job {det.job_id}: communicator {det.comm_id} made no progress for "
-                f"{stalled:.1f}s (cause not determined)")
-        d = mine[0]
-        comm = unsigned64(d.comm_id)
-        culprit = {"comm_id": comm, "ranks": d.ranks[:64], "seq": d.seq, "op": d.op,
-                   "diagnosis": d.evidence,
-                   "others": [{"kind": o.kind, "comm_id": unsigned64(o.comm_id), "seq": o.seq,
-                               "ranks": o.ranks[:16]} for o in mine[1:16]]}
-        return d.kind, severity, culprit, (
-            f"job {det.job_id}: {d.kind} on communicator {comm} at {d.op} #{d.seq}; "
-            f"ranks {d.ranks[:16]}; stalled {stalled:.1f}s")
+        o = hang_opening(det.job_id, det.comm_id, stalled, det.threshold_s, found,
+                         cap=MAX_SECONDS)
+        d = o.cause
+        if d is None:
+            return o.kind, o.severity, Culprit(comm_id=det.comm_id, ranks=det.ranks[:64]), o.summary
+        culprit = Culprit(comm_id=unsigned64(d.comm_id), ranks=d.ranks[:64], seq=d.seq, op=d.op,
+                          diagnosis=d.evidence,
+                          others=[OtherHang(kind=x.kind, comm_id=unsigned64(x.comm_id),
+                                            seq=x.seq, ranks=x.ranks[:16]) for x in o.others])
+        return o.kind, o.severity, culprit, o.summary
 
-    async def _record(self, det: DetectionEvent, gpus: list[dict[str, Any]] | None = None
-                      ) -> Recorded:
+    async def _record(self, session: AsyncSession, det: DetectionEvent,
+                      gpus: list[dict[str, Any]] | None = None) -> Recorded:
         change = str(det.evidence.get("change", "onset")) if det.kind != "hang" else None
-        detail = {"event_id": det.event_id, "ranks": det.ranks[:64], "method": det.method,
-                  "first_iteration": det.first_iteration,
-                  "detected_iteration": det.detected_iteration,
-                  "before_s": det.before_s, "after_s": det.after_s}
+        detail = Detection(event_id=det.event_id, ranks=det.ranks[:64], method=det.method,
+                           first_iteration=det.first_iteration,
+                           detected_iteration=det.detected_iteration,
+                           before_s=det.before_s, after_s=det.after_s)
         if change is not None:
-            detail.update(change=change, healthy_s=det.evidence.get("healthy_s"))
-        async with self.ctx.db()() as session:
-            if not await repo.claim_event(session, ANALYZER.durable, det.event_id):
-                return Recorded()
-            await repo.touch_job(session, det.job_id)
-            if det.kind == "hang":
-                done = await self._hang(session, det, detail, gpus or [])
-            elif det.hang_over:
-                done = await self._hang_over(session, det, detail)
-            else:
-                open_ = await repo.open_incidents(session, det.job_id, SLOW_KEY)
-                if det.kind == "recovery":
-                    done = await self._recovery(session, det, detail, change, open_)
-                else:
-                    done = await self._slowdown(session, det, detail, change, open_)
-            for event in done.events:
-                await self.outbox.stage(session, Subjects.incident(det.job_id), event)
-            await session.commit()
-        return done
+            detail = detail.model_copy(update={"change": change,
+                                               "healthy_s": det.evidence.get("healthy_s")})
+        await repo.touch_job(session, det.job_id)
+        if det.kind == "hang":
+            return await self._hang(session, det, detail, gpus or [])
+        if det.hang_over:
+            return await self._hang_over(session, det, detail)
+        open_ = await repo.open_incidents(session, det.job_id, SLOW_KEY)
+        if det.kind == "recovery":
+            return await self._recovery(session, det, detail, change, open_)
+        return await self._slowdown(session, det, detail, change, open_)
 
     async def _hang_over(self, session: AsyncSession, det: DetectionEvent,
-                         detail: dict[str, Any]) -> Recorded:
+                         detail: Detection) -> Recorded:
         """The stalled communicators move again: the job's hang incident is over."""
         incident = await repo.find_open_incident(session, det.job_id, "hang")
         if incident is None:
             return Recorded()
-        await repo.add_timeline(session, incident, "resolved",
-                                {**detail, "comm_id": det.comm_id, "by": "hang-watch",
-                                 "moved_comms": det.evidence.get("moved_comms", [])})
+        await repo.add_timeline(session, incident, "resolved", detail.model_copy(update={
+            "comm_id": det.comm_id, "by": DetectionEvent.HANG_WATCH,
+            "moved_comms": list(det.evidence.get("moved_comms", []))}))
         return Recorded([self._event(det, incident, "resolved")])
 
-    async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+    async def _hang(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                     gpus: list[dict[str, Any]]) -> Recorded:
         # One open incident per job and problem family: a hang stalls many communicators at once.
         kind, severity, culprit, summary = self._classify(det)
@@ -243,10 +227,11 @@ class Analyzer:
             if words:
                 extra["explanation"] = words
                 summary = f"{summary}; {words}"
+            # the tracker's view of the hang (its counter rows, the stalled communicators...)
+            evidence = Evidence.model_validate({"detection": detail, **det.evidence, **extra})
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key="hang", severity=severity,
-                summary=summary, culprit=culprit,
-                evidence={"detection": detail, **det.evidence, **extra}, stage_detail=detail)
+                summary=summary, culprit=culprit, evidence=evidence, stage_detail=detail)
             stage: IncidentStage = "localized" if kind != "hang" else "detected"
             if stage == "localized":
                 await repo.add_timeline(session, incident, "localized", culprit)
@@ -256,13 +241,13 @@ class Analyzer:
             stage = "detected"
         return Recorded([self._event(det, incident, stage)])
 
-    async def _slowdown(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+    async def _slowdown(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                         change: str | None, open_: Sequence[Incident]) -> Recorded:
         kind, severity, culprit, summary = self._classify(det)
         if not open_:
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key=SLOW_KEY, severity=severity,
-                summary=summary, culprit=culprit, evidence={"detection": detail},
+                summary=summary, culprit=culprit, evidence=Evidence(detection=detail),
                 stage_detail=detail)
             return Recorded([self._event(det, incident, "detected")], incident.id)
         if change != "further":
@@ -279,20 +264,19 @@ class Analyzer:
             session, job_id=det.job_id, kind=kind,
             dedup_key=f"{SLOW_KEY}+{det.first_iteration}:{det.event_id[:8]}",
             severity=severity, summary=summary, culprit=culprit,
-            evidence={"detection": detail, "while_open": others}, stage_detail=detail)
+            evidence=Evidence(detection=detail, while_open=others), stage_detail=detail)
         for other in open_:
             await repo.add_timeline(session, other, "detected",
-                                    {**detail, "further": incident.id})
+                                    detail.model_copy(update={"further": incident.id}))
         return Recorded([self._event(det, incident, "detected")], incident.id, second=True)
 
-    async def _recovery(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+    async def _recovery(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                         change: str | None, open_: Sequence[Incident]) -> Recorded:
         if not open_:
             return Recorded()
         if change == "partial":
-            steps = [OpenStep(i.id, float(i.evidence.get("detection", {}).get("before_s", 0.0)),
-                              float(i.evidence.get("detection", {}).get("after_s", 0.0)))
-                     for i in open_]
+            steps = [OpenStep(i.id, d.before_s if (d := i.evidence.detection) else 0.0,
+                              d.after_s if d else 0.0) for i in open_]
             ended = ended_by(steps, det.before_s, det.after_s) if len(open_) > 1 else None
             if ended is None:  # one cause eased but the job is still slow: note it
                 for incident in open_:
@@ -315,17 +299,17 @@ class Analyzer:
 
 def _detection_of(inc: Incident) -> DetectionEvent | None:
     """The detection an incident was opened from, rebuilt from what it recorded."""
-    d = inc.evidence.get("detection") or {}
+    d = inc.evidence.detection
+    if d is None:
+        return None
     try:
         return DetectionEvent(
-            job_id=inc.job_id, kind="slowdown", ranks=list(d.get("ranks") or [])[:64],
-            first_iteration=int(d["first_iteration"]),
-            detected_iteration=int(d["detected_iteration"]), before_s=float(d["before_s"]),
-            after_s=float(d["after_s"]), detected_ns=time.time_ns(),
-            method=str(d.get("method") or "bocd-v"),
-            evidence={"change": d.get("change") or "onset",
-                      "healthy_s": d.get("healthy_s") or d["before_s"]})
-    except (KeyError, TypeError, ValueError, ValidationError):
+            job_id=inc.job_id, kind="slowdown", ranks=d.ranks[:64],
+            first_iteration=d.first_iteration, detected_iteration=d.detected_iteration,
+            before_s=d.before_s, after_s=d.after_s, detected_ns=time.time_ns(),
+            method=d.method or "bocd-v",
+            evidence={"change": d.change or "onset", "healthy_s": d.healthy_s or d.before_s})
+    except ValidationError:
         return None
 
 
@@ -333,10 +317,11 @@ async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
     """The service: detections, the collective feed, the outbox relay and the retention pass,
     supervised (one that dies ends the process for its supervisor to restart it)."""
     settings = AnalyzerSettings()
-    outbox = Outbox.of(ctx, "analyzer")
-    localizer = SlowLocalizer(ctx, outbox=outbox)
-    analyzer = Analyzer(ctx, localizer, outbox=outbox)
-    consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.handle)
+    work = ctx.work("analyzer")
+    localizer = SlowLocalizer(ctx, work)
+    analyzer = Analyzer(ctx, work, localizer)
+    consumer: Consumer[DetectionEvent] = Consumer(
+        ctx.js, ANALYZER, DetectionEvent, analyzer.consume)
     feed = CollectiveFeed(ctx.js, localizer.buffers)
 
     async def stopper() -> None:
@@ -344,21 +329,11 @@ async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
         consumer.stop()
         feed.stop()
 
-    async def resumer() -> None:
-        """At start-up and every resume_every_s; the database being away is waited out."""
-        while not stop.is_set():
-            try:
-                await analyzer.resume()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                log.warning("resuming localisations failed: %s", describe(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), settings.resume_every_s)
-
+    resumer = periodically(analyzer.resume, settings.resume_every_s, stop,
+                           what="resuming localisations")
     try:
-        await supervise(consumer.run(), feed.run(), outbox.run(stop), stopper(), resumer(),
-                        run_retention(ctx.db(), settings, stop,
+        await supervise(consumer.run(), feed.run(), work.relay(stop), stopper(), resumer,
+                        run_retention(work, settings, stop,
                                       events_max_age_s=ctx.settings.events_max_age_s))
     finally:
         await analyzer.stop()

@@ -35,11 +35,18 @@ from services.common.bus.contract import (
     Subjects,
     Suspicion,
 )
-from services.common.bus.errors import describe, is_transient
 from services.common.db import repository as repo
+from services.common.db.documents import (
+    AnalyzerNote,
+    Culprit,
+    Evidence,
+    Localization,
+    LocalizedNote,
+)
 from services.common.db.models import Rank
-from services.common.outbox import Outbox
+from services.common.patience import patiently
 from services.common.runtime import ServiceContext
+from services.common.unit_of_work import UnitOfWork, Work
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +54,12 @@ log = logging.getLogger(__name__)
 class SlowLocalizer:
     """Owns the open profiling windows (``buffers``, shared with the collective feed)."""
 
-    def __init__(self, ctx: ServiceContext, *, rule: WindowRule | None = None,
-                 control_timeout_s: float = 3.0, outbox: Outbox | None = None,
-                 record_patience_s: float = 300.0) -> None:
+    def __init__(self, ctx: ServiceContext, work: Work, *, rule: WindowRule | None = None,
+                 control_timeout_s: float = 3.0, record_patience_s: float = 300.0) -> None:
         self.ctx = ctx
+        self.work = work
         self.rule = rule or WindowRule()
         self.control_timeout_s = control_timeout_s
-        self.outbox = outbox or Outbox.of(ctx, "analyzer")
         self.record_patience_s = record_patience_s
         self.buffers: dict[str, ProfileBuffer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -82,13 +88,10 @@ class SlowLocalizer:
         # GPU health is asked while the job is profiled (and still slow), alongside the window
         gpus = asyncio.create_task(self._gpus(det.job_id), name=f"gpu-health-{det.job_id}")
         try:
-            loc, window, timing = await self._profile(det)
+            loc, facts = await self._profile(det)
             if known is not None:
                 loc = new_causes(loc, known)
-            ids = await self._record_patiently(incident_id, det, loc,
-                                               {"window": window, "timing": timing},
-                                               await gpus)
-            await self.outbox.flush(ids)
+            await self._record_patiently(incident_id, det, loc, facts, await gpus)
         except asyncio.CancelledError:
             raise
         except Exception:  # one failed localisation must not take the analyzer down
@@ -99,7 +102,9 @@ class SlowLocalizer:
     async def _gpus(self, job: str) -> list[dict[str, Any]]:
         """The job's GPU health now, while it is still slow; [] when it cannot be had."""
         try:
-            return await job_gpu_health(self.ctx, job, timeout_s=self.control_timeout_s)
+            async with self.work.read() as session:
+                return await job_gpu_health(self.ctx.nc, session, job,
+                                            timeout_s=self.control_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -108,26 +113,23 @@ class SlowLocalizer:
 
     async def _record_patiently(self, incident_id: str, det: DetectionEvent,
                                 loc: SlowLocalization, facts: dict[str, Any],
-                                gpus: list[dict[str, Any]]) -> list[str]:
-        """Record the result, retrying while the database is away (up to record_patience_s)."""
-        deadline = time.monotonic() + self.record_patience_s
-        delay = 0.5
-        while True:
-            try:
-                return await self._record(incident_id, det, loc, facts, gpus)
-            except Exception as exc:
-                if not is_transient(exc) or time.monotonic() + delay > deadline:
-                    raise
-                log.warning("incident %s: recording its localisation failed, retrying in "
-                            "%.1fs: %s", incident_id, delay, describe(exc))
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 10.0)
+                                gpus: list[dict[str, Any]]) -> None:
+        """Record the result with its announcements, waiting out a database that is away (up
+        to record_patience_s): the profile exists only here."""
 
-    async def _profile(self, det: DetectionEvent
-                       ) -> tuple[SlowLocalization, dict[str, Any], dict[str, object]]:
-        """Profile the job until the window is ready; the localisation, the window's facts, and
-        which clock its calls were timed on (GPU, host, or both)."""
-        async with self.ctx.db()() as session:
+        async def step(uow: UnitOfWork) -> None:
+            for subject, msg in await self._apply(uow.session, incident_id, det, loc, facts,
+                                                  gpus):
+                await uow.stage(subject, msg)
+
+        await patiently(self.work, step, patience_s=self.record_patience_s,
+                        what=f"incident {incident_id}: recording its localisation")
+
+    async def _profile(self, det: DetectionEvent) -> tuple[SlowLocalization, dict[str, Any]]:
+        """Profile the job until the window is ready; the localisation, and the facts it rests
+        on: the window's, which clock its calls were timed on (GPU, host, or both), and the
+        ranks that have no GPU clock to time them on (no completion marks)."""
+        async with self.work.read() as session:
             ranks: Sequence[Rank] = await repo.job_ranks(session, det.job_id)
         agents = sorted({r.agent_id for r in ranks})
         node_of_rank: dict[int, NodeLabel] = {
@@ -147,7 +149,8 @@ class SlowLocalizer:
         calls, timeline = buf.window()
         loc = await asyncio.to_thread(localize_slow, calls, node_of_rank=node_of_rank,
                                       before_s=det.before_s, after_s=det.after_s)
-        return loc, window, timeline.summary()
+        return loc, {"window": window, "timing": timeline.summary(),
+                     "marks_off_ranks": sorted(r.rank for r in ranks if r.marks_off)}
 
     async def _set_mode(self, job: str, agents: list[str], mode: str) -> int:
         """Ask every agent; an agent that does not answer costs its ranks' rows, not the window."""
@@ -167,32 +170,21 @@ class SlowLocalizer:
                 ok += 1
         return ok
 
-    async def _record(self, incident_id: str, det: DetectionEvent, loc: SlowLocalization,
-                      facts: dict[str, Any], gpus: list[dict[str, Any]] | None = None
-                      ) -> list[str]:
-        """Commit the result with its announcements; the event ids to send."""
-        async with self.ctx.db()() as session:
-            announce = await self._apply(session, incident_id, det, loc, facts, gpus or [])
-            ids = [await self.outbox.stage(session, subject, msg) for subject, msg in announce]
-            await session.commit()
-        return ids
-
     async def _apply(self, session: AsyncSession, incident_id: str, det: DetectionEvent,
                      loc: SlowLocalization, facts: dict[str, Any],
                      gpus: list[dict[str, Any]]) -> list[tuple[str, Message]]:
-        evidence = {**_unsigned_evidence(loc.evidence), **facts}
+        evidence = Localization.model_validate({**_unsigned_evidence(loc.evidence), **facts})
         incident = await repo.get_incident_for_update(session, incident_id)
         if incident is None:
             return []
         if loc.kind == "none":
-            known_only = bool(loc.evidence.get("known_only"))
+            known_only = bool(evidence.known_only)
             stage = ("resolved" if (loc.transient or known_only)
                      and incident.status != "resolved" else None)
             result = ("known cause" if known_only else "transient" if loc.transient
                       else "unexplained")
-            detail = {"result": result, "by": "analyzer", "evidence": evidence}
-            await repo.add_timeline(session, incident, stage or "detected", detail)
-            await session.commit()
+            await repo.add_timeline(session, incident, stage or "detected",
+                                    AnalyzerNote(result=result, by="analyzer", evidence=evidence))
             log.info("incident %s: profiling found nothing (%s)", incident.id, result)
             if stage is None:
                 return []
@@ -205,7 +197,7 @@ class SlowLocalizer:
         culprit = _merge_culprit(incident.culprit, loc)
         incident.kind = loc.kind
         incident.culprit = culprit
-        incident.evidence = {**incident.evidence, "localization": evidence}
+        incident.evidence = incident.evidence.merged(Evidence(localization=evidence))
         incident.summary = _summary(det, loc, culprit)
         words = attach_slow(incident, loc.compute_ranks, gpus)
         if words:
@@ -213,7 +205,7 @@ class SlowLocalizer:
         # the slowdown may have ended while profiling: then the lifecycle keeps it closed
         resolved = await repo.add_timeline(
             session, incident, "localized",
-            {"kind": loc.kind, "culprit": culprit, "evidence": evidence}) == "resolved"
+            LocalizedNote(kind=loc.kind, culprit=culprit, evidence=evidence)) == "resolved"
         log.info("incident %s localized: %s", incident.id, incident.summary)
         out: list[tuple[str, Message]] = []
         if not resolved:
@@ -222,35 +214,34 @@ class SlowLocalizer:
                 ranks=loc.compute_ranks, comm_ids=[unsigned64(c) for c in loc.comm_ids],
                 slow_groups=[unsigned64(c) for c in loc.slow_groups],
                 evidence={"nodes": loc.nodes, "links": [list(p) for p in loc.links],
-                          **evidence})))
+                          **evidence.as_json()})))
         out.append((Subjects.incident(det.job_id), IncidentEvent(
             job_id=det.job_id, incident_id=incident.id, stage="localized", kind=loc.kind,
             severity=incident.severity, summary=incident.summary)))
         return out
 
 
-def _merge_culprit(old: dict[str, Any], loc: SlowLocalization) -> dict[str, Any]:
-    """A repeated localisation of the same open incident adds to what it named before."""
-    prior = old if "comm_ids" in old else {}
+def _merge_culprit(old: Culprit, loc: SlowLocalization) -> Culprit:
+    """A repeated localisation of the same open incident adds to what it named before (the
+    detection's culprit, never localised, names nothing to keep)."""
+    prior = old if "comm_ids" in old.model_fields_set else Culprit()
 
-    def union(key: str, new: Sequence[Any]) -> list[Any]:
-        seen = {_key(x): x for x in [*prior.get(key, []), *new]}
-        return [seen[k] for k in sorted(seen)]
+    def union(before: Sequence[Any], new: Sequence[Any]) -> list[Any]:
+        seen = {_key(x): x for x in [*before, *new]}
+        return [seen[k] for k in sorted(seen)][:256]
 
-    return {
-        "ranks": union("ranks", loc.ranks)[:256],
-        "compute_ranks": union("compute_ranks", loc.compute_ranks)[:256],
-        "comm_ids": union("comm_ids", [unsigned64(c) for c in loc.comm_ids])[:256],
-        "nodes": union("nodes", loc.nodes)[:256],
-        "links": union("links", [list(p) for p in loc.links])[:256],
-    }
+    return Culprit(ranks=union(prior.ranks, loc.ranks),
+                   compute_ranks=union(prior.compute_ranks, loc.compute_ranks),
+                   comm_ids=union(prior.comm_ids, [unsigned64(c) for c in loc.comm_ids]),
+                   nodes=union(prior.nodes, loc.nodes),
+                   links=union(prior.links, [tuple(p) for p in loc.links]))
 
 
 def _key(x: Any) -> str:
     return repr(x) if not isinstance(x, int) else f"{x:024d}"
 
 
-def _summary(det: DetectionEvent, loc: SlowLocalization, culprit: dict[str, Any]) -> str:
+def _summary(det: DetectionEvent, loc: SlowLocalization, culprit: Culprit) -> str:
     what = {"compute_slow": "compute straggler", "comm_slow": "slow communication",
             "mixed_slow": "compute and communication"}.get(loc.kind, loc.kind)
     parts = [f"job {det.job_id} {what} ({det.slowdown:.2f}x)"]
@@ -258,10 +249,10 @@ def _summary(det: DetectionEvent, loc: SlowLocalization, culprit: dict[str, Any]
         parts.append(f"ranks {loc.compute_ranks[:16]}")
     if loc.comm_ids:
         parts.append(f"{len(loc.comm_ids)} communicator(s)")
-    if culprit["links"]:
-        parts.append(f"links {culprit['links'][:4]}")
-    elif culprit["nodes"]:
-        parts.append(f"nodes {culprit['nodes'][:8]}")
+    if culprit.links:
+        parts.append(f"links {culprit.links[:4]}")
+    elif culprit.nodes:
+        parts.append(f"nodes {culprit.nodes[:8]}")
     return "; ".join(parts)
 
 

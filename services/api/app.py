@@ -21,23 +21,29 @@ from services.api.metrics import REQUEST_SECONDS, REQUESTS
 from services.api.openapi import install_openapi
 from services.api.routes import fleet, incidents, job_plans, jobs, ops, plans, tokens, webhooks
 from services.api.settings import ApiSettings
+from services.common.outbox import Outbox
 from services.common.settings import Settings
+from services.common.unit_of_work import Work
 
 STATIC = Path(__file__).resolve().parent / "static"
 
 
-def create_app(sessions: async_sessionmaker[AsyncSession], *, settings: Settings | None = None,
-               api: ApiSettings | None = None, nc: NATS | None = None,
+def create_app(sessions: async_sessionmaker[AsyncSession], *, settings: Settings,
+               api: ApiSettings, nc: NATS | None = None,
                js: JetStreamContext | None = None) -> FastAPI:
-    """``settings`` are what every process shares, ``api`` the API's own (each read from the
-    environment when not given)."""
+    """``settings`` are what every process shares, ``api`` the API's own (run_api reads them
+    from the environment)."""
     app = FastAPI(title="Greyhound", version="0.2.0",
                   description="Fail-slow and hang detection for distributed training jobs",
                   dependencies=[Depends(reject_unstorable)])
-    app.state.sessions = sessions
-    app.state.settings = settings or Settings()
-    app.state.api_settings = api or ApiSettings()
+    app.state.settings = settings
+    app.state.api_settings = api
     app.state.bus = Bus(nc=nc, js=js)
+    # what a route announces (a close, a job's report) goes out after its commit, through the
+    # API's outbox; without a bus it waits there for an API process that has one
+    app.state.work = Work(sessions, Outbox(sessions, js, producer="api",
+                                           poll_s=settings.outbox_poll_s,
+                                           grace_s=settings.outbox_grace_s))
     install_handlers(app)
     routers = [m.router for m in (ops, jobs, job_plans, incidents, plans, fleet, webhooks,
                                    tokens)]

@@ -39,13 +39,13 @@ async def _principal(request: Request, creds: HTTPAuthorizationCredentials | Non
         raise Unauthorized("this route needs a bearer token (greyhound token create)")
     digest = hash_token(creds.credentials, token_key(settings))
     now = datetime.now(UTC)
-    async with request.app.state.sessions() as session:
-        token = await repo.token_by_hash(session, digest)
+    # a unit of its own: the token was used even when the request then fails
+    async with request.app.state.work.unit() as uow:
+        token = await repo.token_by_hash(uow.session, digest)
         if token is None or not usable(token.expires_at, token.revoked_at, now):
             raise Unauthorized("unknown, expired or revoked token")
         if token.last_used_at is None or now - token.last_used_at > _TOUCH_EVERY:
-            await repo.mark_token_used(session, token.id, now)
-            await session.commit()
+            await repo.mark_token_used(uow.session, token.id, now)
     role: Role = token.role  # type: ignore[assignment]
     return Principal(name=token.name, role=role, token_id=token.id)
 

@@ -1,4 +1,5 @@
-"""What routes share: the request's database session, the bus (optional) and the settings."""
+"""What routes share: the request's unit of work (its session and outbox), the bus (optional)
+and the settings."""
 
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.errors import Problem, Unavailable
 from services.api.settings import ApiSettings
-from services.common.bus.client import publish
-from services.common.bus.contract import Message
 from services.common.settings import Settings
+from services.common.unit_of_work import UnitOfWork, Work
 
 
 @dataclass
@@ -30,20 +30,21 @@ class Bus:
             raise Unavailable("this API process has no connection to NATS")
         return self.js
 
-    async def announce(self, subject: str, msg: Message) -> bool:
-        """Publish after a commit; False (logged by the caller) when there is no bus."""
-        if self.js is None:
-            return False
-        await publish(self.js, subject, msg)
-        return True
+
+async def unit_dep(request: Request) -> AsyncIterator[UnitOfWork]:
+    """One unit of work per request: it commits once the route returned without an error and
+    before the answer goes out (a commit that fails is the answer), then sends what the route
+    staged (services.common.unit_of_work); an error rolls everything back."""
+    work: Work = request.app.state.work
+    async with work.unit() as uow:
+        yield uow
 
 
-async def session_dep(request: Request) -> AsyncIterator[AsyncSession]:
-    """One session per request: the request is the unit of work, and a write route commits
-    once, before anything is published."""
-    maker: async_sessionmaker[AsyncSession] = request.app.state.sessions
-    async with maker() as session:
-        yield session
+def session_dep(uow: Annotated[UnitOfWork, Depends(unit_dep, scope="function")]
+                ) -> AsyncSession:
+    """The request's unit of work's session (the same unit for every dependency of one
+    request), for routes that only read and write rows."""
+    return uow.session
 
 
 def bus_dep(request: Request) -> Bus:
@@ -61,7 +62,8 @@ def api_settings_dep(request: Request) -> ApiSettings:
     return settings
 
 
-Session = Annotated[AsyncSession, Depends(session_dep)]
+Unit = Annotated[UnitOfWork, Depends(unit_dep, scope="function")]
+Session = Annotated[AsyncSession, Depends(session_dep, scope="function")]
 BusDep = Annotated[Bus, Depends(bus_dep)]
 SettingsDep = Annotated[Settings, Depends(settings_dep)]
 ApiSettingsDep = Annotated[ApiSettings, Depends(api_settings_dep)]

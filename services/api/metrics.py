@@ -35,10 +35,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.cost import cost_of, localization_latency_s, timeline_of, validation_pause_s
+from greyhound.core.incident_cost import localization_latency_s
 from services.common.bus.contract import DLQ_PREFIX
 from services.common.bus.streams import DEAD_LETTERS, EVENTS, TELEMETRY
 from services.common.db import repository as repo
+from services.common.incident_cost import cost_of, timeline_of, validation_pause_s
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ async def from_database(session: AsyncSession, snap: Snapshot, now: datetime) ->
         loc = localization_latency_s(timeline, inc.opened_at)
         if loc is not None:
             snap.localization_latency.append(loc)
-        pause = validation_pause_s(inc.evidence)
+        pause = validation_pause_s(inc)
         if pause is not None:
             snap.pauses.append(pause)
         if cost.gpu_hours_lost is not None:

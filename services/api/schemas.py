@@ -4,15 +4,34 @@ never hand-built dicts), with the examples the OpenAPI shows."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from services.api.errors import storable_text
 from services.api.tokens import Role
-from services.notifier.payload import EVENTS, Format
+from services.common.db.documents import Document
+from services.common.webhooks.payload import EVENTS, Format
 
 JobState = Literal["healthy", "slow", "hung"]
+
+
+def _stored(value: Any) -> Any:
+    """A typed document (services.common.db.documents) as it is stored: the keys its writer
+    set, so an answer shows what the service recorded and no defaults it left out."""
+    return value.as_json() if isinstance(value, Document) else value
+
+
+# A document column as the API serves it.
+Stored = Annotated[dict[str, Any], BeforeValidator(_stored)]
 # What audit entries are about (every ``repo.audit(target_type=...)`` names one of these).
 AuditTarget = Literal["incident", "job", "plan", "token", "webhook"]
 
@@ -22,7 +41,7 @@ class TimelineEntry(BaseModel):
 
     stage: str = Field(examples=["localized"])
     at: datetime
-    detail: dict[str, Any]
+    detail: Stored
 
 
 class CostOut(BaseModel):
@@ -61,9 +80,9 @@ class IncidentOut(BaseModel):
     status: str = Field(examples=["validated"])
     severity: float = Field(examples=[1.5])
     summary: str = Field(examples=["job gpt-40b compute straggler (1.50x); ranks [2]"])
-    culprit: dict[str, Any] = Field(examples=[{"ranks": [2], "gpus": [
+    culprit: Stored = Field(examples=[{"ranks": [2], "gpus": [
         {"rank": 2, "node": 0, "host": "node-a", "device": 2}]}])
-    evidence: dict[str, Any]
+    evidence: Stored
     opened_at: datetime
     updated_at: datetime
     resolved_at: datetime | None
@@ -99,7 +118,7 @@ class PlanOut(BaseModel):
     incident_id: str
     job_id: str
     strategy: str = Field(examples=["S2"])
-    params: dict[str, Any] = Field(examples=[{"kind": "microbatch", "microbatches": [6, 6, 4, 8]}])
+    params: Stored = Field(examples=[{"kind": "microbatch", "microbatches": [6, 6, 4, 8]}])
     params_version: int = 1
     status: str = Field(examples=["proposed"], description=(
         "proposed, approved, rejected, expired, applied, failed, reverted or withdrawn"))
@@ -196,7 +215,8 @@ class JobOut(BaseModel):
 
     id: str = Field(examples=["gpt-40b"])
     world_size: int | None = Field(examples=[256])
-    topology: dict[str, Any] = Field(examples=[{"tp": 8, "dp": 16, "pp": 2}])
+    topology: Stored = Field(examples=[{"layout": {"tp": 8, "dp": 16, "pp": 2, "gpus_per_node": 8,
+                                                   "microbatches": 64}}])
     first_seen_at: datetime
     last_seen_at: datetime
     state: JobState = "healthy"

@@ -10,7 +10,8 @@ import uvicorn
 
 from services.api.app import create_app
 from services.api.settings import ApiSettings
-from services.common.runtime import ServiceContext
+from services.common.runtime import ServiceContext, supervise
+from services.common.unit_of_work import Work
 
 
 class _Server(uvicorn.Server):
@@ -28,7 +29,14 @@ async def run_api(ctx: ServiceContext, stop: asyncio.Event, *, host: str, port: 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                             ssl_certfile=api.api_tls_cert, ssl_keyfile=api.api_tls_key)
     server = _Server(config)
-    task = asyncio.create_task(server.serve())
-    await stop.wait()
-    server.should_exit = True
-    await task
+    work: Work = app.state.work
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        try:
+            await stop.wait()
+        finally:
+            server.should_exit = True
+            await task
+
+    await supervise(serve(), work.relay(stop))  # the relay: what a route's flush could not send

@@ -27,6 +27,7 @@ from services.common.db import repository as repo
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import EmbeddedPostgres
 from services.common.settings import Settings
+from services.common.unit_of_work import Work
 
 HELP = "API tokens (made and revoked in the database directly)"
 # Postgres's codes for a table or a column that is not there: the schema is older than the code.
@@ -79,52 +80,64 @@ async def _run(settings: Settings, url: str, args: argparse.Namespace, out: Text
 async def _command(settings: Settings, url: str, args: argparse.Namespace, out: TextIO) -> int:
     engine = make_engine(url)
     key = None if settings.token_key is None else settings.token_key.get_secret_value().encode()
+    work = Work(make_sessionmaker(engine))
     try:
-        async with make_sessionmaker(engine)() as session:
-            if args.token_command == "create":
-                expires = (datetime.now(UTC) + parse_duration(args.expires)
-                           if args.expires else None)
-                secret = new_token()
-                token = await repo.create_token(
-                    session, name=args.name or args.role, role=args.role,
-                    token_hash=hash_token(secret, key), prefix=display_prefix(secret),
-                    created_by=_actor(), expires_at=expires)
-                await repo.audit(session, actor=_actor(), token_id=None, action="token.create",
-                                 target_type="token", target_id=token.id,
-                                 detail={"name": token.name, "role": token.role})
-                await session.commit()
-                print(f"token {token.id} ({token.name}, {token.role}"
-                      f"{', expires ' + expires.isoformat(timespec='seconds') if expires else ''})",
-                      file=sys.stderr)
-                print("the secret below is shown once; only its hash is stored:", file=sys.stderr)
-                print(secret, file=out)
-                return 0
-            if args.token_command == "list":
-                now = datetime.now(UTC)
-                print(f"{'id':32}  {'name':20} {'role':8} {'prefix':10} {'expires':20} last used",
-                      file=out)
-                for t in await repo.list_tokens(session):
-                    state = "" if usable(t.expires_at, t.revoked_at, now) else " (expired)"
-                    until = t.expires_at.isoformat(timespec="seconds") if t.expires_at else "never"
-                    used = t.last_used_at.isoformat(timespec="seconds") if t.last_used_at else "never"
-                    print(f"{t.id:32}  {t.name[:20]:20} {t.role:8} {t.prefix:10} {until:20} "
-                          f"{used}{state}", file=out)
-                return 0
-            matches = [t for t in await repo.find_tokens(session, args.token)
-                       if t.revoked_at is None]
-            if len(matches) != 1:
-                what = "no live token" if not matches else f"{len(matches)} live tokens"
-                print(f"{what} match {args.token!r}; give the full id", file=sys.stderr)
-                return 1
-            (token,) = matches
-            token.revoked_at = datetime.now(UTC)
-            await repo.audit(session, actor=_actor(), token_id=None, action="token.revoke",
-                             target_type="token", target_id=token.id, detail={"name": token.name})
-            await session.commit()
-            print(f"revoked {token.id} ({token.name}, {token.role})", file=out)
-            return 0
+        if args.token_command == "create":
+            return await _create(work, args, key, out)
+        if args.token_command == "list":
+            return await _list(work, out)
+        return await _revoke(work, args, out)
     finally:
         await engine.dispose()
+
+
+async def _create(work: Work, args: argparse.Namespace, key: bytes | None, out: TextIO) -> int:
+    expires = datetime.now(UTC) + parse_duration(args.expires) if args.expires else None
+    secret = new_token()
+    async with work.unit() as uow:
+        token = await repo.create_token(
+            uow.session, name=args.name or args.role, role=args.role,
+            token_hash=hash_token(secret, key), prefix=display_prefix(secret),
+            created_by=_actor(), expires_at=expires)
+        await repo.audit(uow.session, actor=_actor(), token_id=None, action="token.create",
+                         target_type="token", target_id=token.id,
+                         detail={"name": token.name, "role": token.role})
+    print(f"token {token.id} ({token.name}, {token.role}"
+          f"{', expires ' + expires.isoformat(timespec='seconds') if expires else ''})",
+          file=sys.stderr)
+    print("the secret below is shown once; only its hash is stored:", file=sys.stderr)
+    print(secret, file=out)
+    return 0
+
+
+async def _list(work: Work, out: TextIO) -> int:
+    now = datetime.now(UTC)
+    async with work.read() as session:
+        tokens = await repo.list_tokens(session)
+    print(f"{'id':32}  {'name':20} {'role':8} {'prefix':10} {'expires':20} last used", file=out)
+    for t in tokens:
+        state = "" if usable(t.expires_at, t.revoked_at, now) else " (expired)"
+        until = t.expires_at.isoformat(timespec="seconds") if t.expires_at else "never"
+        used = t.last_used_at.isoformat(timespec="seconds") if t.last_used_at else "never"
+        print(f"{t.id:32}  {t.name[:20]:20} {t.role:8} {t.prefix:10} {until:20} {used}{state}",
+              file=out)
+    return 0
+
+
+async def _revoke(work: Work, args: argparse.Namespace, out: TextIO) -> int:
+    async with work.unit() as uow:
+        matches = [t for t in await repo.find_tokens(uow.session, args.token)
+                   if t.revoked_at is None]
+        if len(matches) != 1:
+            what = "no live token" if not matches else f"{len(matches)} live tokens"
+            print(f"{what} match {args.token!r}; give the full id", file=sys.stderr)
+            return 1
+        (token,) = matches
+        token.revoked_at = datetime.now(UTC)
+        await repo.audit(uow.session, actor=_actor(), token_id=None, action="token.revoke",
+                         target_type="token", target_id=token.id, detail={"name": token.name})
+    print(f"revoked {token.id} ({token.name}, {token.role})", file=out)
+    return 0
 
 
 def run(settings: Settings, args: argparse.Namespace, out: TextIO = sys.stdout) -> int:

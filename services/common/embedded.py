@@ -6,7 +6,7 @@ one embedded NATS: the first writes ``nats/server.json`` and later ones reuse it
 
 The embedded NATS requires credentials, as a production one does: on first start it generates a
 password per bus user (``nats/users.json``, mode 0600) and a server config with each user's
-permissions from the service registry (``nats/server.conf``, 0600). Processes on this machine
+permissions from the services' bus grants (``nats/server.conf``, 0600). Processes on this machine
 read their password from there (``greyhound up`` hands each child its own through its settings);
 an agent's user is added when it is first asked for, and the server reloads its config. So is
 ``operator``, a user with every right for the person at the machine (the ``nats`` command,
@@ -172,7 +172,7 @@ class EmbeddedNats:
         write_private(self._users_file, json.dumps(users, indent=1, sort_keys=True))
         head = {"server_name": "greyhound-embedded", "listen": f"127.0.0.1:{port}",
                 "jetstream": {"store_dir": str(self._dir / "js")}}
-        write_private(self._conf_file, "# generated from services/registry.py; do not edit\n"
+        write_private(self._conf_file, "# generated from services/common/bus/grants.py; do not edit\n"
                        + "".join(f"{k}: {json.dumps(v)}\n" for k, v in head.items())
                        + render_authorization(grants, users))
 
@@ -225,13 +225,13 @@ class EmbeddedNats:
         self._state_file.write_text(json.dumps({"pid": self._proc.pid, "port": port,
                                                 "auth": self.auth}))
         log.info("embedded nats started at %s (%s)", self.url,
-                 "users and permissions from the registry" if self.auth else "NO AUTHENTICATION")
+                 "users and permissions from the grants" if self.auth else "NO AUTHENTICATION")
         return self.url
 
     def credentials(self, user: str, timeout_s: float = 10.0) -> Credentials:
-        """The password of ``user``: a service of the registry, or an agent (``agent-<id>``).
-        A user the running server does not have yet (a new agent, a service registered since
-        it started) is created now: the server reloads its config, and this returns once the
+        """The password of ``user``: a service's (services.common.bus.grants), or an agent's
+        (``agent-<id>``). A user the running server does not have yet (a new agent, a service
+        granted since it started) is created now: the server reloads its config, and this returns once the
         server admits it."""
         if not self.auth:
             raise EmbeddedError("this embedded NATS runs without authentication")
@@ -240,14 +240,14 @@ class EmbeddedNats:
         with self._locked():
             users = self._users()
             added = user not in users
-            if added:  # an agent's, or a service registered after this server started
-                from services.registry import BY_NAME
+            if added:  # an agent's, or a service granted since this server started
+                from services.common.bus.grants import GRANTS
 
-                service = BY_NAME.get(user)
+                access = GRANTS.get(user)
                 if agent_of_user(user) is None and user != OPERATOR and (
-                        service is None or service.bus.per_agent):
+                        access is None or access.per_agent):
                     raise EmbeddedError(f"no bus user {user!r}: services connect as their "
-                                        f"registry name, agents as agent-<id>, a person as "
+                                        f"own name, agents as agent-<id>, a person as "
                                         f"{OPERATOR}")
                 users[user] = secrets.token_urlsafe(24)
                 self._write_config(users, self._port)

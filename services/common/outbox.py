@@ -23,7 +23,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
 
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -31,9 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from services.common.bus.contract import Message
 from services.common.bus.errors import classify, describe
 from services.common.db import repository as repo
-
-if TYPE_CHECKING:
-    from services.common.runtime import ServiceContext
+from services.common.unit_of_work import Work
 
 log = logging.getLogger(__name__)
 
@@ -55,25 +52,27 @@ async def send(js: JetStreamContext, subject: str, payload: bytes, event_id: str
 
 
 class Outbox:
-    """A service's outbox: stage in a transaction, flush after its commit, relay the rest."""
+    """A service's outbox: stage in a transaction, flush after its commit, relay the rest.
 
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], js: JetStreamContext, *,
-                 producer: str, poll_s: float = 2.0, grace_s: float = 5.0,
-                 batch: int = 256) -> None:
-        self._sessions = sessions
+    ``ordered``: a flush sends every unsent message of this producer, oldest first, not only
+    the ones just committed. A stream that keeps each subject's last message (the planner's
+    plans) needs it: a version whose first send failed must not be overtaken by the next one,
+    which a send of only the newest ids would do while the relay waits out its grace period.
+    Without a bus (``js`` None: an API process serving the database alone) nothing is sent:
+    the messages wait in the table for a relay that has one."""
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], js: JetStreamContext | None,
+                 *, producer: str, poll_s: float = 2.0, grace_s: float = 5.0,
+                 batch: int = 256, ordered: bool = False) -> None:
+        self._work = Work(sessions)
         self._js = js
         self.producer = producer
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.batch = batch
+        self.ordered = ordered
         self.stats = OutboxStats()
         self._lock = asyncio.Lock()  # one send pass at a time in this process keeps the order
-
-    @classmethod
-    def of(cls, ctx: ServiceContext, producer: str) -> Outbox:
-        """A service's outbox on its connections, paced by its settings."""
-        return cls(ctx.db(), ctx.js, producer=producer, poll_s=ctx.settings.outbox_poll_s,
-                   grace_s=ctx.settings.outbox_grace_s)
 
     async def stage(self, session: AsyncSession, subject: str, msg: Message) -> str:
         """Queue ``msg`` in the caller's transaction (sent once the caller committed and called
@@ -85,22 +84,35 @@ class Outbox:
         return msg.event_id
 
     async def flush(self, event_ids: Sequence[str]) -> int:
-        """Send these committed messages now; how many went out. Never raises: what could not
-        be sent stays in the table for the relay."""
+        """Send these committed messages now (an ordered outbox: every unsent one of its
+        producer); how many went out. Never raises: what could not be sent stays in the table
+        for the relay."""
         if not event_ids:
+            return 0
+        return await self._send_now(None if self.ordered else event_ids)
+
+    async def send_pending(self) -> int:
+        """Send this producer's unsent messages now, oldest first (one batch), whoever
+        committed them; how many went out. Never raises, like ``flush``."""
+        return await self._send_now(None)
+
+    async def _send_now(self, event_ids: Sequence[str] | None) -> int:
+        if self._js is None:
             return 0
         try:
             return await self._pass(event_ids=event_ids)
         except Exception as exc:
             self.stats.flush_failures += 1
-            log.warning("%s: sending %d committed message(s) failed; the relay retries: %s",
-                        self.producer, len(event_ids), describe(exc))
+            log.warning("%s: sending committed message(s) failed; the relay retries: %s",
+                        self.producer, describe(exc))
             return 0
 
     async def relay_once(self) -> int:
         """Send everything unsent that is older than the grace period (the process that made a
         younger one is expected to send it itself); how many went out."""
         total = 0
+        if self._js is None:
+            return 0
         while True:
             before = datetime.now(UTC) - timedelta(seconds=self.grace_s)
             sent, more = await self._pass_counted(created_before=before)
@@ -141,7 +153,9 @@ class Outbox:
     async def _pass_counted(self, *, event_ids: Sequence[str] | None = None,
                             created_before: datetime | None = None) -> tuple[int, bool]:
         """One locked batch: (sent, whether a full batch went out and more may wait)."""
-        async with self._lock, self._sessions() as session:
+        assert self._js is not None
+        async with self._lock, self._work.unit() as uow:
+            session = uow.session
             rows = await repo.claim_unsent(session, limit=self.batch, event_ids=event_ids,
                                            created_before=created_before, producer=self.producer)
             done: list[int] = []
@@ -168,5 +182,4 @@ class Outbox:
                 self.stats.sent += 1
                 self.stats.duplicates += dup
             await repo.mark_sent(session, done, datetime.now(UTC))
-            await session.commit()
         return len(done), not stopped and len(rows) == self.batch and event_ids is None

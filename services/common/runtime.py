@@ -16,11 +16,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from services.common.bus import preflight
 from services.common.bus.auth import Credentials, tls_context
 from services.common.bus.client import connect, ensure_streams
+from services.common.bus.grants import GRANTS
+from services.common.bus.grants import bus_user as grants_user
 from services.common.db.migrate import upgrade_async
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
+from services.common.outbox import Outbox
 from services.common.redact import redact
 from services.common.settings import Settings
+from services.common.unit_of_work import Work
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,13 @@ class ServiceContext:
             raise RuntimeError("this service was started without a database")
         return self.sessions
 
+    def work(self, producer: str, *, ordered: bool = False) -> Work:
+        """The service's units of work, announcing through its outbox as ``producer`` (one per
+        process: the outbox orders its sends, and its relay runs as one of the tasks)."""
+        s = self.settings
+        return Work(self.db(), Outbox(self.db(), self.js, producer=producer, ordered=ordered,
+                                      poll_s=s.outbox_poll_s, grace_s=s.outbox_grace_s))
+
     async def close(self) -> None:
         try:
             await self.nc.drain()
@@ -103,24 +114,22 @@ async def start_service(name: str, settings: Settings, *, need_db: bool = True,
                         bus_user: str | None = None) -> ServiceContext:
     """Connect to (or start) NATS and Postgres, create streams and run migrations.
 
-    ``name`` is a service of the registry (or a test's own name); its bus user is
-    ``bus_user``, by default the registry's for ``name``. A service of the registry first
-    checks that its bus user may do what its line says (services.common.bus.preflight: raises
-    MissingGrants, a BusAuthError, naming what the server refuses) and declares the streams
-    unless its line says otherwise (the agent may only publish telemetry)."""
-    from services.registry import BY_NAME
-
-    service = BY_NAME.get(name)
-    if bus_user is None and service is not None:
-        bus_user = service.bus_user()
+    ``name`` is a service (services.common.bus.grants has its entry) or a test's own name; its
+    bus user is ``bus_user``, by default the service's. A service first checks that its bus
+    user may do what its grants say (services.common.bus.preflight: raises MissingGrants, a
+    BusAuthError, naming what the server refuses) and declares the streams unless its grants
+    say otherwise (the agent may only publish telemetry)."""
+    access = GRANTS.get(name)
+    if bus_user is None and access is not None:
+        bus_user = grants_user(name)
     backends = backends or resolve_backends(settings, need_db=need_db, bus_user=bus_user)
     tls = tls_context(settings.nats_tls_ca, settings.nats_tls_cert, settings.nats_tls_key)
     nc = await connect(backends.nats_url, name=f"greyhound-{name}",
                        credentials=backends.nats_credentials, tls=tls)
     js = nc.jetstream()
     try:
-        if service is not None:  # what its registry line says its code does, streams declared
-            await preflight.check(nc, js, name, service.bus, settings)
+        if access is not None:  # what its grants say its code does, streams declared
+            await preflight.check(nc, js, name, access, settings)
         else:
             await ensure_streams(js, settings)
         engine = sessions = None

@@ -20,17 +20,18 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 
-from services.common.bus.client import Consumer, TransientError
+from services.common.bus.client import Consumer
 from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.bus.streams import EVENTS, ConsumerSpec
 from services.common.db import repository as repo
 from services.common.db.models import Webhook, WebhookDelivery
 from services.common.runtime import ServiceContext
 from services.common.settings import Settings
-from services.notifier.outbox import enqueue, incident_facts
-from services.notifier.payload import STAGE_EVENT, delivery_key, incident_payload
-from services.notifier.secretbox import SecretBox, SecretKeyError
-from services.notifier.sender import Attempt, attempt, retry_delay_s
+from services.common.unit_of_work import UnitOfWork, Work
+from services.common.webhooks.enqueue import enqueue, incident_facts
+from services.common.webhooks.payload import STAGE_EVENT, delivery_key, incident_payload
+from services.common.webhooks.secretbox import SecretBox, SecretKeyError
+from services.common.webhooks.sender import Attempt, attempt, retry_delay_s
 from services.notifier.settings import NotifierSettings
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class SenderStats:
 class Notifier:
     ctx: ServiceContext
     box: SecretBox | None
-    config: NotifierSettings = field(default_factory=NotifierSettings)
+    config: NotifierSettings
     rng: random.Random = field(default_factory=random.Random)
     stats: SenderStats = field(default_factory=SenderStats)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -63,34 +64,34 @@ class Notifier:
 
     # ---- bus events -> pending deliveries ---------------------------------------------------
 
-    async def handle(self, subject: str, ev: IncidentEvent) -> None:
-        try:
-            made = await self._enqueue(ev)
-        except OSError as exc:
-            raise TransientError(f"database unreachable: {exc}") from exc
-        if made:
-            self.wake.set()
+    def __post_init__(self) -> None:
+        self.work = Work(self.ctx.db())  # it announces nothing on the bus: no outbox
 
-    async def _enqueue(self, ev: IncidentEvent) -> int:
+    async def consume(self, subject: str, ev: IncidentEvent) -> None:
+        """What the consumer calls: ``handle`` in a unit of work of its own, each event
+        claimed in the processed-events ledger."""
+        await self.work.per_message(self.handle, claim=NOTIFIER.durable)(subject, ev)
+
+    async def handle(self, uow: UnitOfWork, subject: str, ev: IncidentEvent) -> None:
+        """The event's deliveries, one per webhook that wants it, frozen in this unit; the
+        sender is woken once they are committed."""
         event = STAGE_EVENT[ev.stage]
-        async with self.ctx.db()() as session:
-            if not await repo.claim_event(session, NOTIFIER.durable, ev.event_id):
-                return 0
-            inc = await repo.get_incident(session, ev.incident_id)
-            if inc is None:
-                log.warning("incident event %s names unknown incident %s", ev.event_id,
-                            ev.incident_id)
-                await session.commit()
-                return 0
-            now = datetime.now(UTC)
-            facts = await incident_facts(session, inc, now)
-            key = delivery_key(event, inc.id, ev.event_id)
-            body = incident_payload(event, key, facts, occurred_at=datetime.fromtimestamp(ev.ts, UTC),
-                                    dashboard=self.settings.api_public_url)
-            made = await enqueue(session, event=event, key=key, payload=body, incident_id=inc.id,
-                                 now=now)
-            await session.commit()
-            return made
+        inc = await repo.get_incident(uow.session, ev.incident_id)
+        if inc is None:
+            log.warning("incident event %s names unknown incident %s", ev.event_id,
+                        ev.incident_id)
+            return
+        now = datetime.now(UTC)
+        facts = await incident_facts(uow.session, inc, now)
+        key = delivery_key(event, inc.id, ev.event_id)
+        body = incident_payload(event, key, facts, occurred_at=datetime.fromtimestamp(ev.ts, UTC),
+                                dashboard=self.settings.api_public_url)
+        if await enqueue(uow.session, event=event, key=key, payload=body, incident_id=inc.id,
+                         now=now):
+            uow.after_commit(self._wake)
+
+    async def _wake(self) -> None:
+        self.wake.set()
 
     # ---- pending deliveries -> HTTP -----------------------------------------------------------
 
@@ -99,10 +100,9 @@ class Notifier:
         s = self.settings
         now = datetime.now(UTC)
         lease = now + timedelta(seconds=s.webhook_timeout_s + self.lease_margin_s)
-        async with self.ctx.db()() as session:
-            due = list(await repo.claim_due_deliveries(session, now, lease, limit))
-            hooks = {h.id: h for h in await repo.list_webhooks(session)}
-            await session.commit()
+        async with self.work.unit() as uow:
+            due = list(await repo.claim_due_deliveries(uow.session, now, lease, limit))
+            hooks = {h.id: h for h in await repo.list_webhooks(uow.session)}
         if not due:
             return 0
         await asyncio.gather(*(self._send_one(client, d, hooks.get(d.webhook_id)) for d in due))
@@ -145,12 +145,11 @@ class Notifier:
         else:
             status = "failed"
             self.stats.failed += 1
-        async with self.ctx.db()() as session:
-            await repo.record_attempt(session, d.id, outcome=result.outcome,
+        async with self.work.unit() as uow:
+            await repo.record_attempt(uow.session, d.id, outcome=result.outcome,
                                       status_code=result.status_code, error=result.error,
                                       duration_ms=result.duration_ms, final_status=status,
                                       next_attempt_at=next_at, at=now)
-            await session.commit()
         level = logging.INFO if status != "failed" else logging.WARNING
         log.log(level, "delivery %s (%s) attempt %d: %s%s", d.event_id, d.event, number,
                 result.outcome, f" ({result.error})" if result.error else "")
@@ -176,7 +175,7 @@ class Notifier:
 async def check_key(ctx: ServiceContext) -> SecretBox | None:
     """A clear error at start-up when webhooks exist and there is no key to read their secrets."""
     key = ctx.settings.webhook_key
-    async with ctx.db()() as session:
+    async with Work(ctx.db()).read() as session:
         hooks = await repo.count_webhooks(session)
     if key is None:
         if hooks:
@@ -194,7 +193,7 @@ async def run_notifier(ctx: ServiceContext, stop: asyncio.Event, *,
     """``settings`` (read from the environment when not given) apply to the notifier made here;
     a ``notifier`` passed in brings its own."""
     notifier = notifier or Notifier(ctx, await check_key(ctx), settings or NotifierSettings())
-    consumer: Consumer[IncidentEvent] = Consumer(ctx.js, NOTIFIER, IncidentEvent, notifier.handle)
+    consumer: Consumer[IncidentEvent] = Consumer(ctx.js, NOTIFIER, IncidentEvent, notifier.consume)
     tasks = [asyncio.create_task(consumer.run()), asyncio.create_task(notifier.run_sender(stop))]
     await stop.wait()
     consumer.stop()

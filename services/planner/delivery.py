@@ -15,22 +15,28 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from greyhound.core.plan_build import JobState, Layout, next_state, undo_swaps
 from greyhound.core.plans import even_split
-from services.common.bus.contract import JobLayout, PlanMessage
+from services.common.bus.contract import PlanMessage
 from services.common.db import repository as repo
+from services.common.db.documents import (
+    ConsolidateParams,
+    MicrobatchParams,
+    PlanStep,
+    RoleSwapParams,
+)
 from services.common.db.models import Incident, Plan
-from services.notifier.outbox import decided_by, enqueue
-from services.notifier.payload import PlanFacts, plan_payload
-from services.planner.build import JobState, next_state, undo_swaps
+from services.common.webhooks.enqueue import decided_by, enqueue
+from services.common.webhooks.payload import PlanFacts, plan_payload
 
 
-def state_of(message: dict[str, Any] | None) -> JobState:
+def state_of(message: PlanMessage | None) -> JobState:
     """The job state a delivery's message says (None: the job's own layout)."""
-    if not message:
+    if message is None:
         return JobState()
-    counts, gpus = message.get("microbatches"), message.get("gpu_of_rank")
-    return JobState(None if counts is None else tuple(int(c) for c in counts),
-                    None if gpus is None else tuple(int(g) for g in gpus))
+    counts, gpus = message.microbatches, message.gpu_of_rank
+    return JobState(None if counts is None else tuple(counts),
+                    None if gpus is None else tuple(gpus))
 
 
 async def job_state(session: AsyncSession, job_id: str) -> tuple[JobState, int]:
@@ -39,7 +45,7 @@ async def job_state(session: AsyncSession, job_id: str) -> tuple[JobState, int]:
     return (state_of(current.message), current.version) if current else (JobState(), 0)
 
 
-async def _deliver(session: AsyncSession, plan: Plan, layout: JobLayout, action: str, *,
+async def _deliver(session: AsyncSession, plan: Plan, layout: Layout, action: str, *,
                    microbatches: tuple[int, ...] | None, gpu_of_rank: tuple[int, ...] | None,
                    cost_s: float | None, summary: str) -> PlanMessage:
     await repo.lock_job(session, plan.job_id)
@@ -52,39 +58,39 @@ async def _deliver(session: AsyncSession, plan: Plan, layout: JobLayout, action:
         "gpu_of_rank": None if new.gpu_of_rank is None else list(new.gpu_of_rank),
         "swaps": list(swaps), "cost_s": cost_s, "summary": summary[:500]})
     await repo.add_delivery(session, job_id=plan.job_id, version=msg.version, plan_id=plan.id,
-                            action=action, message=msg.model_dump(mode="json"))
+                            action=action, message=msg)
     return msg
 
 
-async def deliver(session: AsyncSession, plan: Plan, layout: JobLayout,
+async def deliver(session: AsyncSession, plan: Plan, layout: Layout,
                   cost_s: float | None) -> PlanMessage:
     """Put an approved plan in force: the job's next version carries its state."""
     p = plan.params
-    counts = tuple(int(c) for c in p["microbatches"]) if plan.strategy == "S2" else None
-    gpus = tuple(int(g) for g in p["gpu_of_rank"]) if plan.strategy == "S3" else None
+    counts = tuple(p.microbatches) if isinstance(p, MicrobatchParams) else None
+    gpus = tuple(p.gpu_of_rank) if isinstance(p, RoleSwapParams | ConsolidateParams) else None
     msg = await _deliver(session, plan, layout, "apply", microbatches=counts, gpu_of_rank=gpus,
-                         cost_s=cost_s, summary=str(p.get("summary", "")))
+                         cost_s=cost_s, summary=p.summary or "")
     plan.version = msg.version
     return msg
 
 
-async def take_back(session: AsyncSession, plan: Plan, layout: JobLayout, *,
+async def take_back(session: AsyncSession, plan: Plan, layout: Layout, *,
                     others_in_force: list[Plan], cost_s: float | None) -> PlanMessage:
     """The delivery that undoes ``plan``: S2 returns to the newest other micro-batch plan still in
     force, else the even split; S3 exchanges its GPU swaps back."""
     counts = gpus = None
     if plan.strategy == "S2":
-        other = [o for o in others_in_force if o.strategy == "S2"]
-        counts = (tuple(int(c) for c in other[-1].params["microbatches"]) if other
+        other = [o.params for o in others_in_force if isinstance(o.params, MicrobatchParams)]
+        counts = (tuple(other[-1].microbatches) if other
                   else even_split(layout.microbatches, layout.dp, layout.multiple_of))
     elif plan.strategy == "S3" and plan.version is not None:
         sent = await repo.get_delivery(session, plan.job_id, plan.version)
-        swaps = tuple((int(a), int(b)) for a, b in (sent.message.get("swaps") or [])) if sent else ()
+        swaps = tuple((a, b) for a, b in sent.message.swaps) if sent else ()
         state, _ = await job_state(session, plan.job_id)
         gpus = undo_swaps(state, layout, swaps)
     return await _deliver(session, plan, layout, "revert", microbatches=counts, gpu_of_rank=gpus,
                           cost_s=cost_s, summary=f"revert {plan.strategy}: "
-                          f"{plan.params.get('summary', '')}")
+                          f"{plan.params.summary or ''}")
 
 
 async def note(session: AsyncSession, incident: Incident | None, stage: str, plan: Plan,
@@ -92,14 +98,14 @@ async def note(session: AsyncSession, incident: Incident | None, stage: str, pla
     """A plan step on the incident's timeline (a note: greyhound.core.lifecycle)."""
     if incident is None:
         return
-    await repo.add_timeline(session, incident, stage, {
+    await repo.add_timeline(session, incident, stage, PlanStep.model_validate({
         "plan_id": plan.id, "strategy": plan.strategy, "status": plan.status,
-        **{k: v for k, v in detail.items() if v is not None}})
+        **{k: v for k, v in detail.items() if v is not None}}))
 
 
 async def announce(session: AsyncSession, plan: Plan, what: str, *, by: str | None = None,
                    note_text: str = "", dashboard: str | None = None) -> None:
-    """A plan.<what> webhook event, committed with the change (services.notifier.outbox);
+    """A plan.<what> webhook event, committed with the change (services.common.webhooks.enqueue);
     an applied or reverted plan names who decided it."""
     now = datetime.now(UTC)
     if by is None and what in ("applied", "reverted"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -35,6 +36,7 @@ from services.common.bus.reader import TelemetryReader
 log = logging.getLogger(__name__)
 
 OnTimes = Callable[[str, list[float]], Awaitable[None]]
+WATCH_GRACE_S = 600.0  # a watched job with no escalation by then is no longer watched
 
 
 class IterationSeries:
@@ -144,3 +146,47 @@ class IterationWatch:
 
     def stop(self) -> None:
         self._stopping.set()
+
+
+class Watches:
+    """The watches of the jobs the planner escalates (or may soon: a slowdown starts one before
+    its incident is validated), each feeding ``on_times``; a job nobody escalates is watched
+    ``grace_s`` more (its incident may yet be validated), then its watch ends."""
+
+    def __init__(self, js: JetStreamContext, on_times: OnTimes, *,
+                 grace_s: float = WATCH_GRACE_S) -> None:
+        self.js = js
+        self.on_times = on_times
+        self.grace_s = grace_s
+        self.of: dict[str, IterationWatch] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._since: dict[str, float] = {}
+
+    def watch(self, job: str, since: datetime) -> IterationWatch:
+        """The job's watch (started from ``since`` if it has none yet), kept from now on."""
+        watch = self.of.get(job)
+        if watch is None:
+            watch = self.of[job] = IterationWatch(self.js, job, since, self.on_times)
+            self._tasks[job] = asyncio.create_task(watch.run(), name=f"planner-watch-{job}")
+        self._since[job] = time.monotonic()
+        return watch
+
+    def release(self, job: str) -> None:
+        """Nobody escalates the job any more: its watch ends soon (not at once: a new incident
+        of the job reads the iterations just before it)."""
+        self._since[job] = time.monotonic() - self.grace_s + 30.0
+
+    def drop_idle(self, busy: set[str]) -> None:
+        """End the watches of jobs not in ``busy`` whose grace ran out."""
+        now = time.monotonic()
+        for job in list(self.of):
+            if job not in busy and now - self._since.get(job, 0.0) > self.grace_s:
+                self.of.pop(job).stop()
+                self._tasks.pop(job, None)
+
+    async def close(self) -> None:
+        for watch in self.of.values():
+            watch.stop()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self.of.clear()
+        self._tasks.clear()

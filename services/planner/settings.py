@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from greyhound.core.plan_build import PlanCosts
+
 Policy = Literal["automatic", "approval"]
 
 
@@ -59,6 +61,12 @@ class PlannerSettings(BaseSettings):
     restart_read_bytes_per_s: float = Field(default=20e9, gt=0)
     restart_overhead_s: float = Field(default=600.0, ge=0,
                                       description="scheduling, start, NCCL init, warm-up")
+
+    def plan_costs(self) -> PlanCosts:
+        """What the planning cores weigh plans with (greyhound.core.plan_build)."""
+        return PlanCosts(self.gradient_bytes, self.activation_bytes,
+                         self.consolidate_time_limit_s, self.restart_write_bytes_per_s,
+                         self.restart_read_bytes_per_s, self.restart_overhead_s, self.s4_overhead_s)
 
     def policy(self, strategy: str) -> Policy:
         return {"S2": self.s2_policy, "S3": self.s3_policy}.get(strategy, "approval")

@@ -60,7 +60,6 @@ from services.common.bus.contract import (
 from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import ConsumerSpec, tracker_spec
 from services.common.db import repository as repo
-from services.common.outbox import Outbox
 from services.common.runtime import ServiceContext, supervise
 from services.tracker.replay import STREAM_SEQ, SequencedConsumer, replay
 from services.tracker.settings import TrackerSettings
@@ -121,15 +120,14 @@ class TrackerStats:
 class Tracker:
     def __init__(self, ctx: ServiceContext, *, method: Method = "bocd-v",
                  store: TrackerStateStore | None = None, persist_every_s: float | None = None,
-                 settings: TrackerSettings | None = None, outbox: Outbox | None = None) -> None:
+                 settings: TrackerSettings) -> None:
         self.ctx = ctx
-        self.settings = settings or TrackerSettings()
+        self.settings = settings
         self.method: Method = method
         self.store = store
         self.persist_every_s = persist_every_s or self.settings.tracker_persist_every_s
-        if outbox is None and ctx.sessions is not None:
-            outbox = Outbox.of(ctx, "tracker")
-        self.outbox = outbox
+        # without a database (a benchmark, a test) detections are published as they are
+        self.work = ctx.work("tracker") if ctx.sessions is not None else None
         self.state: dict[str, JobState] = {}
         self.detections = 0
         self.stats = TrackerStats()
@@ -238,14 +236,15 @@ class Tracker:
 
     async def _hello(self, msg: AgentHello) -> None:
         """A database failure propagates: the consumer retries what may succeed later."""
-        if self.ctx.sessions is None:
+        if self.work is None:
             log.debug("no database: hello of %s on %s not recorded", msg.agent_id, msg.job_id)
             return
-        async with self.ctx.db()() as session:
-            await repo.touch_job(session, msg.job_id, world_size=msg.world_size)
-            await repo.upsert_ranks(session, msg.job_id, msg.agent_id,
-                                    [r.model_dump() for r in msg.ranks])
-            await session.commit()
+        off = set(msg.marks_off)
+        async with self.work.unit() as uow:
+            await repo.touch_job(uow.session, msg.job_id, world_size=msg.world_size)
+            await repo.upsert_ranks(uow.session, msg.job_id, msg.agent_id,
+                                    [{**r.model_dump(), "marks_off": r.rank in off}
+                                     for r in msg.ranks])
 
     async def _iterations(self, msg: IterationBatch, seq: int | None) -> None:
         st = await self._job(msg.job_id, seq)
@@ -351,12 +350,11 @@ class Tracker:
             return
         subject = Subjects.detection(job)
         try:
-            if self.outbox is not None:
-                async with self.ctx.db()() as session:
-                    ids = [await self.outbox.stage(session, subject, e) for e in st.pending]
-                    await session.commit()
+            if self.work is not None:
+                async with self.work.unit() as uow:
+                    for e in st.pending:
+                        await uow.stage(subject, e)
                 st.pending.clear()
-                await self.outbox.flush(ids)
             else:
                 while st.pending:
                     await publish(self.ctx.js, subject, st.pending[0])
@@ -444,8 +442,8 @@ async def run_tracker(ctx: ServiceContext, stop: asyncio.Event) -> None:
         consumer.stop()
 
     tasks = [consumer.run(idle=tracker.tick), stopper()]
-    if tracker.outbox is not None:
-        tasks.append(tracker.outbox.run(stop))
+    if tracker.work is not None:
+        tasks.append(tracker.work.relay(stop))
     try:
         await supervise(*tasks)
     finally:

@@ -11,7 +11,6 @@ committed by the analyzer before it published the suspicion. Pure: values in, a 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 from greyhound.hookabi import MAX_COMMS, unsigned64
 from services.common.bus.contract import Suspicion
@@ -30,14 +29,11 @@ class SuspicionRefused(PermanentError):
     """A suspicion the validator will not act on; dead-lettered with this reason."""
 
 
-def _listed(culprit: dict[str, Any], key: str) -> set[int] | None:
-    """The incident's culprit list ``key`` as unsigned ints; None when it may be cut short."""
-    values = culprit.get(key)
-    if not isinstance(values, list):
-        return set()
+def _listed(values: list[int]) -> set[int] | None:
+    """One of the incident's culprit lists as unsigned ints; None when it may be cut short."""
     if len(values) >= CULPRIT_CAP:
         return None
-    return {unsigned64(v) for v in values if isinstance(v, int)}
+    return {unsigned64(v) for v in values}
 
 
 def refusal(s: Suspicion, incident: Incident | None, job_ranks: Collection[int]) -> str | None:
@@ -65,8 +61,7 @@ def refusal(s: Suspicion, incident: Incident | None, job_ranks: Collection[int])
             return f"{len(s.slow_groups)} slow groups is more than the job can have"
     if any(not 0 <= c < 1 << 64 for c in (*s.comm_ids, *s.slow_groups)):
         return "a communicator id is outside 64 bits"
-    culprit = incident.culprit if isinstance(incident.culprit, dict) else {}
-    localised = _listed(culprit, "compute_ranks")
+    localised = _listed(incident.culprit.compute_ranks)
     if incident.status == "mitigated":
         # A plan may have moved ranks onto other GPUs (a role swap): the re-check names the
         # ranks on the culprit GPU now, which need not be those localised; GEMMs only.
@@ -76,7 +71,7 @@ def refusal(s: Suspicion, incident: Incident | None, job_ranks: Collection[int])
     if localised is not None and not set(s.ranks) <= localised:
         return (f"ranks {sorted(set(s.ranks) - localised)[:8]} were not localised in incident "
                 f"{incident.id}")
-    comms = _listed(culprit, "comm_ids")
+    comms = _listed(incident.culprit.comm_ids)
     if comms is not None and not {unsigned64(c) for c in s.comm_ids} <= comms:
         return f"communicators it names were not localised in incident {incident.id}"
     return None

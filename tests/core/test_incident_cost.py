@@ -13,10 +13,9 @@ T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 
 
 def _det(at: datetime, before: float, after: float, first: int = 100, detected: int = 110,
-         **extra: object) -> TimelinePoint:
-    return TimelinePoint("detected", at, {"before_s": before, "after_s": after,
-                                          "first_iteration": first, "detected_iteration": detected,
-                                          **extra})
+         further: bool = False) -> TimelinePoint:
+    return TimelinePoint("detected", at, before_s=before, after_s=after, first_iteration=first,
+                         detected_iteration=detected, further=further)
 
 
 def _s(seconds: float) -> timedelta:
@@ -54,11 +53,11 @@ def test_a_plan_lowers_the_loss_and_does_not_erase_it() -> None:
     applied = T0 + _s(100 - 12)
     timeline = [
         _det(T0, 0.4, 1.2),
-        TimelinePoint("mitigated", applied, {"plan_id": "p1", "cost_s": 2.0}),
+        TimelinePoint("mitigated", applied, plan_id="p1", cost_s=2.0),
         # the tracker's partial recovery: 4 iterations of 0.5 s after the plan took effect
-        _det(applied + _s(2.0), 1.2, 0.5, first=300, detected=304, change="partial"),
-        TimelinePoint("resolved", applied + _s(62.0), {"before_s": 0.5, "after_s": 0.4}),
-        TimelinePoint("plan_reverted", applied + _s(70.0), {"plan_id": "p1"}),
+        _det(applied + _s(2.0), 1.2, 0.5, first=300, detected=304),
+        TimelinePoint("resolved", applied + _s(62.0), before_s=0.5, after_s=0.4),
+        TimelinePoint("plan_reverted", applied + _s(70.0), plan_id="p1"),
     ]
     end = applied + _s(62.0)
     c = incident_cost(kind="comm_slow", opened_at=T0, resolved_at=end, timeline=timeline,
@@ -80,9 +79,9 @@ def test_a_plan_lowers_the_loss_and_does_not_erase_it() -> None:
 def test_a_plan_saves_only_while_in_force_and_a_bad_one_saves_less_than_nothing() -> None:
     applied, reverted = T0 + _s(50), T0 + _s(80)
     timeline = [_det(T0, 1.0, 2.0, first=10, detected=10),
-                TimelinePoint("plan_applied", applied, {"plan_id": "p", "cost_s": 5.0}),
-                _det(applied, 2.0, 2.0, first=1, detected=1, change="partial"),
-                TimelinePoint("plan_reverted", reverted, {"plan_id": "p"})]
+                TimelinePoint("plan_applied", applied, plan_id="p", cost_s=5.0),
+                _det(applied, 2.0, 2.0, first=1, detected=1),
+                TimelinePoint("plan_reverted", reverted, plan_id="p")]
     c = incident_cost(kind="compute_slow", opened_at=T0, resolved_at=T0 + _s(200),
                       timeline=timeline, gpus=3600, now=T0 + _s(300))
     # the plan changed nothing for 30 s and cost a 5 s pause: -5 s of 3600 GPUs = -5 GPU-hours.
@@ -92,7 +91,7 @@ def test_a_plan_saves_only_while_in_force_and_a_bad_one_saves_less_than_nothing(
 
 def test_a_further_fault_is_the_other_incidents_loss() -> None:
     points = [_det(T0, 1.0, 1.5, first=0, detected=0),
-              _det(T0 + _s(60), 1.5, 3.0, first=0, detected=0, further="other")]
+              _det(T0 + _s(60), 1.5, 3.0, first=0, detected=0, further=True)]
     c = incident_cost(kind="slowdown", opened_at=T0, resolved_at=T0 + _s(120), timeline=points,
                       gpus=3600, now=T0 + _s(120))
     assert c.gpu_hours_lost == pytest.approx(120 / 3)
@@ -100,9 +99,8 @@ def test_a_further_fault_is_the_other_incidents_loss() -> None:
 
 def test_hang_loses_everything_since_the_stall_began() -> None:
     c = incident_cost(kind="hang_not_entered", opened_at=T0, resolved_at=T0 + timedelta(minutes=9),
-                      timeline=[TimelinePoint("detected", T0, {"before_s": 0.0, "after_s": 60.0,
-                                                               "first_iteration": -1,
-                                                               "detected_iteration": -1})],
+                      timeline=[TimelinePoint("detected", T0, before_s=0.0, after_s=60.0,
+                                              first_iteration=-1, detected_iteration=-1)],
                       gpus=64, now=T0)
     assert c.lost_fraction == 1.0 and c.duration_s == pytest.approx(600)
     assert c.gpu_hours_lost == pytest.approx(64 * 600 / 3600)
@@ -112,7 +110,7 @@ def test_unknown_size_or_ratio_gives_no_number() -> None:
     c = incident_cost(kind="slowdown", opened_at=T0, resolved_at=None, timeline=[], gpus=None,
                       now=T0 + _s(5))
     assert c.gpu_hours_lost is None and c.lost_fraction is None and c.duration_s == 5
-    assert localization_latency_s([TimelinePoint("localized", T0 + _s(7), {})], T0) == 7
+    assert localization_latency_s([TimelinePoint("localized", T0 + _s(7))], T0) == 7
 
 
 def test_kinds_and_their_prefixes() -> None:

@@ -3,8 +3,11 @@ closes the incident whose step matches the fall."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from greyhound.core.known_causes import KnownCauses, OpenStep, ended_by, new_causes
-from greyhound.core.slow_localization import SlowLocalization
+from greyhound.core.slow_localization import NodeLabel, SlowLocalization
 
 COMM = -5  # signed in the cores, unsigned (2**64 - 5) in incidents
 U_COMM = (1 << 64) - 5
@@ -19,10 +22,18 @@ def _loc(**kw: object) -> SlowLocalization:
     return SlowLocalization(**base)
 
 
-GPU_INCIDENT = ("inc-gpu", {"ranks": [9], "compute_ranks": [9], "comm_ids": [], "nodes": [1],
-                            "links": []})
-LINK_INCIDENT = ("inc-link", {"ranks": [32, 33], "compute_ranks": [], "comm_ids": [U_COMM],
-                              "nodes": [4, 5], "links": [[5, 4]]})
+@dataclass(frozen=True)
+class Named:
+    """What an open incident's culprit names."""
+
+    compute_ranks: Sequence[int] = ()
+    comm_ids: Sequence[int] = ()
+    nodes: Sequence[NodeLabel] = ()
+    links: Sequence[Sequence[NodeLabel]] = ()
+
+
+GPU_INCIDENT = ("inc-gpu", Named(compute_ranks=[9], nodes=[1]))
+LINK_INCIDENT = ("inc-link", Named(comm_ids=[U_COMM], nodes=[4, 5], links=[[5, 4]]))
 
 
 def test_the_known_gpu_is_subtracted_and_the_link_is_the_new_cause() -> None:

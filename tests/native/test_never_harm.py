@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from greyhound import hookabi as H
+from greyhound.core.validation_plan import CommView, pause_plan
 from greyhound.fakejob import FakeJob, FakeJobSpec
-from services.validator.plan import CommView, pause_plan
 from tests.native.helpers import (
     bench_result,
     hook_lib,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from services.common.bus.grants import GRANTS
 from services.registry import BY_NAME, SERVICES, UP, Option, Service
 from stack.cli import build_parser
 
@@ -21,6 +22,12 @@ def compose() -> dict[str, Any]:
     loaded: dict[str, Any] = yaml.safe_load((REPO / "deploy/compose.yaml").read_text())
     services: dict[str, Any] = loaded["services"]
     return services
+
+
+def test_the_bus_grants_are_the_registered_services() -> None:
+    """services.common.bus.grants (below the services) and the registry (above them) name the
+    same services: none runs without grants, no user is granted for a service nobody runs."""
+    assert set(GRANTS) == set(BY_NAME)
 
 
 def test_compose_runs_exactly_the_registered_services() -> None:

@@ -7,11 +7,12 @@ from typing import Literal
 
 from fastapi import APIRouter
 
+from greyhound.core.fleet import BlamedGpu, FleetIncident, build_fleet, placements_of
 from services.api.auth import Viewer
 from services.api.deps import ApiSettingsDep, Session, problems
-from services.api.fleet import FleetIncident, build_fleet, placements_of
 from services.api.schemas import ComponentOut, FleetOut, SightingOut
 from services.common.db import repository as repo
+from services.common.db.models import Incident
 
 router = APIRouter(prefix="/v1/fleet", tags=["fleet"])
 
@@ -37,8 +38,7 @@ async def fleet(session: Session, settings: ApiSettingsDep, _: Viewer,
     jobs = sorted({i.job_id for i in incidents})
     ranks = await repo.ranks_of_jobs(session, jobs)
     comps = build_fleet(
-        [FleetIncident(i.id, i.job_id, i.kind, i.opened_at, i.culprit, i.evidence)
-         for i in incidents],
+        [_blamed(i) for i in incidents],
         placements_of([(r.job_id, r.rank, r.host, r.device, r.node) for r in ranks]),
         now=now, window=window, drain_incidents=settings.fleet_drain_incidents,
         drain_jobs=settings.fleet_drain_jobs)
@@ -54,3 +54,17 @@ async def fleet(session: Session, settings: ApiSettingsDep, _: Viewer,
     rule = (f">= {settings.fleet_drain_incidents} confirmed incidents in >= "
             f"{settings.fleet_drain_jobs} jobs within {settings.fleet_window_days:g} days")
     return FleetOut(window_days=settings.fleet_window_days, drain_rule=rule, components=out)
+
+
+def _blamed(inc: Incident) -> FleetIncident:
+    """What the incident blames, as the fleet's rule reads it (compute ranks only where the
+    analyzer's localisation named them)."""
+    c = inc.culprit
+    validation = inc.evidence.validation
+    return FleetIncident(
+        inc.id, inc.job_id, inc.kind, inc.opened_at,
+        confirmed=validation is not None and validation.confirmed,
+        gpus=tuple(BlamedGpu(g.rank, g.host, g.device) for g in c.gpus),
+        compute_ranks=tuple(c.compute_ranks) if "compute_ranks" in c.model_fields_set else None,
+        ranks=tuple(c.ranks), links=tuple(c.links),
+        nodes=tuple(c.nodes))

@@ -11,8 +11,7 @@ from fastapi import APIRouter, Query, Response
 
 from greyhound.core import incident_kinds, lifecycle
 from services.api.auth import Operator, Viewer
-from services.api.cost import cost_of
-from services.api.deps import BusDep, Session, problems
+from services.api.deps import Session, Unit, problems
 from services.api.errors import Conflict, Invalid, NotFound
 from services.api.schemas import (
     AuditOut,
@@ -25,8 +24,9 @@ from services.api.schemas import (
 )
 from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.db import repository as repo
+from services.common.db.documents import OperatorNote
 from services.common.db.models import Incident
-from services.notifier.outbox import job_gpus
+from services.common.incident_cost import cost_of, job_gpus
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/incidents", tags=["incidents"])
@@ -102,6 +102,8 @@ async def get_incident(incident_id: str, session: Session, _: Viewer) -> Inciden
 
 
 async def _reload(session: Session, incident_id: str) -> IncidentOut:
+    """The incident as this request's unit of work leaves it (written, not committed yet)."""
+    await session.flush()
     session.expunge_all()
     return await incident_out(session, await _get(session, incident_id))
 
@@ -129,10 +131,9 @@ async def acknowledge(incident_id: str, body: Note, session: Session,
     inc.acknowledged_at = datetime.now(UTC)
     inc.acknowledged_by = who.name
     # The lifecycle keeps the status on an acknowledgement (greyhound.core.lifecycle.advance).
-    await repo.add_timeline(session, inc, "acknowledged", {"by": who.name, "note": body.note})
+    await repo.add_timeline(session, inc, "acknowledged", OperatorNote(by=who.name, note=body.note))
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="incident.ack",
                      target_type="incident", target_id=inc.id, note=body.note)
-    await session.commit()
     return await _reload(session, incident_id)
 
 
@@ -141,19 +142,14 @@ async def acknowledge(incident_id: str, body: Note, session: Session,
              description="Needs operator and a note. The resolution is announced like the "
                          "tracker's (webhooks get incident.resolved). 409 when already resolved.",
              responses=problems(404, 409, 422))
-async def close(incident_id: str, body: RequiredNote, session: Session, bus: BusDep,
-                who: Operator) -> IncidentOut:
+async def close(incident_id: str, body: RequiredNote, uow: Unit, who: Operator) -> IncidentOut:
+    session = uow.session
     inc = await _unresolved_for_update(session, incident_id)
     await repo.add_timeline(session, inc, "resolved",
-                            {"by": who.name, "note": body.note, "manual": True})
+                            OperatorNote(by=who.name, note=body.note, manual=True))
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="incident.close",
                      target_type="incident", target_id=inc.id, note=body.note)
-    event = IncidentEvent(job_id=inc.job_id, incident_id=inc.id, stage="resolved", kind=inc.kind,
-                          severity=inc.severity, summary=f"{inc.summary} (closed by {who.name})")
-    await session.commit()
-    try:
-        if not await bus.announce(Subjects.incident(inc.job_id), event):
-            log.warning("incident %s closed without a bus: not announced", inc.id)
-    except Exception:  # committed already: the close stands; the announcement is best effort
-        log.exception("could not announce the close of incident %s", inc.id)
+    await uow.stage(Subjects.incident(inc.job_id), IncidentEvent(
+        job_id=inc.job_id, incident_id=inc.id, stage="resolved", kind=inc.kind,
+        severity=inc.severity, summary=f"{inc.summary} (closed by {who.name})"))
     return await _reload(session, incident_id)

@@ -13,10 +13,9 @@ from fastapi import APIRouter
 
 from greyhound.ids import check_token
 from services.api.auth import JobRole, Viewer
-from services.api.deps import BusDep, Session, problems
+from services.api.deps import BusDep, Session, Unit, problems
 from services.api.errors import Conflict, Invalid, NotFound
 from services.api.schemas import JobPlanOut, PlanReportAccepted, PlanReportIn
-from services.common.bus.client import publish
 from services.common.bus.contract import JobLayout, PlanReport, Subjects
 from services.common.db import repository as repo
 
@@ -36,12 +35,9 @@ async def current_plan(job_id: str, session: Session, _: Viewer) -> JobPlanOut:
         return JobPlanOut(job_id=job_id, version=0)
     m = d.message
     return JobPlanOut(job_id=job_id, version=d.version, plan_id=d.plan_id,
-                      incident_id=m.get("incident_id"), strategy=m.get("strategy"),
-                      action=m.get("action"), microbatches=m.get("microbatches"),
-                      gpu_of_rank=m.get("gpu_of_rank"),
-                      swaps=[(int(a), int(b)) for a, b in m.get("swaps") or []],
-                      cost_s=m.get("cost_s"), summary=m.get("summary", ""), issued_at=d.at,
-                      reported=d.outcome)
+                      incident_id=m.incident_id, strategy=m.strategy, action=m.action,
+                      microbatches=m.microbatches, gpu_of_rank=m.gpu_of_rank, swaps=m.swaps,
+                      cost_s=m.cost_s, summary=m.summary, issued_at=d.at, reported=d.outcome)
 
 
 @router.put("/{job_id}/layout", response_model=JobLayout, summary="Declare the job's layout",
@@ -55,10 +51,9 @@ async def declare_layout(job_id: str, body: JobLayout, session: Session,
         check_token(job_id, "job id")
     except ValueError as exc:
         raise Invalid(str(exc)) from None
-    await repo.set_job_layout(session, job_id, body.model_dump(exclude_none=True))
+    await repo.set_job_layout(session, job_id, body)
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="job.layout",
                      target_type="job", target_id=job_id, detail=body.model_dump())
-    await session.commit()
     return body
 
 
@@ -67,21 +62,21 @@ async def declare_layout(job_id: str, body: JobLayout, session: Session,
              description="Needs job (or stronger). 404 for a version never delivered, 409 for one "
                          "reported already, 503 without the bus. The planner records it.",
              responses=problems(401, 403, 404, 409, 422, 503))
-async def report_plan(job_id: str, body: PlanReportIn, session: Session, bus: BusDep,
+async def report_plan(job_id: str, body: PlanReportIn, uow: Unit, bus: BusDep,
                       who: JobRole) -> PlanReportAccepted:
+    session = uow.session
     sent = await repo.get_delivery(session, job_id, body.version)
     if sent is None:
         raise NotFound(f"job {job_id!r} has no plan version {body.version}")
     if sent.outcome is not None:
         raise Conflict(f"version {body.version} was reported {sent.outcome} already")
-    js = bus.jetstream()  # 503 before anything is recorded
+    bus.jetstream()  # 503 before anything is recorded
     msg = PlanReport(job_id=job_id, version=body.version, outcome=body.outcome,
                      cost_s=body.cost_s, error=body.error, reporter=who.name)
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="plan.report",
                      target_type="plan", target_id=sent.plan_id,
                      detail={"version": body.version, "outcome": body.outcome,
                              "cost_s": body.cost_s, "event_id": msg.event_id})
-    await session.commit()
-    await publish(js, Subjects.plan_report(job_id), msg)
+    await uow.stage(Subjects.plan_report(job_id), msg)
     return PlanReportAccepted(job_id=job_id, version=body.version, outcome=body.outcome,
                               event_id=msg.event_id)

@@ -10,7 +10,6 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from services.api.auth import Viewer
-from services.api.cost import cost_of
 from services.api.deps import BusDep, Session, problems
 from services.api.errors import NotFound
 from services.api.schemas import (
@@ -26,6 +25,7 @@ from services.api.telemetry import Window, read_window
 from services.api.timeline import job_timeline, rank_states
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Job
+from services.common.incident_cost import cost_of
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -39,7 +39,7 @@ def job_state(open_incidents: Sequence[Incident]) -> JobState:
 
 def _job_out(job: Job, incidents: Sequence[Incident], ranks: int) -> JobOut:
     mine = [i for i in incidents if i.job_id == job.id]
-    return JobOut(id=job.id, world_size=job.world_size, topology=job.topology,
+    return JobOut(id=job.id, world_size=job.world_size, topology=job.topology.as_json(),
                   first_seen_at=job.first_seen_at, last_seen_at=job.last_seen_at,
                   state=job_state(mine), open_incidents=len(mine), ranks_known=ranks)
 
@@ -98,7 +98,7 @@ async def job_ranks(job_id: str, session: Session, bus: BusDep, _: Viewer,
     # Until it is localised, an incident's ranks are those whose detectors fired (all of a
     # synchronous job), not suspects.
     suspects = {r for i in await repo.open_incidents_of(session, [job.id]) if i.status != "detected"
-                for r in i.culprit.get("ranks", []) if isinstance(r, int)}
+                for r in i.culprit.ranks}
     window, _err = await _window(bus, job.id, window_s, collectives=False)
     states = {s.rank: s for s in rank_states(window.iterations if window else [],
                                              [r.rank for r in job.ranks],

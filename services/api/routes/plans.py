@@ -23,8 +23,9 @@ from services.api.errors import Conflict, NotFound
 from services.api.schemas import Note, PlanOut
 from services.api.tokens import Principal
 from services.common.db import repository as repo
-from services.notifier.outbox import enqueue
-from services.notifier.payload import PlanFacts, plan_payload
+from services.common.db.documents import PlanStep
+from services.common.webhooks.enqueue import enqueue
+from services.common.webhooks.payload import PlanFacts, plan_payload
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"])
 
@@ -67,8 +68,8 @@ async def _decide(session: Session, settings: SettingsDep, plan_id: str, decisio
     incident = await repo.get_incident_for_update(session, plan.incident_id)
     if incident is not None:
         await repo.add_timeline(session, incident, f"plan_{action}",
-                                {"plan_id": plan.id, "strategy": plan.strategy,
-                                 "status": plan.status, "by": who.name, "note": note})
+                                PlanStep(plan_id=plan.id, strategy=plan.strategy,
+                                         status=plan.status, by=who.name, note=note))
     await repo.audit(session, actor=who.name, token_id=who.token_id, action=f"plan.{decision}",
                      target_type="plan", target_id=plan.id, note=note,
                      detail={"incident_id": plan.incident_id, "strategy": plan.strategy})
@@ -81,7 +82,7 @@ async def _decide(session: Session, settings: SettingsDep, plan_id: str, decisio
     await enqueue(session, event=event, key=key, incident_id=plan.incident_id,
                   payload=plan_payload(event, key, facts, occurred_at=now,
                                        dashboard=settings.api_public_url), now=now)
-    await session.commit()
+    await session.flush()  # what this unit wrote, read back as it will be committed
     session.expunge_all()
     fresh = await repo.get_plan(session, plan_id)
     assert fresh is not None

@@ -45,7 +45,6 @@ async def create_token(body: TokenIn, session: Session, settings: SettingsDep,
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="token.create",
                      target_type="token", target_id=token.id,
                      detail={"name": token.name, "role": token.role})
-    await session.commit()
     return TokenCreated(**TokenOut.model_validate(token).model_dump(), token=secret)
 
 
@@ -61,7 +60,6 @@ async def revoke_token(token_id: str, session: Session, who: Admin) -> Response:
     token.revoked_at = datetime.now(UTC)
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="token.revoke",
                      target_type="token", target_id=token.id, detail={"name": token.name})
-    await session.commit()
     return Response(status_code=204)
 
 

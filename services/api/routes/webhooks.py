@@ -16,10 +16,10 @@ from services.api.errors import NotFound, Unavailable
 from services.api.schemas import AttemptOut, DeliveryOut, WebhookCreated, WebhookIn, WebhookOut
 from services.common.db import repository as repo
 from services.common.settings import Settings
-from services.notifier.payload import for_format, ping_payload
-from services.notifier.secretbox import SecretBox
-from services.notifier.sender import attempt
-from services.notifier.signing import new_secret
+from services.common.webhooks.payload import for_format, ping_payload
+from services.common.webhooks.secretbox import SecretBox
+from services.common.webhooks.sender import attempt
+from services.common.webhooks.signing import new_secret
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 
@@ -44,7 +44,6 @@ async def create_webhook(body: WebhookIn, session: Session, settings: SettingsDe
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="webhook.create",
                      target_type="webhook", target_id=hook.id,
                      detail={"url": hook.url, "events": hook.events, "format": hook.format})
-    await session.commit()
     return WebhookCreated(**WebhookOut.model_validate(hook).model_dump(), secret=secret)
 
 
@@ -60,7 +59,6 @@ async def delete_webhook(webhook_id: str, session: Session, who: Admin) -> Respo
         raise NotFound(f"webhook {webhook_id!r} not found")
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="webhook.delete",
                      target_type="webhook", target_id=webhook_id)
-    await session.commit()
     return Response(status_code=204)
 
 
@@ -93,7 +91,7 @@ async def send_test(webhook_id: str, session: Session, settings: SettingsDep,
                               else "failed", next_attempt_at=None, at=datetime.now(UTC))
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="webhook.test",
                      target_type="webhook", target_id=hook.id, detail={"outcome": result.outcome})
-    await session.commit()
+    await session.flush()  # what this unit wrote, read back as it will be committed
     session.expunge_all()
     return (await _deliveries(session, hook.id, limit=1, offset=0))[0]
 

@@ -1,7 +1,8 @@
 """Who a process is on the bus: its NATS user and password, its TLS, and the names both follow.
 
-Every service connects as the user named after it in the registry; an agent as ``agent-<id>``,
-one user per node, because its permissions name its agent id (services.common.bus.permissions).
+Every service connects as the user named after it (services.common.bus.grants); an agent as
+``agent-<id>``, one user per node, because its permissions name its agent id
+(services.common.bus.permissions).
 Each user gets its own reply-inbox prefix, ``_GH_INBOX.<user>``, so that the server can let a
 user subscribe to its own replies only: nobody reads the answers meant for another.
 """

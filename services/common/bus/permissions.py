@@ -1,7 +1,7 @@
-"""The NATS server's users and permissions, generated from the service registry.
+"""The NATS server's users and permissions, generated from the services' grants.
 
-Each service's line (``services.registry``, its ``bus``) becomes one user with exactly what the
-line grants; an agent's line becomes one user per agent id whose subjects end in that id. What
+Each service's entry in services.common.bus.grants becomes one user with exactly what the
+entry grants; the agent's becomes one user per agent id whose subjects end in that id. What
 a grant means on the wire:
 
 * publish ``S``: publish (or send requests) on S; JetStream stores it if a stream listens.
@@ -30,9 +30,9 @@ from typing import Any
 
 from services.common.bus.auth import agent_user, inbox_prefix
 from services.common.bus.contract import Subjects
+from services.common.bus.grants import GRANTS, BusAccess, Consume
 from services.common.bus.streams import STREAMS, tracker_spec
 from services.common.settings import Settings
-from services.registry import SERVICES, BusAccess, Consume, Service
 
 API = "$JS.API"
 
@@ -75,8 +75,8 @@ def bind_agent(subject: str, agent_id: str) -> str:
 def all_durables(tracker_partitions: int = 1) -> dict[str, list[str]]:
     """Every durable some service consumes, by stream."""
     out: dict[str, list[str]] = {}
-    for s in SERVICES:
-        for c in s.bus.consume:
+    for access in GRANTS.values():
+        for c in access.consume:
             out.setdefault(c.stream, []).extend(_durables(c, tracker_partitions))
     return out
 
@@ -145,18 +145,18 @@ def permissions(access: BusAccess, user: str, *, agent_id: str | None = None,
 
 
 def service_users(*, agents: Iterable[str] = (), tracker_partitions: int = 1,
-                  services: Iterable[Service] = SERVICES) -> dict[str, dict[str, Any]]:
+                  grants: Mapping[str, BusAccess] = GRANTS) -> dict[str, dict[str, Any]]:
     """Every bus user (by name) with its permissions: one per central service, one per agent
     id in ``agents``."""
     out: dict[str, dict[str, Any]] = {}
-    for s in services:
-        if s.bus.per_agent:
+    for name, access in grants.items():
+        if access.per_agent:
             for agent in agents:
                 user = agent_user(agent)
-                out[user] = permissions(s.bus, user, agent_id=agent,
+                out[user] = permissions(access, user, agent_id=agent,
                                         tracker_partitions=tracker_partitions)
         else:
-            out[s.name] = permissions(s.bus, s.name, tracker_partitions=tracker_partitions)
+            out[name] = permissions(access, name, tracker_partitions=tracker_partitions)
     return out
 
 

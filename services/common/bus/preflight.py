@@ -3,8 +3,8 @@
 A grant the server lacks does not fail a call: the server drops the message and the caller's
 request times out (services.common.bus.refusals). Met at run time, deep in a handler, that looks
 like a slow bus and wedges the service (a tracker that cannot read its saved state back did so
-on every restart). So each service asks first, for everything its registry line says it does
-(services.registry.BusAccess): it declares the streams (for real, as it would anyway) and sends
+on every restart). So each service asks first, for everything its grants say it does
+(services.common.bus.grants): it declares the streams (for real, as it would anyway) and sends
 one harmless request or publish per other JetStream API subject and contract subject its code
 uses, exactly as nats-py sends them, and refuses to start with a message naming every refused
 grant and what it is for.
@@ -38,11 +38,11 @@ from nats.js.api import StreamConfig
 from services.common.bus.auth import BusAuthError, agent_of_user
 from services.common.bus.client import BusClient, ensure_stream
 from services.common.bus.contract import Subjects
+from services.common.bus.grants import BusAccess, Consume
 from services.common.bus.permissions import bind_agent
 from services.common.bus.refusals import HOW_TO_GRANT, Action, PermissionDenied
 from services.common.bus.streams import STREAMS, stream_configs, tracker_spec
 from services.common.settings import Settings
-from services.registry import BusAccess, Consume
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def _object_store(bucket: str) -> list[Need]:
 
 
 def needs(access: BusAccess, settings: Settings, agent_id: str | None = None) -> list[Need]:
-    """Everything a service with this registry line does on the bus, but declaring the
+    """Everything a service with these grants does on the bus, but declaring the
     streams (done for real by ``check``); a per-agent line's subjects end in ``agent_id``."""
     out: list[Need] = []
     publish, serve = access.publish, access.serve

@@ -27,8 +27,8 @@ Action = Literal["publish", "subscribe"]
 
 _VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"',
                         re.IGNORECASE)
-HOW_TO_GRANT = ("the server's bus permissions lack this grant: regenerate them from the service "
-                "registry (the embedded NATS does so on start; a production server's config with "
+HOW_TO_GRANT = ("the server's bus permissions lack this grant: regenerate them from the services' "
+                "grants (the embedded NATS does so on start; a production server's config with "
                 "python -m services.common.bus.server_config), see docs/security.md")
 
 

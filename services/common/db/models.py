@@ -25,10 +25,22 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     func,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from services.common.bus.contract import PlanMessage
+from services.common.db.documents import (
+    Culprit,
+    Empty,
+    Evidence,
+    Note,
+    PlanParams,
+    Topology,
+)
+from services.common.db.json_document import JsonDocument
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -53,7 +65,7 @@ class Job(Base):
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     world_size: Mapped[int | None] = mapped_column(Integer)
-    topology: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    topology: Mapped[Topology] = mapped_column(JsonDocument(Topology), default=lambda: Topology())
     first_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     last_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
@@ -68,6 +80,9 @@ class Rank(Base):
     host: Mapped[str] = mapped_column(String(255))
     node: Mapped[int | None] = mapped_column(Integer)
     device: Mapped[int] = mapped_column(Integer)
+    # its hook found neither a CUDA runtime nor the driver API: no GPU completion marks, so
+    # whatever rests on its GPU times rests on host times (the agent's hello says so)
+    marks_off: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     pid: Mapped[int] = mapped_column(Integer)
     agent_id: Mapped[str] = mapped_column(String(128))
     last_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
@@ -95,8 +110,9 @@ class Incident(Base):
     dedup_key: Mapped[str] = mapped_column(String(255))
     severity: Mapped[float] = mapped_column(Float, default=1.0)
     summary: Mapped[str] = mapped_column(Text, default="")
-    culprit: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    evidence: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    culprit: Mapped[Culprit] = mapped_column(JsonDocument(Culprit), default=lambda: Culprit())
+    evidence: Mapped[Evidence] = mapped_column(JsonDocument(Evidence),
+                                               default=lambda: Evidence())
     opened_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(),
                                                  onupdate=func.now())
@@ -119,7 +135,7 @@ class IncidentEvent(Base):
                                              index=True)
     stage: Mapped[str] = mapped_column(String(32))
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
-    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    detail: Mapped[Note] = mapped_column(JsonDocument(Note), default=lambda: Empty())
 
     incident: Mapped[Incident] = relationship(back_populates="timeline", lazy="raise")
 
@@ -138,7 +154,7 @@ class Plan(Base):
                                              index=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     strategy: Mapped[str] = mapped_column(String(32))
-    params: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    params: Mapped[PlanParams] = mapped_column(JsonDocument(PlanParams))
     params_version: Mapped[int] = mapped_column(Integer, default=1)
     status: Mapped[str] = mapped_column(String(32), default="proposed")
     policy: Mapped[str] = mapped_column(String(16), default="approval")
@@ -166,7 +182,7 @@ class PlanDelivery(Base):
     version: Mapped[int] = mapped_column(Integer)
     plan_id: Mapped[str] = mapped_column(ForeignKey("plans.id", ondelete="CASCADE"), index=True)
     action: Mapped[str] = mapped_column(String(16))
-    message: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    message: Mapped[PlanMessage] = mapped_column(JsonDocument(PlanMessage))
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     outcome: Mapped[str | None] = mapped_column(String(16))
     cost_s: Mapped[float | None] = mapped_column(Float)
@@ -211,7 +227,7 @@ class Webhook(Base):
     name: Mapped[str] = mapped_column(String(255), default="")
     url: Mapped[str] = mapped_column(Text)
     secret_enc: Mapped[str] = mapped_column(Text)
-    events: Mapped[list[Any]] = mapped_column(default=list)
+    events: Mapped[list[str]] = mapped_column(JSONB, default=list)  # event names; none: all
     format: Mapped[str] = mapped_column(String(16), default="json")
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_by: Mapped[str] = mapped_column(String(255), default="")

@@ -1,5 +1,6 @@
-"""All SQL lives here. Functions take the caller's session and never commit: the caller owns the
-unit of work (a request, or one bus message) and commits once, then acks or publishes."""
+"""All SQL lives here. Functions take the caller's session and never commit: the session is a
+unit of work's (services.common.unit_of_work: a request, one bus message), which commits once,
+then sends what it staged, then the message is acked."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
 from greyhound.core import lifecycle, plan_lifecycle
+from services.common.bus.contract import JobLayout, PlanMessage
+from services.common.db.documents import Culprit, Evidence, Note, PlanParams, Topology
 from services.common.db.models import (
     ApiToken,
     Approval,
@@ -38,6 +41,11 @@ async def ping(session: AsyncSession) -> None:
     await session.execute(text("select 1"))
 
 
+async def try_lock(session: AsyncSession, key: int) -> bool:
+    """Take the transaction-scoped advisory lock ``key`` unless another transaction holds it."""
+    return bool(await session.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}))
+
+
 async def claim_event(session: AsyncSession, consumer: str, event_id: str) -> bool:
     """Record that ``consumer`` handles ``event_id``; False when it was handled before."""
     stmt = (insert(ProcessedEvent).values(event_id=event_id, consumer=consumer)
@@ -46,7 +54,7 @@ async def claim_event(session: AsyncSession, consumer: str, event_id: str) -> bo
 
 
 async def touch_job(session: AsyncSession, job_id: str, *, world_size: int | None = None,
-                    topology: dict[str, Any] | None = None) -> None:
+                    topology: Topology | None = None) -> None:
     values: dict[str, Any] = {"id": job_id, "last_seen_at": func.now()}
     update: dict[str, Any] = {"last_seen_at": func.now()}
     if world_size is not None:
@@ -54,7 +62,7 @@ async def touch_job(session: AsyncSession, job_id: str, *, world_size: int | Non
     if topology is not None:
         values["topology"] = update["topology"] = topology
     else:
-        values["topology"] = {}
+        values["topology"] = Topology()
     await session.execute(insert(Job).values(**values)
                           .on_conflict_do_update(index_elements=[Job.id], set_=update))
 
@@ -69,7 +77,8 @@ async def upsert_ranks(session: AsyncSession, job_id: str, agent_id: str,
         index_elements=[Rank.job_id, Rank.rank],
         set_={"host": stmt.excluded.host, "node": stmt.excluded.node,
               "device": stmt.excluded.device, "pid": stmt.excluded.pid,
-              "agent_id": stmt.excluded.agent_id, "last_seen_at": func.now()}))
+              "agent_id": stmt.excluded.agent_id, "marks_off": stmt.excluded.marks_off,
+              "last_seen_at": func.now()}))
 
 
 async def list_jobs(session: AsyncSession) -> Sequence[Job]:
@@ -99,8 +108,8 @@ async def open_incidents(session: AsyncSession, job_id: str,
 
 
 async def open_incident(session: AsyncSession, *, job_id: str, kind: str, dedup_key: str,
-                        severity: float, summary: str, culprit: dict[str, Any],
-                        evidence: dict[str, Any], stage_detail: dict[str, Any]) -> Incident:
+                        severity: float, summary: str, culprit: Culprit, evidence: Evidence,
+                        stage_detail: Note) -> Incident:
     incident = Incident(job_id=job_id, kind=kind, dedup_key=dedup_key, severity=severity,
                         summary=summary, culprit=culprit, evidence=evidence, status=lifecycle.OPENED)
     session.add(incident)
@@ -110,7 +119,7 @@ async def open_incident(session: AsyncSession, *, job_id: str, kind: str, dedup_
 
 
 async def add_timeline(session: AsyncSession, incident: Incident, stage: str,
-                       detail: dict[str, Any]) -> lifecycle.Status:
+                       detail: Note) -> lifecycle.Status:
     """Record one stage and move the status as the lifecycle says (greyhound.core.lifecycle);
     raises IllegalTransition, before anything is added, for an entry the status does not allow.
     Returns the new status."""
@@ -263,7 +272,7 @@ def move_plan(plan: Plan, action: str, *, reason: str | None = None,
 
 
 async def create_plan(session: AsyncSession, *, incident_id: str, job_id: str, strategy: str,
-                      params: dict[str, Any], policy: str, expected_gain: float | None,
+                      params: PlanParams, policy: str, expected_gain: float | None,
                       expires_at: datetime | None, reason: str = "") -> Plan:
     plan = Plan(incident_id=incident_id, job_id=job_id, strategy=strategy, params=params,
                 params_version=1, status=plan_lifecycle.PROPOSED, policy=policy,
@@ -340,7 +349,7 @@ async def get_delivery(session: AsyncSession, job_id: str, version: int, *,
 
 
 async def add_delivery(session: AsyncSession, *, job_id: str, version: int, plan_id: str,
-                       action: str, message: dict[str, Any]) -> PlanDelivery:
+                       action: str, message: PlanMessage) -> PlanDelivery:
     row = PlanDelivery(job_id=job_id, version=version, plan_id=plan_id, action=action,
                        message=message)
     session.add(row)
@@ -348,20 +357,19 @@ async def add_delivery(session: AsyncSession, *, job_id: str, version: int, plan
     return row
 
 
-async def set_job_layout(session: AsyncSession, job_id: str, layout: dict[str, Any]) -> Job:
+async def set_job_layout(session: AsyncSession, job_id: str, layout: JobLayout) -> Job:
     """Record the parallel layout a job declared (kept in its topology under ``layout``)."""
     await touch_job(session, job_id)
     job = await lock_job(session, job_id)
     assert job is not None
-    job.topology = {**(job.topology or {}), "layout": layout}
+    job.topology = job.topology.model_copy(update={"layout": layout})
     await session.flush()
     return job
 
 
-async def job_layout(session: AsyncSession, job_id: str) -> dict[str, Any] | None:
+async def job_layout(session: AsyncSession, job_id: str) -> JobLayout | None:
     topology = await session.scalar(select(Job.topology).where(Job.id == job_id))
-    layout = (topology or {}).get("layout")
-    return layout if isinstance(layout, dict) else None
+    return None if topology is None else topology.layout
 
 
 # ---- the planner's escalation state -----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Engine and session factory; the caller that owns a unit of work commits it."""
+"""Engine and session factory; sessions are used through units of work
+(services.common.unit_of_work), which commit them."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from nats.js import JetStreamContext
 
 from greyhound import hookabi as H
 from services.agent.service import NodeAgent
+from services.agent.settings import AgentSettings
 from services.common.bus.contract import AgentHello
 from tests.services.agent.forge import poke
 
@@ -29,7 +30,8 @@ def _ring(shm: Path, rank: int, api: H.GpuApi) -> H.RingWriter:
 
 
 def test_ranks_without_gpu_marks_are_named_in_the_hello(tmp_path: Path) -> None:
-    agent = NodeAgent(tmp_path, cast(JetStreamContext, None), agent_id="a1", jobs=[JOB])
+    agent = NodeAgent(tmp_path, cast(JetStreamContext, None), agent_id="a1", jobs=[JOB],
+                      settings=AgentSettings())
     rings: list[Any] = [_ring(tmp_path, 0, H.GpuApi.NONE), _ring(tmp_path, 1, H.GpuApi.UNKNOWN),
                         _ring(tmp_path, 2, H.GpuApi.DRIVER)]
     agent.scan()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 from services.agent.service import NodeAgent
+from services.agent.settings import AgentSettings
 from services.common.bus.auth import agent_user
 from services.common.bus.client import ensure_streams
 from services.common.bus.contract import CollectiveBatch, Subjects, split_columns
@@ -45,7 +46,8 @@ async def test_oversized_batch_is_split_and_later_messages_still_flow(bus: Bus) 
         await ensure_streams(js, settings)
         job = f"lim{uuid.uuid4().hex[:6]}"
         assert len(big_batch(job).model_dump_json()) > nc.max_payload
-        agent = NodeAgent(settings.shm_dir, nc.jetstream(), agent_id="lim", jobs=[])
+        agent = NodeAgent(settings.shm_dir, nc.jetstream(), agent_id="lim", jobs=[],
+                          settings=AgentSettings())
         subject = Subjects.collectives(job, "lim")
         agent.backlog.append((subject, big_batch(job)))
         small = CollectiveBatch(job_id=job, agent_id="lim",

@@ -13,6 +13,7 @@ from greyhound import hookabi as H
 from services.agent.collector import Collector
 from services.agent.control import AgentControl
 from services.agent.service import NodeAgent
+from services.agent.settings import AgentSettings
 from services.common.bus.auth import agent_user
 from services.common.bus.client import ensure_streams
 from services.common.bus.contract import ControlReply, ControlRequest
@@ -60,7 +61,7 @@ async def test_deleted_rings_are_drained_then_closed_and_the_job_evicted(
     await central.close()
     nc = await bus.connect(agent_user("evict-agent"))
     js = nc.jetstream()
-    agent = NodeAgent(tmp_path, js, agent_id="evict-agent")
+    agent = NodeAgent(tmp_path, js, agent_id="evict-agent", settings=AgentSettings())
     ctl = AgentControl(agent.agent_id, agent.collectors)
     w = good_ring(tmp_path, JOB, 0, iters=5)
     agent.scan()

@@ -65,8 +65,8 @@ def test_hang_event_becomes_a_named_incident() -> None:
                          comm_id=COMM, stalled_s=40.0, threshold_s=20.0, method="hang-watch",
                          evidence={"counters": _past_the_hung_call(), "wait_basis": "gpu"})
     kind, severity, culprit, summary = Analyzer._classify(det)
-    assert kind == "hang_inconsistent" and culprit["ranks"] == [3] and severity == 2.0
-    assert culprit["comm_id"] == COMM and "allreduce #9" in summary
+    assert kind == "hang_inconsistent" and culprit.ranks == [3] and severity == 2.0
+    assert culprit.comm_id == COMM and "allreduce #9" in summary
 
 
 def _all_pending() -> dict[str, list[Any]]:
@@ -98,11 +98,14 @@ def test_a_hang_where_every_rank_is_stuck_names_who_stopped_first_from_the_plugi
                          comm_id=COMM, stalled_s=40.0, threshold_s=20.0, method="hang-watch",
                          evidence=ev)
     kind, _, culprit, _ = Analyzer._classify(det)
-    assert kind == "hang_hardware" and culprit["ranks"] == [0, 1, 2, 3]
+    assert kind == "hang_hardware" and culprit.ranks == [0, 1, 2, 3]
     det = det.model_copy(update={"evidence": {**ev, "progress": _ring_progress(1)}})
     kind, _, culprit, summary = Analyzer._classify(det)
-    assert kind == "hang_hardware" and culprit["ranks"] == [1] and "ranks [1]" in summary
-    (link,) = culprit["diagnosis"]["inside_links"]
+    assert kind == "hang_hardware" and culprit.ranks == [1] and "ranks [1]" in summary
+    assert culprit.diagnosis is not None
+    links = culprit.diagnosis["inside_links"]
+    assert isinstance(links, list) and len(links) == 1 and isinstance(links[0], dict)
+    link = links[0]
     assert (link["src"], link["dst"], link["channel"], link["stopped"]) == (1, 2, 1, "sender")
 
 
@@ -113,9 +116,9 @@ def test_a_slowdown_names_the_slow_link_the_plugins_rates_found() -> None:
                          detected_iteration=14, before_s=0.1, after_s=0.3, detected_ns=NOW,
                          method="bocd", evidence={"change": "onset", "slow_links": [link]})
     kind, _, culprit, _ = Analyzer._classify(det)
-    assert kind == "slowdown" and culprit["slow_links"] == [link]
+    assert kind == "slowdown" and culprit.slow_links == [link]
     kind, _, culprit, _ = Analyzer._classify(det.model_copy(update={"evidence": {"change": "onset"}}))
-    assert "slow_links" not in culprit
+    assert culprit.slow_links == []
 
 
 def test_a_pipeline_pair_that_disagrees_on_the_size_is_named_by_the_pair() -> None:

@@ -10,6 +10,7 @@ import uuid
 from services.analyzer.service import Analyzer
 from services.common.bus.contract import DetectionEvent, Subjects
 from services.common.db import repository as repo
+from services.common.db.documents import AnalyzerNote, Localization
 from services.common.runtime import ServiceContext
 from tests.conftest import Bus
 from tests.services.analyzer.helpers import fed_localizer
@@ -32,22 +33,22 @@ async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext, own_
                 for r in ranks])
         await session.commit()
     # the analyzer that opened the incident died before localising it (no localizer here)
-    await Analyzer(ctx).handle(Subjects.detection(job), slowdown(job))
+    await Analyzer(ctx, ctx.work("analyzer")).consume(Subjects.detection(job), slowdown(job))
     # another job's incident whose localisation ran and found nothing: not run again
     other = f"done-{uuid.uuid4().hex[:6]}"
-    await Analyzer(ctx).handle(Subjects.detection(other), slowdown(other))
+    await Analyzer(ctx, ctx.work("analyzer")).consume(Subjects.detection(other), slowdown(other))
     async with ctx.db()() as session:
         (inc,) = await repo.list_incidents(session, job_id=other)
         inc = await repo.get_incident_for_update(session, inc.id)
         assert inc is not None
-        await repo.add_timeline(session, inc, "detected", {"by": "analyzer",
-                                                           "result": "unexplained"})
+        await repo.add_timeline(session, inc, "detected", AnalyzerNote(
+            result="unexplained", by="analyzer", evidence=Localization()))
         await session.commit()
 
     agents = StandInJob(own_bus, job)
     await agents.start()
     localizer, feed, feeding = fed_localizer(ctx, job)
-    analyzer = Analyzer(ctx, localizer)
+    analyzer = Analyzer(ctx, localizer.work, localizer)
     try:
         assert await analyzer.resume() == 1  # this job only
         assert await analyzer.resume() == 0  # already running: not started twice
@@ -57,7 +58,7 @@ async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext, own_
             await asyncio.sleep(0.05)
         async with ctx.db()() as session:
             (inc,) = await repo.list_incidents(session, job_id=job)
-        assert inc.status == "localized" and inc.culprit["ranks"] == [SLOW_RANK], inc.culprit
+        assert inc.status == "localized" and inc.culprit.ranks == [SLOW_RANK], inc.culprit
         assert agents.actions["set_mode:profile"] == len(AGENTS)
         assert await analyzer.resume() == 0
     finally:
@@ -68,7 +69,7 @@ async def test_an_unrecorded_localisation_is_run_again(ctx: ServiceContext, own_
 
 async def test_a_hang_incident_is_resolved_when_the_hang_is_over(ctx: ServiceContext) -> None:
     job = f"hang-{uuid.uuid4().hex[:6]}"
-    analyzer = Analyzer(ctx)
+    analyzer = Analyzer(ctx, ctx.work("analyzer"))
     hang = DetectionEvent(job_id=job, kind="hang", ranks=[0, 1], first_iteration=-1,
                           detected_iteration=-1, before_s=0.1, after_s=70.0, detected_ns=1,
                           comm_id=7, stalled_s=70.0, threshold_s=60.0,
@@ -77,11 +78,11 @@ async def test_a_hang_incident_is_resolved_when_the_hang_is_over(ctx: ServiceCon
                           detected_iteration=-1, before_s=60.0, after_s=0.1, detected_ns=2,
                           comm_id=7, method=DetectionEvent.HANG_WATCH,
                           evidence={"moved_comms": [7]})
-    await analyzer.handle(Subjects.detection(job), hang)
-    await analyzer.handle(Subjects.detection(job), over)
-    await analyzer.handle(Subjects.detection(job), over)  # redelivered: claimed, nothing more
+    await analyzer.consume(Subjects.detection(job), hang)
+    await analyzer.consume(Subjects.detection(job), over)
+    await analyzer.consume(Subjects.detection(job), over)  # redelivered: claimed, nothing more
     async with ctx.db()() as session:
         (inc,) = await repo.list_incidents(session, job_id=job)
     assert inc.kind == "hang" and inc.status == "resolved"
     assert [e.stage for e in inc.timeline] == ["detected", "resolved"]
-    assert inc.timeline[-1].detail["moved_comms"] == [7]
+    assert inc.timeline[-1].detail.as_json()["moved_comms"] == [7]

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.analyzer.retention import RETENTION_LOCK, retention_pass
 from services.analyzer.settings import AnalyzerSettings
+from services.common.db.documents import Topology
 from services.common.db.models import (
     AuditEntry,
     Incident,
@@ -23,6 +24,7 @@ from services.common.db.models import (
     WebhookAttempt,
     WebhookDelivery,
 )
+from services.common.unit_of_work import Work
 
 NOW = datetime(2027, 6, 1, tzinfo=UTC)
 DAY = 86400.0
@@ -34,8 +36,8 @@ def ago(days: float) -> datetime:
 
 async def seed(s: async_sessionmaker[AsyncSession]) -> None:
     async with s() as session:
-        session.add_all([Job(id="gone", topology={}, first_seen_at=ago(300), last_seen_at=ago(200)),
-                         Job(id="live", topology={}, first_seen_at=ago(300), last_seen_at=ago(1))])
+        session.add_all([Job(id="gone", topology=Topology(), first_seen_at=ago(300), last_seen_at=ago(200)),
+                         Job(id="live", topology=Topology(), first_seen_at=ago(300), last_seen_at=ago(1))])
         await session.flush()
         session.add(Rank(job_id="gone", rank=0, host="h", device=0, pid=1, agent_id="a"))
         session.add_all([
@@ -84,7 +86,7 @@ async def ids(s: async_sessionmaker[AsyncSession], column: object) -> list[str]:
 async def test_old_rows_go_and_open_recent_or_unsent_ones_stay(
         sessions: async_sessionmaker[AsyncSession]) -> None:
     await seed(sessions)
-    deleted = await retention_pass(sessions, AnalyzerSettings(retention_batch=1),
+    deleted = await retention_pass(Work(sessions), AnalyzerSettings(retention_batch=1),
                                    events_max_age_s=30 * DAY, now=NOW)
     assert deleted is not None
     assert await ids(sessions, Incident.id) == ["new-resolved", "old-open"]
@@ -107,7 +109,7 @@ async def test_old_rows_go_and_open_recent_or_unsent_ones_stay(
 async def test_claims_outlive_the_events_stream(sessions: async_sessionmaker[AsyncSession]) -> None:
     """A stream that keeps events 60 days may replay a 40-day-old one: its claim must stay."""
     await seed(sessions)
-    await retention_pass(sessions, AnalyzerSettings(), events_max_age_s=60 * DAY, now=NOW)
+    await retention_pass(Work(sessions), AnalyzerSettings(), events_max_age_s=60 * DAY, now=NOW)
     assert await ids(sessions, ProcessedEvent.event_id) == ["p-new", "p-old"]
     assert await ids(sessions, ValidationClaim.suspicion_id) == ["c-old", "c-running"]
 
@@ -116,7 +118,7 @@ async def test_one_pass_at_a_time(sessions: async_sessionmaker[AsyncSession]) ->
     await seed(sessions)
     async with sessions() as holder:
         await holder.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": RETENTION_LOCK})
-        assert await retention_pass(sessions, AnalyzerSettings(), events_max_age_s=30 * DAY,
+        assert await retention_pass(Work(sessions), AnalyzerSettings(), events_max_age_s=30 * DAY,
                                     now=NOW) is None
         await holder.rollback()
     assert await ids(sessions, AuditEntry.target_id) == ["1", "2"]  # nothing deleted meanwhile

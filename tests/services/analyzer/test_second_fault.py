@@ -82,7 +82,7 @@ async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
     await register_ranks(ctx, job)
     await _agents(agents, job)
     localizer, feed, feeding = fed_localizer(ctx, job)
-    analyzer = Analyzer(ctx, localizer)
+    analyzer = Analyzer(ctx, localizer.work, localizer)
 
     async def settle() -> None:
         for _ in range(400):
@@ -94,14 +94,15 @@ async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
     async def rows() -> list[dict[str, Any]]:
         async with ctx.db()() as session:
             found = await repo.list_incidents(session, job_id=job)
-            return [{"id": r.id, "kind": r.kind, "status": r.status, "culprit": r.culprit,
-                     "opened": r.opened_at, "timeline": [(e.stage, e.detail) for e in r.timeline]}
+            return [{"id": r.id, "kind": r.kind, "status": r.status, "culprit": r.culprit.as_json(),
+                     "opened": r.opened_at,
+                         "timeline": [(e.stage, e.detail.as_json()) for e in r.timeline]}
                     for r in sorted(found, key=lambda r: r.opened_at)]
 
     try:
         # Both detections arrive before the first localisation ends: the second waits for it.
-        await analyzer.handle("", _det(job, "slowdown", "onset", 100, 0.031, 0.056))
-        await analyzer.handle("", _det(job, "slowdown", "further", 300, 0.056, 0.071))
+        await analyzer.consume("", _det(job, "slowdown", "onset", 100, 0.031, 0.056))
+        await analyzer.consume("", _det(job, "slowdown", "further", 300, 0.056, 0.071))
         await settle()
         first, second = await rows()
         assert first["kind"] == "compute_slow" and first["culprit"]["compute_ranks"] == [2]
@@ -110,11 +111,11 @@ async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
         assert second["timeline"][0][1]["change"] == "further"
         assert [d.get("further") for _, d in first["timeline"]].count(second["id"]) == 1
         # The second cause ends: back near the first level. Then the first one ends.
-        await analyzer.handle("", _det(job, "recovery", "partial", 500, 0.071, 0.057))
+        await analyzer.consume("", _det(job, "recovery", "partial", 500, 0.071, 0.057))
         first, second = await rows()
         assert (first["status"], second["status"]) != ("resolved", "resolved")
         assert second["status"] == "resolved" and first["status"] != "resolved"
-        await analyzer.handle("", _det(job, "recovery", "full", 700, 0.057, 0.031))
+        await analyzer.consume("", _det(job, "recovery", "full", 700, 0.057, 0.031))
         assert [r["status"] for r in await rows()] == ["resolved", "resolved"]
     finally:
         feed.stop()
@@ -138,10 +139,10 @@ async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
         await agents[agent].subscribe(Subjects.control(job, agent), cb=answer)
         await agents[agent].flush()  # subscribed before the analyzer asks
     localizer, feed, feeding = fed_localizer(ctx, job)
-    analyzer = Analyzer(ctx, localizer)
+    analyzer = Analyzer(ctx, localizer.work, localizer)
     try:
-        await analyzer.handle("", _det(job, "slowdown", "onset", 100, 0.031, 0.056))
-        await analyzer.handle("", _det(job, "slowdown", "further", 300, 0.056, 0.066))
+        await analyzer.consume("", _det(job, "slowdown", "onset", 100, 0.031, 0.056))
+        await analyzer.consume("", _det(job, "slowdown", "further", 300, 0.056, 0.066))
         for _ in range(400):
             if not analyzer._chains and not localizer.tasks:
                 break
@@ -151,7 +152,7 @@ async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
                            key=lambda r: r.opened_at)
         assert [(r.kind, r.status) for r in found] == [("compute_slow", "localized"),
                                                         ("slowdown", "resolved")]
-        assert found[1].timeline[-1].detail["result"] == "known cause"
+        assert found[1].timeline[-1].detail.as_json()["result"] == "known cause"
     finally:
         feed.stop()
         await feeding

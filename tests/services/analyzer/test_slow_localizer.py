@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 import nats.errors
@@ -34,11 +35,13 @@ COMM = (1 << 64) - 12345  # an unsigned hash above 2^63: must survive the int64 
 
 def collectives(job: str, agent: str, ranks: list[int], *, iters: int, iter_ms: float,
                 late_rank: int | None, late_ms: float, seed: int,
-                comm_ms: float = 0.5, gpu: bool = False) -> CollectiveBatch:
+                comm_ms: float = 0.5, gpu: bool = False,
+                marks_off: Collection[int] = ()) -> CollectiveBatch:
     """One all-reduce per iteration on one 4-rank communicator; the late rank arrives late and
     everyone completes together, as NCCL ranks do. With ``gpu``, arrival and completion are GPU
     times and every host enqueues the call at the same instant (NCCL is asynchronous); without,
-    a host-only job whose host enter/exit are the arrival and completion."""
+    a host-only job whose host enter/exit are the arrival and completion. A rank of
+    ``marks_off`` has no GPU times even in a GPU job (its hook found no CUDA API to time with)."""
     rng = np.random.default_rng(seed)
     cols: dict[str, list[int]] = {k: [] for k in (
         "rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count", "dtype", "peer",
@@ -51,12 +54,13 @@ def collectives(job: str, agent: str, ranks: list[int], *, iters: int, iter_ms: 
         exit_ns = start + int(max(compute.values()) + comm_ms * 1e6)
         for r in ranks:
             arrive = start + int(compute[r])
-            host = (start + 1000, start + 21_000) if gpu else (arrive, exit_ns)
+            timed = gpu and r not in marks_off
+            host = (start + 1000, start + 21_000) if timed else (arrive, exit_ns)
             for key, value in (("rank", r), ("comm_id", COMM), ("comm_rank", r), ("nranks", 4),
                                ("seq", it + 1), ("op", 1), ("count", 1 << 18), ("dtype", 7),
                                ("peer", -1), ("enter_ns", host[0]), ("exit_ns", host[1]),
-                               ("gpu_start_ns", arrive if gpu else 0),
-                               ("gpu_end_ns", exit_ns if gpu else 0)):
+                               ("gpu_start_ns", arrive if timed else 0),
+                               ("gpu_end_ns", exit_ns if timed else 0)):
                 cols[key].append(value)
     return CollectiveBatch(job_id=job, agent_id=agent, **cols)
 
@@ -95,14 +99,14 @@ async def run_case(ctx: ServiceContext, agents_nc: dict[str, BusClient], operato
                    *, before_s: float, after_s: float,
                    **profile: Any) -> tuple[dict[str, Any], list[Suspicion], list[str]]:
     job = f"loc{uuid.uuid4().hex[:8]}"
-    await register_ranks(ctx, job)
+    await register_ranks(ctx, job, profile.get("marks_off", ()))
     agents = StandInAgents(agents_nc, job, **profile)
     await agents.start()
     localizer, feed, feeding = fed_localizer(ctx, job)
     det = DetectionEvent(job_id=job, kind="slowdown", ranks=[0, 1, 2, 3], first_iteration=100,
                          detected_iteration=104, before_s=before_s, after_s=after_s,
                          detected_ns=0)
-    await Analyzer(ctx, localizer).handle(Subjects.detection(job), det)
+    await Analyzer(ctx, localizer.work, localizer).consume(Subjects.detection(job), det)
     for _ in range(200):
         if not localizer.tasks:
             break
@@ -113,14 +117,14 @@ async def run_case(ctx: ServiceContext, agents_nc: dict[str, BusClient], operato
         rows = await repo.list_incidents(session, job_id=job)
         assert len(rows) == 1
         inc = rows[0]
-        incident = {"kind": inc.kind, "status": inc.status, "culprit": inc.culprit,
-                    "evidence": inc.evidence,
-                    "timeline": [(e.stage, e.detail) for e in inc.timeline]}
+        incident = {"kind": inc.kind, "status": inc.status, "culprit": inc.culprit.as_json(),
+                    "evidence": inc.evidence.as_json(),
+                    "timeline": [(e.stage, e.detail.as_json()) for e in inc.timeline]}
     suspicions = await operator.jetstream().pull_subscribe(Subjects.suspicion(job), durable=None,
                                                           stream=EVENTS)
     try:
         msgs = await suspicions.fetch(5, timeout=1.0)
-    except nats.errors.TimeoutError:
+    except (nats.errors.TimeoutError, TimeoutError):  # no suspicion (fetch's own, or asyncio's)
         msgs = []
     await suspicions.unsubscribe()
     return incident, [Suspicion.model_validate_json(m.data) for m in msgs], agents.modes
@@ -144,6 +148,22 @@ async def test_late_gpu_is_localized_while_every_host_enters_together(
     assert incident["evidence"]["explanation"] == words
     assert incident["evidence"]["gpu_health"]["gpus_sampled"] == 4
     assert incident["evidence"]["gpu_health"]["samples"][0]["ranks"] == [2]
+
+
+async def test_a_rank_without_completion_marks_is_named_in_the_slowdown(
+        ctx: ServiceContext, agents: dict[str, BusClient], operator: BusClient) -> None:
+    """Rank 3's hook found neither a CUDA runtime nor the driver API (its agent's hello says
+    so): its calls have host times only, on which the profile of a GPU job rests for it. The
+    incident and the suspicion name it, as a hang's incident names such ranks."""
+    incident, suspicions, _ = await run_case(
+        ctx, agents, operator,
+        before_s=0.031, after_s=0.051, iters=40, iter_ms=55.0, late_rank=2, late_ms=20.0,
+        gpu=True, marks_off=[3])
+    assert incident["culprit"]["compute_ranks"] == [2], incident["evidence"]
+    localization = incident["evidence"]["localization"]
+    assert localization["marks_off_ranks"] == [3]
+    assert localization["timing"]["host_only_rows"] == 40  # rank 3's, one a step
+    assert suspicions[0].evidence["marks_off_ranks"] == [3]
 
 
 async def test_late_rank_is_localized_as_compute(

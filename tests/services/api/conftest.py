@@ -14,14 +14,28 @@ import pytest
 from fastapi import FastAPI
 
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.api.tokens import display_prefix, hash_token, new_token
 from services.common.bus.client import BusClient
+from services.common.bus.contract import JobLayout, PlanMessage
 from services.common.db import repository as repo
+from services.common.db.documents import (
+    Culprit,
+    Detection,
+    Evidence,
+    MicrobatchParams,
+    OperatorNote,
+    Topology,
+)
 from services.common.db.models import Plan, PlanDelivery
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from tests.conftest import Bus
 
+# an S2 plan's parameters, as the planner records them
+MICROBATCHES = MicrobatchParams(kind="microbatch", microbatches=[6, 6, 4, 8],
+                                previous=[6, 6, 6, 6], times=[1.0, 1.0, 1.5, 1.0], multiple_of=1,
+                                slow_dp_groups=[2], makespan_before=9.0, makespan_after=8.0)
 WEBHOOK_KEY = "test-webhook-key-0123456789abcdef"
 TOKEN_KEY = "test-token-pepper"
 ROLES = ("viewer", "job", "operator", "admin")
@@ -56,8 +70,9 @@ class Api:
     async def job(self, job_id: str, world_size: int = 4, hosts: tuple[str, ...] = ("node-a",),
                   gpus_per_host: int = 4) -> None:
         async with self.ctx.db()() as session:
-            await repo.touch_job(session, job_id, world_size=world_size,
-                                 topology={"dp": world_size})
+            await repo.touch_job(session, job_id, world_size=world_size, topology=Topology(
+                layout=JobLayout(tp=1, dp=world_size, pp=1, gpus_per_node=world_size,
+                                 microbatches=world_size)))
             ranks = [{"rank": r, "host": hosts[r // gpus_per_host % len(hosts)],
                       "node": r // gpus_per_host, "device": r % gpus_per_host, "pid": 100 + r}
                      for r in range(world_size)]
@@ -65,26 +80,27 @@ class Api:
             await session.commit()
 
     async def incident(self, job_id: str, *, kind: str = "slowdown", before_s: float = 1.0,
-                       after_s: float = 1.5, culprit: dict[str, Any] | None = None,
-                       evidence: dict[str, Any] | None = None, dedup: str | None = None,
+                       after_s: float = 1.5, culprit: Culprit | None = None,
+                       evidence: Evidence | None = None, dedup: str | None = None,
                        stages: tuple[str, ...] = ()) -> str:
-        detail = {"first_iteration": 100, "detected_iteration": 104, "before_s": before_s,
-                  "after_s": after_s, "ranks": [0, 1, 2, 3]}
+        detail = Detection(event_id=new_token()[:32], method="bocd-v", first_iteration=100,
+                           detected_iteration=104, before_s=before_s, after_s=after_s,
+                           ranks=[0, 1, 2, 3])
         async with self.ctx.db()() as session:
             inc = await repo.open_incident(
                 session, job_id=job_id, kind=kind, dedup_key=dedup or f"d-{new_token()[:12]}",
                 severity=after_s / before_s if before_s else 1.0, summary=f"job {job_id} {kind}",
-                culprit=culprit or {"ranks": [2]}, evidence=evidence or {},
+                culprit=culprit or Culprit(ranks=[2]), evidence=evidence or Evidence(),
                 stage_detail=detail)
             for stage in stages:
-                await repo.add_timeline(session, inc, stage, {"by": "test"})
+                await repo.add_timeline(session, inc, stage, OperatorNote(by="test", note=""))
             await session.commit()
             return inc.id
 
     async def plan(self, incident_id: str, job_id: str, strategy: str = "S2") -> str:
         async with self.ctx.db()() as session:
             plan = Plan(incident_id=incident_id, job_id=job_id, strategy=strategy,
-                        params={"micro_batches": [6, 6, 4, 8]}, expected_gain=1.3)
+                        params=MICROBATCHES, expected_gain=1.3)
             session.add(plan)
             await session.commit()
             return plan.id
@@ -98,11 +114,12 @@ class Api:
             assert plan is not None
             plan.status, plan.version = "approved", version
             session.add(PlanDelivery(job_id=job_id, version=version, plan_id=plan_id,
-                                     action="apply", message={
-                                         "incident_id": plan.incident_id, "strategy": "S2",
-                                         "action": "apply", "microbatches": microbatches,
-                                         "gpu_of_rank": None, "swaps": [], "cost_s": 0.5,
-                                         "summary": "test"}))
+                                     action="apply", message=PlanMessage(
+                                         job_id=job_id, version=version, plan_id=plan_id,
+                                         incident_id=plan.incident_id, strategy="S2",
+                                         action="apply", microbatches=microbatches,
+                                         gpu_of_rank=None, swaps=[], cost_s=0.5,
+                                         summary="test")))
             await session.commit()
 
 
@@ -118,7 +135,7 @@ def api_settings(nats_url: str, db_url: str, tmp_path: Path, **over: Any) -> Set
 async def api(bus: Bus, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Api]:
     settings = api_settings(bus.url, fresh_db_url, tmp_path)
     ctx = await start_service("api", settings, backends=bus.backends("api", fresh_db_url))
-    app = create_app(ctx.db(), settings=settings, nc=ctx.nc, js=ctx.js)
+    app = create_app(ctx.db(), settings=settings, api=ApiSettings(), nc=ctx.nc, js=ctx.js)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api")
     a = Api(ctx, app, client, bus=bus)
     for role in ROLES:

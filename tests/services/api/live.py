@@ -15,6 +15,7 @@ from nats.js import JetStreamContext
 
 from services.analyzer.service import Analyzer
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.common.bus.client import Consumer, publish
 from services.common.bus.contract import (
     AgentHello,
@@ -114,8 +115,8 @@ async def detecting_services(bus: Bus, settings: Settings) -> AsyncIterator[Anal
     db = settings.database_url or ""
     tracker = await start_service("tracker", settings, backends=bus.backends("tracker", db))
     ctx = await start_service("analyzer", settings, backends=bus.backends("analyzer", db))
-    analyzer = Analyzer(ctx, localizer=None)
-    consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.handle)
+    analyzer = Analyzer(ctx, ctx.work("analyzer"))
+    consumer: Consumer[DetectionEvent] = Consumer(ctx.js, ANALYZER, DetectionEvent, analyzer.consume)
     tasks = [asyncio.create_task(run_tracker(tracker, stop)), asyncio.create_task(consumer.run())]
     try:
         yield analyzer
@@ -129,7 +130,8 @@ async def detecting_services(bus: Bus, settings: Settings) -> AsyncIterator[Anal
 
 @contextlib.asynccontextmanager
 async def serve_api(ctx: ServiceContext, port: int) -> AsyncIterator[str]:
-    app = create_app(ctx.db(), settings=ctx.settings, nc=ctx.nc, js=ctx.js)
+    app = create_app(ctx.db(), settings=ctx.settings, api=ApiSettings(), nc=ctx.nc,
+                     js=ctx.js)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))
     server.capture_signals = contextlib.nullcontext

@@ -15,6 +15,7 @@ from typing import Any
 
 from services.common.bus.auth import agent_user
 from services.common.db import repository as repo
+from services.common.db.documents import Culprit, Evidence, Gpu, MicrobatchParams, Validation
 from services.common.db.models import Plan
 from services.common.runtime import start_service
 from tests.conftest import Bus
@@ -49,9 +50,10 @@ async def _history(helper: Any) -> None:
     for n, job in enumerate(("etl-embed-3", "llm-sft-12", "llm-sft-12")):
         await helper.job(job, hosts=("node-a",))
         await helper.incident(
-            job, kind="compute_slow", culprit={"ranks": [2], "gpus": [
-                {"rank": 2, "host": "node-a", "device": 2, "node": 0}]},
-            evidence={"validation": {"verdict": "compute_slow", "pause_s": 1.1 + n / 10}},
+            job, kind="compute_slow", culprit=Culprit(ranks=[2], gpus=[
+                Gpu(rank=2, host="node-a", device=2, node=0)]),
+            evidence=Evidence(validation=Validation(suspicion=f"s{n}", verdict="compute_slow",
+                                                    pause_s=1.1 + n / 10)),
             stages=("localized", "validated", "resolved"))
 
 
@@ -92,7 +94,10 @@ async def test_dashboard_shows_a_live_incident_and_approves_a_plan(
         assert inc.kind == "slowdown" and inc.status == "detected"
         async with ctx.db()() as session:  # what the planner would propose
             plan = Plan(incident_id=inc.id, job_id=job.job_id, strategy="S2",
-                        params={"micro_batches": [9, 9, 5, 9]}, expected_gain=1.28,
+                        params=MicrobatchParams(
+                            kind="microbatch", microbatches=[9, 9, 5, 9], previous=[8, 8, 8, 8],
+                            times=[1.0, 1.0, 1.5, 1.0], multiple_of=1, slow_dp_groups=[2],
+                            makespan_before=12.0, makespan_after=9.0), expected_gain=1.28,
                         expires_at=datetime.now(UTC) + timedelta(minutes=15))
             session.add(plan)
             await session.commit()

@@ -12,7 +12,7 @@ import pytest
 from greyhound.core.incident_kinds import KINDS
 from greyhound.core.plan_lifecycle import PLAN_STATUSES
 from services.api.schemas import AuditTarget
-from services.notifier.payload import EVENTS
+from services.common.webhooks.payload import EVENTS
 from tests.services.api.conftest import Api
 
 REPO = Path(__file__).resolve().parents[3]

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.db import repository as repo
+from services.common.db.documents import Detection, Evidence, PlanStep, Validation
 from tests.services.api.conftest import Api
 
 
@@ -43,8 +44,8 @@ async def test_filters_and_paging(api: Api) -> None:
 
 async def test_detail_has_timeline_evidence_and_cost(api: Api) -> None:
     await api.job("job-c", world_size=8)
-    inc = await api.incident("job-c", before_s=1.0, after_s=1.5, evidence={"validation": {
-        "verdict": "compute_slow", "pause_s": 1.2}}, stages=("localized",))
+    inc = await api.incident("job-c", before_s=1.0, after_s=1.5, evidence=Evidence(validation=Validation(
+        suspicion="s1", verdict="compute_slow", pause_s=1.2)), stages=("localized",))
     r = await api.client.get(f"/v1/incidents/{inc}", headers=api.auth("viewer"))
     body = r.json()
     assert [e["stage"] for e in body["timeline"]] == ["detected", "localized"]
@@ -73,15 +74,16 @@ async def test_a_mitigated_incident_keeps_its_cost(api: Api) -> None:
     async with api.ctx.db()() as session:
         row = await repo.get_incident_for_update(session, inc)
         assert row is not None
-        await repo.add_timeline(session, row, "mitigated", {"plan_id": "p1", "cost_s": 0.5})
+        await repo.add_timeline(session, row, "mitigated",
+                                PlanStep(plan_id="p1", strategy="S2", cost_s=0.5))
         await session.commit()
     await asyncio.sleep(0.2)
     async with api.ctx.db()() as session:
         row = await repo.get_incident_for_update(session, inc)
         assert row is not None
-        await repo.add_timeline(session, row, "detected", {
-            "before_s": 1.2, "after_s": 0.5, "first_iteration": 300, "detected_iteration": 300,
-            "change": "partial"})
+        await repo.add_timeline(session, row, "detected", Detection(
+            event_id="partial-1", ranks=[0], method="bocd-v", before_s=1.2, after_s=0.5,
+            first_iteration=300, detected_iteration=300, change="partial"))
         await session.commit()
     await asyncio.sleep(0.2)
     r = await api.client.get(f"/v1/incidents/{inc}", headers=api.auth("viewer"))

@@ -9,7 +9,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.common.db import repository as repo
+from services.common.db.documents import Evidence, Validation
 from tests.conftest import Bus
 from tests.services.api.conftest import Api, api_settings
 
@@ -19,7 +21,8 @@ async def test_readyz_names_what_is_missing(api: Api, bus: Bus, fresh_db_url: st
     r = await api.client.get("/readyz")
     assert r.status_code == 200 and r.json() == {"status": "ready",
                                                  "checks": {"database": "ok", "nats": "ok"}}
-    no_bus = create_app(api.ctx.db(), settings=api_settings(bus.url, fresh_db_url, tmp_path))
+    no_bus = create_app(api.ctx.db(), settings=api_settings(bus.url, fresh_db_url, tmp_path),
+                        api=ApiSettings())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=no_bus),
                                  base_url="http://a") as c:
         r = await c.get("/readyz")
@@ -38,7 +41,8 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 async def test_metrics_from_database_and_jetstream(api: Api) -> None:
     await api.job("job-m", world_size=16)
     await api.incident("job-m", before_s=1.0, after_s=2.0, stages=("localized",),
-                       evidence={"validation": {"verdict": "compute_slow", "pause_s": 3.0}})
+                       evidence=Evidence(validation=Validation(suspicion="s1", verdict="compute_slow",
+                                                               pause_s=3.0)))
     await api.incident("job-m", kind="hang_hardware", before_s=0.0, after_s=90.0)
     async with api.ctx.db()() as session:
         hook = await repo.create_webhook(session, name="m", url="http://127.0.0.1:9/", secret_enc="x",

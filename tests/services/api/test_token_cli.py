@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.common.db.session import make_engine, make_sessionmaker
 from tests.services.api.conftest import TOKEN_KEY, api_settings
 
@@ -44,7 +45,7 @@ async def test_first_admin_token_from_the_cli(fresh_db_url: str, tmp_path: Path)
 
     engine = make_engine(fresh_db_url)
     app = create_app(make_sessionmaker(engine), settings=api_settings(
-        "nats://127.0.0.1:1", fresh_db_url, tmp_path))
+        "nats://127.0.0.1:1", fresh_db_url, tmp_path), api=ApiSettings())
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://a") as c:

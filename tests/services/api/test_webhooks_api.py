@@ -9,9 +9,10 @@ import httpx
 from sqlalchemy import select
 
 from services.api.app import create_app
+from services.api.settings import ApiSettings
 from services.common.db.models import Webhook
-from services.notifier.secretbox import SecretBox
-from services.notifier.signing import verify
+from services.common.webhooks.secretbox import SecretBox
+from services.common.webhooks.signing import verify
 from tests.conftest import Bus
 from tests.services.api.conftest import WEBHOOK_KEY, Api, api_settings
 from tests.services.notifier.receiver import Receiver
@@ -74,7 +75,8 @@ async def test_bad_input_and_missing_key(api: Api, bus: Bus, fresh_db_url: str,
         r = await api.client.post("/v1/webhooks", headers=admin, json=bad)
         assert r.status_code == 422, bad
     keyless = create_app(api.ctx.db(), settings=api_settings(bus.url, fresh_db_url, tmp_path,
-                                                             webhook_key=None))
+                                                             webhook_key=None),
+                         api=ApiSettings())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=keyless),
                                  base_url="http://a") as c:
         r = await c.post("/v1/webhooks", headers=admin, json={"url": "http://x.test/"})

@@ -38,7 +38,7 @@ async def run_lifecycle(p: Pipeline, job: str) -> StandInJob:
 async def assert_each_step_once(p: Pipeline, job: str, agents: StandInJob) -> None:
     (inc,) = await p.incidents(job)
     assert inc.kind == "compute_slow" and inc.status == "resolved", (inc.kind, inc.status)
-    assert inc.culprit["ranks"] == [SLOW_RANK], inc.culprit
+    assert inc.culprit.ranks == [SLOW_RANK], inc.culprit
     assert [e.stage for e in inc.timeline] == ["detected", "localized", "validated", "resolved"]
     ev = await p.events(job)
     assert sorted(e.kind for e in ev["detect"]) == ["recovery", "slowdown"]

@@ -204,7 +204,7 @@ async def run_poison(p: Pipeline, client: httpx.AsyncClient, job: str, healthy: 
     assert growth < 300, f"resident memory grew by {growth:.0f} MB"
 
     inc = await p.stage(healthy, "localized", timeout_s=90)  # the healthy job was still served
-    assert inc.culprit["ranks"] == [2]
+    assert inc.culprit.ranks == [2]
     extreme = await p.wait("the extreme detection's incident", lambda: p.incidents(job), 30)
     assert extreme[0].severity == 1e6
     await assert_api_serves(client, job)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +15,10 @@ import pytest
 from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.db import repository as repo
+from services.common.db.documents import Culprit, Detection, Evidence
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
-from services.notifier.secretbox import SecretBox
+from services.common.webhooks.secretbox import SecretBox
 from services.notifier.service import Notifier, run_notifier
 from services.notifier.settings import NotifierSettings
 from tests.conftest import Bus
@@ -59,9 +61,10 @@ class Running:
             inc = await repo.open_incident(
                 session, job_id=job, kind="slowdown", dedup_key="slowdown", severity=1.5,
                 summary=f"job {job} slowdown: iteration 1.000s -> 1.500s (1.50x)",
-                culprit={"ranks": [2]}, evidence={},
-                stage_detail={"first_iteration": 10, "detected_iteration": 12,
-                              "before_s": 1.0, "after_s": 1.5})
+                culprit=Culprit(ranks=[2]), evidence=Evidence(),
+                stage_detail=Detection(event_id=uuid.uuid4().hex, ranks=[2], method="bocd-v",
+                                       first_iteration=10, detected_iteration=12,
+                                       before_s=1.0, after_s=1.5))
             await session.commit()
             return inc.id
 

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from services.notifier.signing import (
+from services.common.webhooks.signing import (
     DELIVERY_HEADER,
     SIGNATURE_HEADER,
     ReplayGuard,

@@ -15,10 +15,10 @@ from sqlalchemy import select
 from services.common.db import repository as repo
 from services.common.db.models import WebhookAttempt, WebhookDelivery
 from services.common.runtime import start_service
-from services.notifier.payload import SCHEMA
-from services.notifier.secretbox import SecretKeyError
+from services.common.webhooks.payload import SCHEMA
+from services.common.webhooks.secretbox import SecretKeyError
+from services.common.webhooks.signing import SignatureError, verify
 from services.notifier.service import check_key
-from services.notifier.signing import SignatureError, verify
 from tests.conftest import Bus
 from tests.services.notifier.conftest import Running, notifier_settings, until
 from tests.services.notifier.receiver import Receiver

@@ -30,6 +30,15 @@ from services.common.bus.contract import (
 )
 from services.common.bus.streams import PLANS
 from services.common.db import repository as repo
+from services.common.db.documents import (
+    Culprit,
+    Detection,
+    Empty,
+    Evidence,
+    Gpu,
+    OperatorNote,
+    Validation,
+)
 from services.common.db.models import Incident, Plan, PlanDelivery, Webhook
 from services.common.embedded import OPERATOR
 from services.common.runtime import ServiceContext, start_service
@@ -62,7 +71,7 @@ class Rig:
 
     async def layout(self, **kw: Any) -> None:
         async with self.ctx.db()() as session:
-            await repo.set_job_layout(session, self.job, JobLayout(**kw).model_dump())
+            await repo.set_job_layout(session, self.job, JobLayout(**kw))
             await session.commit()
 
     async def webhook(self) -> None:
@@ -74,20 +83,21 @@ class Rig:
                        gpus: Sequence[int] = (), links: Sequence[tuple[int, int]] = (),
                        gemm: dict[int, float] | None = None) -> str:
         """An incident as far as the validator takes it: detected, localised, validated."""
-        detection = {"before_s": before_s, "after_s": after_s, "healthy_s": before_s,
-                     "first_iteration": 10, "detected_iteration": 12, "change": "onset"}
-        culprit = {"gpus": [{"rank": g, "node": 0, "host": "h", "device": g} for g in gpus],
-                   "links": [], "link_ranks": [list(x) for x in links],
-                   "ranks": list(gpus) or sorted({r for x in links for r in x})}
-        validation = {"suspicion": uuid.uuid4().hex, "verdict": kind,
-                      "gemm_s": {str(r): t for r, t in (gemm or {}).items()}}
+        detection = Detection(event_id=uuid.uuid4().hex, ranks=[0, 1], method="bocd-v",
+                              before_s=before_s, after_s=after_s, healthy_s=before_s,
+                              first_iteration=10, detected_iteration=12, change="onset")
+        culprit = Culprit(gpus=[Gpu(rank=g, node=0, host="h", device=g) for g in gpus],
+                          links=[], link_ranks=[list(x) for x in links],
+                          ranks=list(gpus) or sorted({r for x in links for r in x}))
+        validation = Validation(suspicion=uuid.uuid4().hex, verdict=kind,
+                                gemm_s={str(r): t for r, t in (gemm or {}).items()})
         async with self.ctx.db()() as session:
             inc = await repo.open_incident(
                 session, job_id=self.job, kind=kind, dedup_key=f"slowdown-{uuid.uuid4().hex}",
                 severity=after_s / before_s, summary="test", culprit=culprit,
-                evidence={"detection": detection, "validation": validation},
+                evidence=Evidence(detection=detection, validation=validation),
                 stage_detail=detection)
-            await repo.add_timeline(session, inc, "localized", {})
+            await repo.add_timeline(session, inc, "localized", Empty())
             await repo.add_timeline(session, inc, "validated", validation)
             await session.commit()
         await self.announce(inc.id, "validated", kind)
@@ -103,7 +113,7 @@ class Rig:
         async with self.ctx.db()() as session:
             inc = await repo.get_incident_for_update(session, incident_id)
             assert inc is not None
-            await repo.add_timeline(session, inc, "resolved", {"by": "test"})
+            await repo.add_timeline(session, inc, "resolved", OperatorNote(by="test", note=""))
             await session.commit()
         await self.announce(incident_id, "resolved")
 

@@ -49,7 +49,7 @@ async def test_compute_s2_automatic_applied_learned_and_reverted(bench: Bench) -
         want = allocate_microbatches([1.0, 2.0, 1.0, 1.0], 16).counts
         assert plan.strategy == "S2" and plan.policy == "automatic"
         assert plan.status == "approved" and plan.version == 1
-        assert plan.params["microbatches"] == list(want) and plan.params["loss_s"] >= 3.0
+        assert plan.params.microbatches == list(want) and (plan.params.loss_s or 0) >= 3.0
         assert plan.expected_gain is not None and plan.expected_gain > 1.2
         msg = await rig.last_plan_message()
         assert (msg.version, msg.action, msg.microbatches) == (1, "apply", list(want))
@@ -69,7 +69,7 @@ async def test_compute_s2_automatic_applied_learned_and_reverted(bench: Bench) -
         await rig.wait(lambda: _status(rig, "reverted"), "the revert")
         deliveries = await rig.deliveries()
         assert [(d.version, d.action) for d in deliveries] == [(1, "apply"), (2, "revert")]
-        assert deliveries[1].message["microbatches"] is None  # back to the even split
+        assert deliveries[1].message.microbatches is None  # back to the even split
         assert (await rig.last_plan_message(min_version=2)).version == 2
         assert await rig.stages(inc) == ["detected", "localized", "validated", "plan_proposed",
                                          "plan_approved", "mitigated", "resolved",
@@ -95,7 +95,7 @@ async def test_link_waits_for_approval_then_recovers_under_its_plan(bench: Bench
         await rig.iterations(2.0, 5)  # 5 s of loss: S3's overhead
         (plan,) = await rig.wait(rig.plans, "an S3 proposal")
         assert plan.strategy == "S3" and plan.policy == "approval" and plan.status == "proposed"
-        assert plan.params["kind"] == "role_swap" and plan.params["links"] == [[0, 1]]
+        assert plan.params.kind == "role_swap" and plan.params.links == [[0, 1]]
         assert plan.expires_at is not None and plan.version is None
         assert await rig.deliveries() == []  # nothing reaches the job before a decision
         async with rig.ctx.db()() as session:
@@ -103,8 +103,8 @@ async def test_link_waits_for_approval_then_recovers_under_its_plan(bench: Bench
             await repo.decide_plan(session, row, decision="approve", approver="alice", comment="")
             await session.commit()
         (d,) = await rig.wait(rig.deliveries, "the approved plan's delivery")
-        assert d.version == 1 and d.message["gpu_of_rank"] == plan.params["gpu_of_rank"]
-        assert [tuple(p) for p in d.message["swaps"]] == [tuple(p) for p in plan.params["swaps"]]
+        assert d.version == 1 and d.message.gpu_of_rank == plan.params.gpu_of_rank
+        assert [tuple(p) for p in d.message.swaps] == [tuple(p) for p in plan.params.swaps]
         await rig.report(1, cost_s=2.0)
         await rig.wait(lambda: _status(rig, "applied"), "the plan applied")
         # The job is back to normal a few iterations later: that is the plan's doing.
@@ -116,7 +116,7 @@ async def test_link_waits_for_approval_then_recovers_under_its_plan(bench: Bench
         # Nothing can re-check a link: after hold_max_s the plan is taken back anyway.
         await rig.wait(lambda: _status(rig, "reverted"), "the revert after hold_max_s")
         deliveries = await rig.deliveries()
-        assert deliveries[-1].action == "revert" and deliveries[-1].message["gpu_of_rank"] is None
+        assert deliveries[-1].action == "revert" and deliveries[-1].message.gpu_of_rank is None
 
 
 async def test_an_undecided_proposal_expires_and_the_ladder_moves_on(bench: Bench) -> None:
@@ -132,7 +132,7 @@ async def test_an_undecided_proposal_expires_and_the_ladder_moves_on(bench: Benc
         plans = await rig.wait(lambda: _count(rig, 2), "an S4 recommendation")
         s4 = plans[1]
         assert s4.strategy == "S4" and s4.status == "proposed" and s4.policy == "approval"
-        assert s4.params["replace_nodes"] == [0] and s4.params["links"] == [[0, 1]]
+        assert s4.params.replace_nodes == [0] and s4.params.links == [[0, 1]]
 
 
 async def test_a_plan_the_job_cannot_apply_fails_and_the_old_layout_is_delivered(
@@ -146,7 +146,7 @@ async def test_a_plan_the_job_cannot_apply_fails_and_the_old_layout_is_delivered
         await rig.report(1, outcome="failed", error="sampler cannot split unevenly")
         await rig.wait(lambda: _status(rig, "failed"), "the plan failed")
         deliveries = await rig.deliveries()
-        assert [(d.version, d.action, d.message["microbatches"]) for d in deliveries][1] == (
+        assert [(d.version, d.action, d.message.microbatches) for d in deliveries][1] == (
             2, "revert", None)
         assert "plan_failed" in await rig.stages(inc)
         assert (await rig.plans())[0].reason == "sampler cannot split unevenly"

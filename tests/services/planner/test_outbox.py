@@ -18,7 +18,7 @@ from services.common import outbox as outbox_module
 from services.common.bus.contract import IncidentEvent, PlanMessage, Subjects
 from services.common.bus.streams import EVENTS, PLANS
 from services.common.db import repository as repo
-from services.planner.base import PlannerBase
+from services.common.outbox import Outbox
 from tests.services.common.support import stored
 from tests.services.planner.conftest import Bench, Rig
 
@@ -95,7 +95,7 @@ async def test_a_version_whose_send_fails_is_not_overtaken_and_each_goes_out_onc
                  for d in await _stored(rig, PLANS, Subjects.plan(rig.job))]
         assert [(p.version, p.action) for p in plans] == [(2, "revert")]  # the last one kept
         (mitigated,) = await _mitigated(rig, inc)
-        v1, v2 = (d.message["event_id"] for d in await rig.deliveries())
+        v1, v2 = (d.message.event_id for d in await rig.deliveries())
     assert order == [v1, mitigated.event_id, v2], order
     assert set(failed) == {v1} and failed[v1] >= 2, failed  # retried, by flushes and ticks
 
@@ -106,10 +106,11 @@ async def test_what_a_killed_planner_committed_the_next_ones_relay_sends_once(
     hour), the planner leaves version 1 and the mitigated event in the outbox; the relay of the
     planner that replaces it sends both, once."""
 
-    async def killed(self: PlannerBase) -> None:
-        return None
+    async def killed(self: Outbox, *_: object) -> int:
+        return 0
 
-    monkeypatch.setattr(PlannerBase, "flush", killed)
+    monkeypatch.setattr(Outbox, "flush", killed)  # what a unit of work sends once committed
+    monkeypatch.setattr(Outbox, "send_pending", killed)  # what each round sends
     async with bench.planner(service={"outbox_grace_s": 3600.0}) as rig:
         inc = await _s2_applied(rig)
         await asyncio.sleep(0.5)  # a send would have happened by now

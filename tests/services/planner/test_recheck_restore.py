@@ -9,6 +9,8 @@ from services.common.bus.client import publish
 from services.common.bus.contract import IncidentEvent, Subjects, Suspicion
 from services.common.bus.streams import EVENTS
 from services.common.db import repository as repo
+from services.common.db.documents import Evidence, Validation
+from services.planner import rounds
 from tests.services.common.support import stored
 from tests.services.planner.conftest import Bench, Rig
 
@@ -23,8 +25,8 @@ async def _validate(rig: Rig, inc: str, s: Suspicion, verdict: str) -> None:
     async with rig.ctx.db()() as session:
         row = await repo.get_incident_for_update(session, inc)
         assert row is not None
-        detail = {"suspicion": s.event_id, "verdict": verdict, "gemm_s": {"1": 1.0, "0": 1.0}}
-        row.evidence = {**row.evidence, "validation": detail}
+        detail = Validation(suspicion=s.event_id, verdict=verdict, gemm_s={"1": 1.0, "0": 1.0})
+        row.evidence = row.evidence.merged(Evidence(validation=detail))
         await repo.add_timeline(session, row, "validated", detail)
         await session.commit()
     await publish(await rig.js("analyzer"), Subjects.incident(rig.job), IncidentEvent(
@@ -74,7 +76,7 @@ async def test_a_restarted_planner_goes_on_with_the_loss_it_counted(bench: Bench
         assert await again.plans() == []
         await again.iterations(2.0, 1)  # the 4th second of loss
         (plan,) = await again.wait(again.plans, "the S2 plan")
-        assert plan.strategy == "S2" and plan.params["loss_s"] == 4.0
+        assert plan.strategy == "S2" and plan.params.loss_s == 4.0
 
 
 async def test_a_planner_killed_between_saves_counts_again_what_it_had_not_saved(
@@ -89,8 +91,7 @@ async def test_a_planner_killed_between_saves_counts_again_what_it_had_not_saved
         await rig.wait(lambda: _has(rig, inc), "the escalation to start")
         await rig.iterations(2.0, 2)
         await rig.wait(lambda: _loss(rig, inc, 2.0), "2 s of loss")
-        rig.planner._saved_at = 0.0
-        await rig.planner._save()  # the periodic save
+        await rounds.save(rig.planner.state, now=True)  # the periodic save
         await rig.iterations(2.0, 1)
         await rig.wait(lambda: _loss(rig, inc, 3.0), "3 s of loss")
         for t in rig.planner.tracked.values():
@@ -103,7 +104,7 @@ async def test_a_planner_killed_between_saves_counts_again_what_it_had_not_saved
         again.job, again.iteration = job, down.iteration
         await again.wait(lambda: _has(again, inc), "the restored escalation")
         (plan,) = await again.wait(again.plans, "the S2 plan")
-        assert plan.strategy == "S2" and plan.params["loss_s"] == 4.0
+        assert plan.strategy == "S2" and plan.params.loss_s == 4.0
         await asyncio.sleep(0.5)  # anything read twice would show by now (the loss goes on)
         esc = again.planner.tracked[inc].esc
         assert esc.loss_s == 4.0 and esc.slow_iterations == 4, (esc.loss_s, esc.slow_iterations)

@@ -47,7 +47,7 @@ async def _crashing(bus: Bus, settings: Settings, **kw: Any
     """A tracker that dies at the end: no final save, no drain (kill -9)."""
     ctx = await start_service("tracker", settings, need_db=False, backends=bus.backends("tracker"))
     store = await TrackerStateStore(ctx.js).open()
-    tracker = Tracker(ctx, store=store, **kw)
+    tracker = Tracker(ctx, store=store, **{"settings": TrackerSettings(), **kw})
     consumer = tracker.consumer(tracker_spec(settings))
     task = asyncio.create_task(consumer.run(idle=tracker.tick))
     try:
@@ -196,10 +196,11 @@ async def test_a_saved_state_no_retry_can_read_starts_the_job_afresh() -> None:
     here, not every one of its messages failed in turn."""
     ctx = cast(ServiceContext, SimpleNamespace(sessions=None, js=None))
     refused = PermissionDenied(Refusal("publish", "$js.api.stream.names", 0.0), "tracker")
-    tracker = Tracker(ctx, store=_Unreadable(refused))
+    tracker = Tracker(ctx, store=_Unreadable(refused), settings=TrackerSettings())
     await tracker.handle(Subjects.iterations("unread", "a0"), _iteration_batch("unread"))
     assert tracker.jobs["unread"].updates == 2 and tracker.stats.corrupt_states == 1
-    flaky = Tracker(ctx, store=_Unreadable(nats.errors.TimeoutError()))
+    flaky = Tracker(ctx, store=_Unreadable(nats.errors.TimeoutError()),
+                    settings=TrackerSettings())
     with pytest.raises(nats.errors.TimeoutError):  # the bus slow: retried, the job held
         await flaky.handle(Subjects.iterations("slow", "a0"), _iteration_batch("slow"))
     assert "slow" not in flaky.jobs

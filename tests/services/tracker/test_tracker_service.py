@@ -19,6 +19,7 @@ from services.common.bus.streams import EVENTS, tracker_spec
 from services.common.runtime import start_service
 from services.common.settings import Settings
 from services.tracker.service import Tracker
+from services.tracker.settings import TrackerSettings
 from services.tracker.state_store import TrackerStateStore
 from tests.conftest import Bus, new_bus
 
@@ -76,7 +77,7 @@ async def _tracker(bus: Bus, settings: Settings) -> AsyncIterator[tuple[Tracker,
     """A running tracker (its consumer in a task); stopped the way run_tracker stops it."""
     ctx = await start_service("tracker", settings, need_db=False, backends=bus.backends("tracker"))
     store = await TrackerStateStore(ctx.js).open()
-    tracker = Tracker(ctx, store=store)
+    tracker = Tracker(ctx, store=store, settings=TrackerSettings())
     consumer = tracker.consumer(tracker_spec(settings))
     task = asyncio.create_task(consumer.run(idle=tracker.tick))
     try:

@@ -18,6 +18,7 @@ from services.common.bus.auth import agent_user
 from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import IncidentEvent, Subjects, Suspicion
 from services.common.db import repository as repo
+from services.common.db.documents import Culprit, Empty, Evidence
 from services.common.db.models import Incident
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
@@ -42,11 +43,11 @@ class MiniStack:
         async with self.ctx.db()() as session:
             inc = await repo.open_incident(
                 session, job_id=job, kind="slowdown", dedup_key="slowdown", severity=1.5,
-                summary=f"job {job} slowdown", culprit={"ranks": []}, evidence={},
-                stage_detail={"by": "test"})
+                summary=f"job {job} slowdown", culprit=Culprit(ranks=[]), evidence=Evidence(),
+                stage_detail=Empty())
             # as the analyzer does before it publishes a suspicion (a detected incident cannot
             # be validated: greyhound.core.lifecycle)
-            await repo.add_timeline(session, inc, "localized", {"by": "test"})
+            await repo.add_timeline(session, inc, "localized", Empty())
             await session.commit()
             return inc.id
 
@@ -67,8 +68,8 @@ class MiniStack:
         async with self.ctx.db()() as session:
             inc = await repo.get_incident_for_update(session, s.incident_id)
             if inc is not None:
-                inc.culprit = {**inc.culprit, "compute_ranks": list(s.ranks),
-                               "comm_ids": list(s.comm_ids)}
+                inc.culprit = inc.culprit.model_copy(update={
+                    "compute_ranks": list(s.ranks), "comm_ids": list(s.comm_ids)})
                 await session.commit()
         await publish(self.analyzer.jetstream(), Subjects.suspicion(s.job_id), s)
         loop = asyncio.get_running_loop()
@@ -76,7 +77,7 @@ class MiniStack:
         while loop.time() < deadline:
             async with self.ctx.db()() as session:
                 inc = await repo.get_incident(session, s.incident_id)
-            if inc is not None and "validation" in inc.evidence:
+            if inc is not None and inc.evidence.validation is not None:
                 return inc
             await asyncio.sleep(0.1)
         raise AssertionError("the validator did not record a validation")

@@ -13,10 +13,13 @@ import pytest
 from nats.aio.msg import Msg
 
 from services.common.bus.client import BusClient
-from services.common.bus.contract import Subjects, Suspicion
+from services.common.bus.contract import AgentHello, RankInfo, Subjects, Suspicion
 from services.common.db import repository as repo
+from services.common.db.documents import Culprit, Empty, Evidence
 from services.common.db.models import ValidationClaim
 from services.common.runtime import ServiceContext
+from services.tracker.service import Tracker
+from services.tracker.settings import TrackerSettings
 from services.validator.service import Validator
 from services.validator.settings import ValidatorSettings
 from tests.conftest import Bus
@@ -40,9 +43,10 @@ async def localized(ctx: ServiceContext, job: str) -> Suspicion:
     async with ctx.db()() as session:
         await repo.touch_job(session, job)
         inc = await repo.open_incident(session, job_id=job, kind="slowdown", dedup_key="slowdown",
-                                       severity=1.5, summary="s", culprit={"compute_ranks": [1]},
-                                       evidence={}, stage_detail={})
-        await repo.add_timeline(session, inc, "localized", {"by": "test"})
+                                       severity=1.5, summary="s",
+                                       culprit=Culprit(compute_ranks=[1]), evidence=Evidence(),
+                                       stage_detail=Empty())
+        await repo.add_timeline(session, inc, "localized", Empty())
         await session.commit()
     return Suspicion(job_id=job, incident_id=inc.id, kind="compute_slow", ranks=[1], comm_ids=[])
 
@@ -85,7 +89,7 @@ async def test_a_live_or_finished_claim_is_not_validated_again(ctx: ServiceConte
     await claim_row(ctx, s, state=state, attempts=1, lease_s=60.0)
     seen = await control_requests(operator, job)
     v = Validator(ctx, ValidatorSettings())
-    await v.handle(Subjects.suspicion(job), s)  # a redelivery
+    await v.consume(Subjects.suspicion(job), s)  # a redelivery
     assert await v.resume_once() == 0  # nothing lapsed, nothing lost
     assert not v.runs and not seen
     claim = await claim_of(ctx, s)
@@ -103,7 +107,8 @@ async def test_a_dead_validators_claim_is_taken_over_once(ctx: ServiceContext) -
     assert v.runs[-1].evidence["attempt"] == 2  # the job has no agents: recorded as not done
     async with ctx.db()() as session:
         inc = await repo.get_incident(session, s.incident_id)
-    assert inc is not None and inc.evidence["validation"]["outcome"] == "no ranks known for the job"
+    assert inc is not None and inc.evidence.validation is not None
+    assert inc.evidence.validation.outcome == "no ranks known for the job"
     assert await v.resume_once() == 0
 
 
@@ -120,4 +125,24 @@ async def test_out_of_attempts_is_recorded_as_abandoned_without_a_pause(
     async with ctx.db()() as session:
         inc = await repo.get_incident(session, s.incident_id)
     assert inc is not None and inc.status == "localized"
-    assert inc.evidence["validation"]["outcome"].startswith("abandoned: 2 attempt(s)")
+    assert inc.evidence.validation is not None
+    assert (inc.evidence.validation.outcome or "").startswith("abandoned: 2 attempt(s)")
+
+
+async def test_ranks_without_completion_marks_are_named_in_the_validation(
+        ctx: ServiceContext) -> None:
+    """The agent's hello says rank 1 has no GPU completion marks (its hook found no CUDA API):
+    a validation, which times the suspects on their GPUs, says which ranks it could not (here
+    it cannot even ask the agent, which does not answer: the record says both)."""
+    job = f"blind-{uuid.uuid4().hex[:6]}"
+    s = await localized(ctx, job)
+    await Tracker(ctx, settings=TrackerSettings()).handle(Subjects.hello(job, "a1"), AgentHello(
+        job_id=job, agent_id="a1", host="h1", marks_off=[1],
+        ranks=[RankInfo(rank=r, host="h1", pid=100 + r, device=r) for r in (0, 1)]))
+    v = Validator(ctx, ValidatorSettings(status_timeout_s=0.5))
+    await v.consume(Subjects.suspicion(job), s)
+    async with ctx.db()() as session:
+        inc = await repo.get_incident(session, s.incident_id)
+    assert inc is not None and inc.evidence.validation is not None
+    assert inc.evidence.validation.marks_off_ranks == [1]
+    assert (inc.evidence.validation.outcome or "").startswith("abandoned"), inc.evidence

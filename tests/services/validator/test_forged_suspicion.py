@@ -20,6 +20,7 @@ from services.common.bus.contract import ControlReply, ControlRequest, Subjects,
 from services.common.bus.permissions import bind_agent
 from services.common.bus.streams import EVENTS
 from services.common.db import repository as repo
+from services.common.db.documents import Culprit, Empty, Evidence
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.validator.service import Validator, run_validator
@@ -88,21 +89,22 @@ async def running(own_bus: Bus, fresh_db_url: str, tmp_path: Path) -> AsyncItera
         await ctx.close()
 
 
-async def _incident(r: Running, *, stage: str | None, culprit: dict[str, Any],
+async def _incident(r: Running, *, stage: str | None, culprit: Culprit,
                     job: str | None = None) -> str:
     async with r.ctx.db()() as session:
         inc = await repo.open_incident(
             session, job_id=job or r.job, kind="slowdown", dedup_key=f"slow-{uuid.uuid4().hex}",
-            severity=1.5, summary="test", culprit=culprit, evidence={}, stage_detail={})
+            severity=1.5, summary="test", culprit=culprit, evidence=Evidence(),
+            stage_detail=Empty())
         if stage is not None:
-            await repo.add_timeline(session, inc, stage, {"by": "test"})
+            await repo.add_timeline(session, inc, stage, Empty())
         await session.commit()
         return inc.id
 
 
 async def test_forged_suspicions_are_dead_lettered_and_ask_no_agent(running: Running) -> None:
     r = running
-    named = {"compute_ranks": [1], "comm_ids": [COMM]}
+    named = Culprit(compute_ranks=[1], comm_ids=[COMM])
     localized = await _incident(r, stage="localized", culprit=named)
     resolved = await _incident(r, stage="resolved", culprit=named)
     detected = await _incident(r, stage=None, culprit=named)

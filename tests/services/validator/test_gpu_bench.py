@@ -26,7 +26,7 @@ from services.common.bus.contract import (
 from services.common.db.models import Rank
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
-from services.validator.service import Validator
+from services.validator.hold import Hold
 from services.validator.settings import ValidatorSettings
 from tests.conftest import Bus
 
@@ -107,7 +107,7 @@ async def test_drain_is_recorded_per_rank_and_a_late_peer_is_not_a_slow_link(
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])
     try:
-        run = await Validator(ctx, ValidatorSettings(poll_s=0.01)).validate(s, ranks)
+        run = await Hold(ctx.nc, ValidatorSettings(poll_s=0.01)).validate(s, ranks)
     finally:
         for sub in subs:
             await sub.unsubscribe()

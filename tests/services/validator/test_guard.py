@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from services.common.bus.contract import Suspicion
+from services.common.db.documents import Culprit
 from services.common.db.models import Incident
 from services.validator.guard import CULPRIT_CAP, refusal
 
@@ -17,7 +18,8 @@ COMM = (1 << 63) + 5  # comm ids are unsigned 64-bit hashes
 
 def _incident(status: str = "localized", job: str = JOB, **culprit: Any) -> Incident:
     return Incident(id="inc1", job_id=job, status=status, kind="compute_slow",
-                    culprit={"compute_ranks": [2], "comm_ids": [COMM], **culprit})
+                    culprit=Culprit.model_validate({"compute_ranks": [2], "comm_ids": [COMM],
+                                                    **culprit}))
 
 
 def _suspect(*, unchecked: bool = False, **kw: Any) -> Suspicion:
@@ -57,7 +59,7 @@ def test_the_planner_may_recheck_a_mitigated_gpu_wherever_its_ranks_moved() -> N
     (_suspect(comm_ids=[COMM + 1]), _incident(), "communicators"),
     (_suspect(unchecked=True, ranks=[2], comm_ids=[1 << 64]), _incident(), "64 bits"),
     (_suspect(unchecked=True, slow_groups=list(range(8 * 64 + 1))), _incident(), "slow groups"),
-    (_suspect(), Incident(id="inc1", job_id=JOB, status="localized", culprit={"ranks": []}),
+    (_suspect(), Incident(id="inc1", job_id=JOB, status="localized", culprit=Culprit(ranks=[])),
      "not localised"),
 ], ids=["missing", "resolved", "detected", "mitigated", "wrong-job", "empty", "repeated",
         "more-ranks-than-the-job", "huge-rank", "other-rank", "other-comm", "comm-overflow",

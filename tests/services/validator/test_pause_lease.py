@@ -15,7 +15,7 @@ from services.common.bus.contract import ControlRequest, Subjects, Suspicion
 from services.common.db.models import Rank
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
-from services.validator.service import Run, Validator
+from services.validator.hold import Hold, Run
 from services.validator.settings import ValidatorSettings
 from tests.conftest import Bus
 from tests.services.validator.test_gpu_bench import (
@@ -60,7 +60,7 @@ async def _validate(ctx: ServiceContext, agent_nc: BusClient, agent: LeaseRecord
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])
     try:
-        run = await Validator(ctx, config).validate(s, ranks)
+        run = await Hold(ctx.nc, config).validate(s, ranks)
     finally:
         for sub in subs:
             await sub.unsubscribe()

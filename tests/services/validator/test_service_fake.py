@@ -42,14 +42,15 @@ async def test_slow_gpu_and_slow_link_are_confirmed(mini_stack: MiniStack, tmp_p
     assert run.verdict is not None, run.failure
     assert inc.kind == "mixed_slow", inc.evidence
     host = socket.gethostname()
-    assert [g["rank"] for g in inc.culprit["gpus"]] == [2]
-    assert inc.culprit["gpus"][0]["host"] == host and inc.culprit["gpus"][0]["device"] >= -1
-    assert inc.culprit["link_ranks"] == [[1, 2]], inc.evidence["validation"]
-    assert inc.culprit["links"] == [[host, host]]  # the fake job's host name has no node number
-    assert inc.culprit["slow_ranks"] == [1, 2]
-    assert inc.culprit["ranks"] == [2]  # the GPU; the link's other end is not blamed
+    assert [g.rank for g in inc.culprit.gpus] == [2]
+    assert inc.culprit.gpus[0].host == host and (inc.culprit.gpus[0].device or 0) >= -1
+    assert inc.culprit.link_ranks == [(1, 2)], inc.evidence.validation
+    assert inc.culprit.links == [(host, host)]  # the fake job's host name has no node number
+    assert inc.culprit.slow_ranks == [1, 2]
+    assert inc.culprit.ranks == [2]  # the GPU; the link's other end is not blamed
     assert [e.stage for e in inc.timeline][-1] == "validated" and inc.status == "validated"
-    v = inc.evidence["validation"]
+    assert inc.evidence.validation is not None
+    v = inc.evidence.validation.as_json()
     assert v["p2p_rounds"] == 3 and len(v["p2p_s"]) == 6  # ring (2 rounds) + tree's new links
     assert 0 < v["pause_s"] <= 5.0, v["pause_s"]
     assert any(e.stage == "validated" and e.incident_id == incident_id for e in mini_stack.events)
@@ -57,7 +58,7 @@ async def test_slow_gpu_and_slow_link_are_confirmed(mini_stack: MiniStack, tmp_p
     found = v["gpu_health"]["findings"]
     assert [(f["kind"], f["ranks"]) for f in found] == [("throttled", [2])], v["gpu_health"]
     assert "(rank 2) is power-capped (SM clock 1410 MHz vs 1980 MHz on its peers" in (
-        inc.evidence["explanation"])
+        inc.evidence.explanation)
 
 
 async def test_a_fault_gone_before_the_check_is_transient(mini_stack: MiniStack,
@@ -72,5 +73,6 @@ async def test_a_fault_gone_before_the_check_is_transient(mini_stack: MiniStack,
     # Not reproduced: recorded, but only the tracker's recovery resolves the incident.
     assert inc.status == "validated" and inc.kind == "slowdown"
     assert [e.stage for e in inc.timeline][-1] == "validated"
-    assert inc.evidence["validation"]["verdict"] == "transient"
-    assert inc.evidence["validation"]["p2p_rounds"] == 0  # compute suspicion: GEMM only
+    v = inc.evidence.validation
+    assert v is not None and v.verdict == "transient"
+    assert v.p2p_rounds == 0  # compute suspicion: GEMM only

@@ -15,7 +15,7 @@ from statistics import median
 from typing import Any
 
 from greyhound.core.escalation import Escalation, FailSlowKind
-from services.planner.build import Culprit
+from greyhound.core.plan_build import Culprit
 
 # The validator's and analyzer's incident kinds, as the escalation's ladders name them.
 KINDS: dict[str, FailSlowKind] = {"compute_slow": "compute", "comm_slow": "communication",

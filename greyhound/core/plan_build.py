@@ -1,5 +1,6 @@
-"""From a validated incident to one strategy's plan: the adapter between what the validator named
-(ranks, rank pairs, benchmark times) and the pure planning cores. No I/O.
+"""From a validated incident to one strategy's plan: between what the validator named (ranks,
+rank pairs, benchmark times) and the pure planning cores, over the layout the job declared. No
+I/O: the planner hands it the layout, the culprit and its costs as dataclasses.
 
 * S2 (greyhound.core.microbatch): each DP group's time per micro-batch is 1 for a healthy group
   and, for a group holding a slow GPU, that GPU's measured slowdown: its GEMM time over the
@@ -18,7 +19,7 @@ become nodes through the job's ``gpus_per_node``: host names play no part.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -33,11 +34,46 @@ from greyhound.core.plans import even_split
 from greyhound.core.restart import Culprit as RestartCulprit
 from greyhound.core.restart import RestartCosts, recommend_restart
 from greyhound.core.role_swap import Traffic, plan_role_swap
-from services.common.bus.contract import JobLayout
-from services.planner.settings import PlannerSettings
 
 NAMES = {Strategy.MICROBATCH: "S2", Strategy.TOPOLOGY: "S3", Strategy.RESTART: "S4"}
 STRATEGIES = {v: k for k, v in NAMES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A job's parallel layout as it declares it (checked where it is declared: the REST
+    model): Megatron's rank order ``rank = tp + TP * (dp + DP * pp)``, rank ``r`` starting on
+    GPU ``r``, ``gpus_per_node`` GPUs a node, ``microbatches`` per iteration in DP shares that
+    are multiples of ``multiple_of``; the traffic and checkpoint sizes when it gave them."""
+
+    tp: int
+    dp: int
+    pp: int
+    gpus_per_node: int
+    microbatches: int
+    multiple_of: int = 1
+    dp_allreduce_bytes: float | None = None
+    pp_activation_bytes: float | None = None
+    checkpoint_bytes: float | None = None
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCosts:
+    """What the plans weigh that a job may not have declared (its gradient and activation
+    bytes), the consolidation solver's time limit, and what a checkpoint-restart costs (S4's
+    price without a declared checkpoint size, else its write and read rates and fixed cost)."""
+
+    gradient_bytes: float
+    activation_bytes: float
+    consolidate_time_limit_s: float
+    restart_write_bytes_per_s: float
+    restart_read_bytes_per_s: float
+    restart_overhead_s: float
+    s4_overhead_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +83,12 @@ class JobState:
     microbatches: tuple[int, ...] | None = None
     gpu_of_rank: tuple[int, ...] | None = None
 
-    def counts(self, layout: JobLayout) -> tuple[int, ...]:
+    def counts(self, layout: Layout) -> tuple[int, ...]:
         if self.microbatches is not None:
             return self.microbatches
         return even_split(layout.microbatches, layout.dp, layout.multiple_of)
 
-    def gpus(self, layout: JobLayout) -> np.ndarray:
+    def gpus(self, layout: Layout) -> np.ndarray:
         if self.gpu_of_rank is not None:
             return np.asarray(self.gpu_of_rank, dtype=np.int64)
         return np.arange(layout.world, dtype=np.int64)
@@ -68,27 +104,26 @@ class Culprit:
     slowdown: float = 1.0
 
     @classmethod
-    def from_incident(cls, culprit: Mapping[str, Any], evidence: Mapping[str, Any],
-                      slowdown: float) -> Culprit:
-        """``culprit`` and ``evidence`` as the validator writes them (services.validator)."""
-        ranks = [int(g["rank"]) for g in culprit.get("gpus") or []
-                 if isinstance(g, Mapping) and isinstance(g.get("rank"), int)]
-        links = tuple((int(a), int(b)) for a, b in culprit.get("link_ranks") or []
-                      if isinstance(a, int) and isinstance(b, int))
-        gemm = _gemm_times((evidence.get("validation") or {}).get("gemm_s") or {})
+    def from_validation(cls, *, gpu_ranks: Sequence[int], link_ranks: Sequence[tuple[int, int]],
+                        gemm_s: Mapping[str, float], slowdown: float) -> Culprit:
+        """From what the validator confirmed: the slow GPUs' ranks, the slow links' end ranks,
+        and each GPU's GEMM time (by rank): a slow GPU's slowdown is its time over the median
+        of the GPUs it was compared with, else the job's iteration ``slowdown``."""
+        ranks = list(gpu_ranks)
+        gemm = _gemm_times(gemm_s)
         peers = [t for r, t in gemm.items() if r not in ranks]
         base = median(peers) if peers else None
         slow = max(1.0, float(slowdown)) if math.isfinite(slowdown) else 1.0
         factors = {r: (gemm[r] / base if base and r in gemm and gemm[r] > base else slow)
                    for r in ranks}
-        return cls(factors, links, slow)
+        return cls(factors, tuple((int(a), int(b)) for a, b in link_ranks), slow)
 
     @property
     def empty(self) -> bool:
         return not self.gpu_ranks and not self.link_ranks
 
 
-def _gemm_times(raw: Mapping[str, Any]) -> dict[int, float]:
+def _gemm_times(raw: Mapping[str, float]) -> dict[int, float]:
     out: dict[int, float] = {}
     for k, v in raw.items():
         try:
@@ -115,7 +150,7 @@ class Proposal:
     swaps: tuple[tuple[int, int], ...] = ()
 
 
-def available(layout: JobLayout, culprit: Culprit) -> set[Strategy]:
+def available(layout: Layout, culprit: Culprit) -> set[Strategy]:
     """Strategies that have something to work with for this job and culprit."""
     out = {Strategy.RESTART}
     if culprit.gpu_ranks and layout.dp > 1:
@@ -126,21 +161,21 @@ def available(layout: JobLayout, culprit: Culprit) -> set[Strategy]:
     return out
 
 
-def propose(strategy: Strategy, layout: JobLayout, culprit: Culprit, state: JobState,
-            settings: PlannerSettings) -> Proposal | None:
+def propose(strategy: Strategy, layout: Layout, culprit: Culprit, state: JobState,
+            costs: PlanCosts) -> Proposal | None:
     """The plan for ``strategy``, or None when it would change nothing."""
     if strategy is Strategy.MICROBATCH:
         return microbatch_plan(layout, culprit, state)
     if strategy is Strategy.TOPOLOGY:
         if culprit.link_ranks:
-            return role_swap_plan(layout, culprit, state, settings)
-        return consolidation_plan(layout, culprit, state, settings)
+            return role_swap_plan(layout, culprit, state, costs)
+        return consolidation_plan(layout, culprit, state, costs)
     if strategy is Strategy.RESTART:
-        return restart_plan(layout, culprit, state, settings)
+        return restart_plan(layout, culprit, state, costs)
     return None
 
 
-def microbatch_plan(layout: JobLayout, culprit: Culprit, state: JobState) -> Proposal | None:
+def microbatch_plan(layout: Layout, culprit: Culprit, state: JobState) -> Proposal | None:
     times = np.ones(layout.dp)
     shape = _shape(layout)
     for rank, factor in culprit.gpu_ranks.items():
@@ -164,8 +199,8 @@ def microbatch_plan(layout: JobLayout, culprit: Culprit, state: JobState) -> Pro
         f"{slow}; {gain:.2f}x on the slowest group)", microbatches=plan.counts)
 
 
-def role_swap_plan(layout: JobLayout, culprit: Culprit, state: JobState,
-                   settings: PlannerSettings) -> Proposal | None:
+def role_swap_plan(layout: Layout, culprit: Culprit, state: JobState,
+                   costs: PlanCosts) -> Proposal | None:
     gpus = state.gpus(layout)
     gpn = layout.gpus_per_node
     factor = max(culprit.slowdown, 1.01)
@@ -178,8 +213,8 @@ def role_swap_plan(layout: JobLayout, culprit: Culprit, state: JobState,
             congested[(min(na, nb), max(na, nb))] = factor
     if not congested:
         return None
-    traffic = Traffic(layout.dp_allreduce_bytes or settings.gradient_bytes,
-                      layout.pp_activation_bytes or settings.activation_bytes,
+    traffic = Traffic(layout.dp_allreduce_bytes or costs.gradient_bytes,
+                      layout.pp_activation_bytes or costs.activation_bytes,
                       max(1, layout.microbatches // layout.dp))
     plan = plan_role_swap(_shape(layout), gpn, congested, traffic, gpu_of_rank=gpus)
     if not plan.swaps:
@@ -197,15 +232,15 @@ def role_swap_plan(layout: JobLayout, culprit: Culprit, state: JobState,
         f"instead of data-parallel traffic", gpu_of_rank=plan.gpu_of_rank, swaps=plan.swaps)
 
 
-def consolidation_plan(layout: JobLayout, culprit: Culprit, state: JobState,
-                       settings: PlannerSettings) -> Proposal | None:
+def consolidation_plan(layout: Layout, culprit: Culprit, state: JobState,
+                       costs: PlanCosts) -> Proposal | None:
     gpus = state.gpus(layout)
     stragglers = {int(gpus[r]): f for r, f in culprit.gpu_ranks.items()
                   if 0 <= r < layout.world}
     if not stragglers or layout.pp < 2:
         return None
     plan = plan_consolidation(_shape(layout), stragglers, microbatches=list(state.counts(layout)),
-                              gpu_of_rank=gpus, time_limit_s=settings.consolidate_time_limit_s)
+                              gpu_of_rank=gpus, time_limit_s=costs.consolidate_time_limit_s)
     if not plan.swaps or plan.after_s >= plan.before_s:
         return None
     gain = plan.before_s / plan.after_s
@@ -219,8 +254,8 @@ def consolidation_plan(layout: JobLayout, culprit: Culprit, state: JobState,
         gpu_of_rank=plan.gpu_of_rank, swaps=plan.swaps)
 
 
-def restart_plan(layout: JobLayout, culprit: Culprit, state: JobState,
-                 settings: PlannerSettings) -> Proposal | None:
+def restart_plan(layout: Layout, culprit: Culprit, state: JobState,
+                 costs: PlanCosts) -> Proposal | None:
     gpus = state.gpus(layout)
     gpn = layout.gpus_per_node
     bad_gpus = tuple(sorted({int(gpus[r]) for r in culprit.gpu_ranks if 0 <= r < layout.world}))
@@ -229,11 +264,11 @@ def restart_plan(layout: JobLayout, culprit: Culprit, state: JobState,
              and (na := int(gpus[a]) // gpn) != (nb := int(gpus[b]) // gpn)}
     if not bad_gpus and not links:
         return None
-    costs = RestartCosts(layout.checkpoint_bytes or 0.0, settings.restart_write_bytes_per_s,
-                         settings.restart_read_bytes_per_s, settings.restart_overhead_s)
-    rec = recommend_restart(RestartCulprit(bad_gpus, tuple(sorted(links))), costs,
+    priced = RestartCosts(layout.checkpoint_bytes or 0.0, costs.restart_write_bytes_per_s,
+                          costs.restart_read_bytes_per_s, costs.restart_overhead_s)
+    rec = recommend_restart(RestartCulprit(bad_gpus, tuple(sorted(links))), priced,
                             gpus_per_node=gpn)
-    cost = rec.cost_s if layout.checkpoint_bytes else settings.s4_overhead_s
+    cost = rec.cost_s if layout.checkpoint_bytes else costs.s4_overhead_s
     return Proposal(
         "S4", {"kind": "restart", "replace_gpus": list(rec.replace_gpus),
                "replace_nodes": list(rec.replace_nodes), "fallback_nodes": list(rec.fallback_nodes),
@@ -244,17 +279,17 @@ def restart_plan(layout: JobLayout, culprit: Culprit, state: JobState,
         f"estimated {cost:.0f} s)")
 
 
-def restart_overhead(layout: JobLayout, settings: PlannerSettings) -> float:
+def restart_overhead(layout: Layout, costs: PlanCosts) -> float:
     """S4's overhead: the price recommend_restart puts on a restart that saves a checkpoint first
     (write, read, fixed overhead) when the job declared its checkpoint size, else the setting."""
     size = layout.checkpoint_bytes
     if not size:
-        return settings.s4_overhead_s
-    return (size / settings.restart_write_bytes_per_s + size / settings.restart_read_bytes_per_s
-            + settings.restart_overhead_s)
+        return costs.s4_overhead_s
+    return (size / costs.restart_write_bytes_per_s + size / costs.restart_read_bytes_per_s
+            + costs.restart_overhead_s)
 
 
-def next_state(state: JobState, layout: JobLayout, *, microbatches: tuple[int, ...] | None,
+def next_state(state: JobState, layout: Layout, *, microbatches: tuple[int, ...] | None,
                gpu_of_rank: tuple[int, ...] | None) -> tuple[JobState, tuple[tuple[int, int], ...]]:
     """The state after setting ``microbatches`` and/or ``gpu_of_rank`` (None: leave as is), and
     the GPU swaps from the current layout to the new one. A state equal to the job's default
@@ -270,7 +305,7 @@ def next_state(state: JobState, layout: JobLayout, *, microbatches: tuple[int, .
     return JobState(counts, None if identity else tuple(int(g) for g in target)), swaps
 
 
-def undo_swaps(state: JobState, layout: JobLayout,
+def undo_swaps(state: JobState, layout: Layout,
                swaps: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
     """The rank -> GPU map after exchanging ``swaps`` back, last first (undoes a topology plan
     applied on top of the current layout)."""
@@ -284,5 +319,5 @@ def undo_swaps(state: JobState, layout: JobLayout,
     return tuple(int(g) for g in out)
 
 
-def _shape(layout: JobLayout) -> ParallelShape:
+def _shape(layout: Layout) -> ParallelShape:
     return ParallelShape(layout.tp, layout.dp, layout.pp)

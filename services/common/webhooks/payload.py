@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from services.common.db.documents import Culprit
+
 SCHEMA = "greyhound.webhook.v1"
 INCIDENT_EVENTS = ("incident.opened", "incident.localized", "incident.validated",
                    "incident.mitigated", "incident.resolved")
@@ -45,7 +47,7 @@ class IncidentFacts:
     status: str
     severity: float
     summary: str
-    culprit: Mapping[str, Any]
+    culprit: Culprit
     opened_at: datetime
     resolved_at: datetime | None
     gpu_hours_lost: float | None
@@ -67,20 +69,18 @@ def _iso(t: datetime | None) -> str | None:
     return None if t is None else t.isoformat().replace("+00:00", "Z")
 
 
-def culprit_text(culprit: Mapping[str, Any]) -> str:
+def culprit_text(culprit: Culprit) -> str:
     """The culprit in a few words for a human (the JSON body carries the whole object)."""
     parts: list[str] = []
-    gpus = culprit.get("gpus")
-    if isinstance(gpus, list) and gpus:
-        parts.append("GPU " + ", ".join(f"{g.get('host')}:{g.get('device')} (rank {g.get('rank')})"
-                                        for g in gpus[:4] if isinstance(g, Mapping)))
-    links = culprit.get("links")
-    if isinstance(links, list) and links:
-        parts.append("link " + ", ".join("-".join(map(str, pair)) for pair in links[:4]))
-    if not parts and culprit.get("ranks"):
-        parts.append(f"ranks {list(culprit['ranks'])[:8]}")
-    if culprit.get("comm_id") is not None and not parts:
-        parts.append(f"communicator {culprit['comm_id']}")
+    if culprit.gpus:
+        parts.append("GPU " + ", ".join(f"{g.host}:{g.device} (rank {g.rank})"
+                                        for g in culprit.gpus[:4]))
+    if culprit.links:
+        parts.append("link " + ", ".join("-".join(map(str, pair)) for pair in culprit.links[:4]))
+    if not parts and culprit.ranks:
+        parts.append(f"ranks {culprit.ranks[:8]}")
+    if culprit.comm_id is not None and not parts:
+        parts.append(f"communicator {culprit.comm_id}")
     return "; ".join(parts) or "not localised yet"
 
 
@@ -111,7 +111,7 @@ def incident_payload(event: str, key: str, inc: IncidentFacts, *, occurred_at: d
         "blocks": _blocks(title, fields, link),
         "incident": {"id": inc.id, "job_id": inc.job_id, "kind": inc.kind, "status": inc.status,
                      "severity": inc.severity, "summary": inc.summary,
-                     "culprit": dict(inc.culprit), "opened_at": _iso(inc.opened_at),
+                     "culprit": inc.culprit.as_json(), "opened_at": _iso(inc.opened_at),
                      "resolved_at": _iso(inc.resolved_at), "gpu_hours_lost": inc.gpu_hours_lost,
                      "url": link},
         "plan": None,
@@ -152,6 +152,6 @@ def for_format(payload: Mapping[str, Any], fmt: str) -> dict[str, Any]:
     return dict(payload)
 
 
-def wants(events: list[Any], event: str) -> bool:
+def wants(events: list[str], event: str) -> bool:
     """A webhook with no event list gets every event except tests (which are sent on request)."""
     return event in events if events else event != "webhook.test"

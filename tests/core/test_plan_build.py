@@ -9,31 +9,33 @@ import pytest
 
 from greyhound.core.escalation import Strategy
 from greyhound.core.microbatch import allocate_microbatches
-from greyhound.core.plans import even_split
-from services.common.bus.contract import JobLayout
-from services.planner.build import (
+from greyhound.core.plan_build import (
     Culprit,
     JobState,
+    Layout,
+    PlanCosts,
     available,
     next_state,
     propose,
     restart_overhead,
     undo_swaps,
 )
-from services.planner.settings import PlannerSettings
+from greyhound.core.plans import even_split
 
-S = PlannerSettings()
-DP4 = JobLayout(tp=2, dp=4, pp=2, gpus_per_node=4, microbatches=16)
+# the planner's default costs (services.planner.settings)
+S = PlanCosts(gradient_bytes=1e9, activation_bytes=1e7, consolidate_time_limit_s=5.0,
+              restart_write_bytes_per_s=10e9, restart_read_bytes_per_s=20e9,
+              restart_overhead_s=600.0, s4_overhead_s=3600.0)
+DP4 = Layout(tp=2, dp=4, pp=2, gpus_per_node=4, microbatches=16)
 
 
 def test_culprit_takes_the_gemm_ratio_else_the_iteration_slowdown() -> None:
-    culprit = {"gpus": [{"rank": 3}], "link_ranks": [[0, 2]]}
-    evidence = {"validation": {"gemm_s": {"3": 3.0, "2": 1.0, "4": 1.5, "5": 1.0, "x": 9}}}
-    c = Culprit.from_incident(culprit, evidence, slowdown=1.4)
+    gemm = {"3": 3.0, "2": 1.0, "4": 1.5, "5": 1.0, "x": 9.0}
+    c = Culprit.from_validation(gpu_ranks=[3], link_ranks=[(0, 2)], gemm_s=gemm, slowdown=1.4)
     assert c.gpu_ranks == {3: 3.0} and c.link_ranks == ((0, 2),) and c.slowdown == 1.4
-    bare = Culprit.from_incident(culprit, {}, slowdown=1.4)
+    bare = Culprit.from_validation(gpu_ranks=[3], link_ranks=[(0, 2)], gemm_s={}, slowdown=1.4)
     assert bare.gpu_ranks == {3: 1.4}
-    assert Culprit.from_incident({}, {}, 2.0).empty
+    assert Culprit.from_validation(gpu_ranks=[], link_ranks=[], gemm_s={}, slowdown=2.0).empty
 
 
 def test_s2_gives_the_slow_dp_group_fewer_micro_batches() -> None:
@@ -47,7 +49,7 @@ def test_s2_gives_the_slow_dp_group_fewer_micro_batches() -> None:
     assert propose(Strategy.MICROBATCH, DP4, Culprit({2: 2.0}),
                    JobState(microbatches=want.counts), S) is None
     # multiple_of is kept
-    lay = JobLayout(tp=1, dp=2, pp=2, gpus_per_node=2, microbatches=8, multiple_of=2)
+    lay = Layout(tp=1, dp=2, pp=2, gpus_per_node=2, microbatches=8, multiple_of=2)
     p2 = propose(Strategy.MICROBATCH, lay, Culprit({0: 3.0}), JobState(), S)
     assert p2 is not None and p2.microbatches is not None
     assert all(c % 2 == 0 for c in p2.microbatches) and sum(p2.microbatches) == 8
@@ -55,7 +57,7 @@ def test_s2_gives_the_slow_dp_group_fewer_micro_batches() -> None:
 
 def test_s3_role_swap_moves_the_link_to_pipeline_traffic() -> None:
     # TP1 DP2 PP2 on one GPU per node: stage 0's DP ring is ranks 0-1, nodes 0-1
-    lay = JobLayout(tp=1, dp=2, pp=2, gpus_per_node=1, microbatches=8, dp_allreduce_bytes=4e9,
+    lay = Layout(tp=1, dp=2, pp=2, gpus_per_node=1, microbatches=8, dp_allreduce_bytes=4e9,
                     pp_activation_bytes=1e7)
     p = propose(Strategy.TOPOLOGY, lay, Culprit(link_ranks=((0, 1),), slowdown=2.0), JobState(), S)
     assert p is not None and p.params["kind"] == "role_swap" and p.params["links"] == [[0, 1]]
@@ -69,13 +71,13 @@ def test_s3_role_swap_moves_the_link_to_pipeline_traffic() -> None:
     assert propose(Strategy.TOPOLOGY, lay, Culprit(link_ranks=((on[0], on[1]),), slowdown=2.0),
                    moved, S) is None
     # ranks on one node: no network link to move
-    one_node = JobLayout(tp=1, dp=2, pp=2, gpus_per_node=4, microbatches=8)
+    one_node = Layout(tp=1, dp=2, pp=2, gpus_per_node=4, microbatches=8)
     assert propose(Strategy.TOPOLOGY, one_node, Culprit(link_ranks=((0, 1),), slowdown=2.0),
                    JobState(), S) is None
 
 
 def test_s3_consolidation_gathers_slow_gpus_into_one_stage() -> None:
-    lay = JobLayout(tp=1, dp=2, pp=4, gpus_per_node=8, microbatches=8)
+    lay = Layout(tp=1, dp=2, pp=4, gpus_per_node=8, microbatches=8)
     # ranks 2 (stage 1) and 5 (stage 2) are slow: one stage should hold both
     p = propose(Strategy.TOPOLOGY, lay, Culprit({2: 1.5, 5: 1.5}), JobState(), S)
     assert p is not None and p.params["kind"] == "consolidate"
@@ -84,7 +86,7 @@ def test_s3_consolidation_gathers_slow_gpus_into_one_stage() -> None:
 
 
 def test_s4_recommends_replacing_parts_and_prices_the_restart() -> None:
-    lay = JobLayout(tp=2, dp=4, pp=2, gpus_per_node=4, microbatches=16, checkpoint_bytes=1e12)
+    lay = Layout(tp=2, dp=4, pp=2, gpus_per_node=4, microbatches=16, checkpoint_bytes=1e12)
     p = propose(Strategy.RESTART, lay, Culprit({5: 2.0}, ((0, 8),), 2.0), JobState(), S)
     assert p is not None and p.strategy == "S4" and p.gpu_of_rank is None
     assert p.params["replace_gpus"] == [5] and p.params["links"] == [[0, 2]]
@@ -97,7 +99,7 @@ def test_s4_recommends_replacing_parts_and_prices_the_restart() -> None:
 def test_available_strategies_follow_the_culprit_and_layout() -> None:
     assert available(DP4, Culprit({2: 2.0})) == {Strategy.MICROBATCH, Strategy.TOPOLOGY,
                                                  Strategy.RESTART}
-    flat = JobLayout(tp=1, dp=1, pp=1, gpus_per_node=1, microbatches=4)
+    flat = Layout(tp=1, dp=1, pp=1, gpus_per_node=1, microbatches=4)
     assert available(flat, Culprit({0: 2.0})) == {Strategy.RESTART}
     assert Strategy.MICROBATCH not in available(DP4, Culprit(link_ranks=((0, 4),)))
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from greyhound.hookabi import unsigned64
-from services.validator.plan import (
+from greyhound.core.validation_plan import (
     PAUSE_AHEAD,
     CommView,
     cut,
@@ -18,6 +17,7 @@ from services.validator.plan import (
     suspect_comms,
     transfer_rounds,
 )
+from greyhound.hookabi import unsigned64
 
 WORLD_ID = (1 << 64) - 5  # a comm id with the top bit set, as hashes often are
 

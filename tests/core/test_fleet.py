@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from services.api.fleet import FleetIncident, Placement, build_fleet
+from greyhound.core.fleet import BlamedGpu, FleetIncident, build_fleet
+from greyhound.core.placement import Placement
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 
 
 def _inc(n: int, job: str, *, confirmed: bool, days_ago: float = 1.0, kind: str = "compute_slow",
-         culprit: dict[str, object] | None = None) -> FleetIncident:
-    evidence = {"validation": {"verdict": kind}} if confirmed else {}
-    return FleetIncident(f"i{n}", job, kind, T0 - timedelta(days=days_ago),
-                         culprit if culprit is not None else
-                         {"gpus": [{"rank": 3, "host": "h1", "device": 3, "node": 0}]}, evidence)
+         **blamed: Any) -> FleetIncident:
+    """By default the validator's GPU h1:3 (rank 3)."""
+    return FleetIncident(f"i{n}", job, kind, T0 - timedelta(days=days_ago), confirmed,
+                         **(blamed or {"gpus": (BlamedGpu(3, "h1", 3),)}))
 
 
 PLACE = {job: {r: Placement(host=f"h{r // 4}", device=r % 4, node=r // 4) for r in range(8)}
@@ -43,10 +44,10 @@ def test_drain_needs_confirmed_incidents_across_jobs() -> None:
 def test_job_relative_names_map_to_hardware() -> None:
     """Rank 6 of job a and rank 2 of job b ran elsewhere; the analyzer's compute ranks and the
     links between job-relative node numbers both land on host names."""
-    links = [_inc(n, job, confirmed=True, kind="comm_slow", culprit={"links": [[0, 1]]})
+    links = [_inc(n, job, confirmed=True, kind="comm_slow", links=((0, 1),))
              for n, job in enumerate("abc")]
-    compute = [_inc(9, "a", confirmed=False, culprit={"compute_ranks": [6]}),
-               _inc(10, "b", confirmed=False, kind="hang_not_entered", culprit={"ranks": [2]})]
+    compute = [_inc(9, "a", confirmed=False, compute_ranks=(6,)),
+               _inc(10, "b", confirmed=False, kind="hang_not_entered", ranks=(2,))]
     fleet = _fleet(links + compute)
     assert fleet["link:h0<->h1"] == ("drain", 3, 3)
     assert fleet["gpu:h1:2"] == ("ok", 0, 1)  # the hang is not charged to hardware

@@ -4,8 +4,8 @@ trip (pure)."""
 from __future__ import annotations
 
 from greyhound.core.escalation import Escalation, Strategy
-from services.planner.build import Culprit
-from services.planner.tracked import Tracked, level, recovery_is_the_plans
+from greyhound.core.plan_build import Culprit
+from greyhound.core.tracked_incident import Tracked, level, recovery_is_the_plans
 
 
 def test_a_recovery_soon_after_a_plan_or_from_the_pre_plan_level_is_the_plans() -> None:

@@ -14,10 +14,10 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.cost import cost_of
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Plan
-from services.notifier.payload import IncidentFacts, for_format, wants
+from services.common.incident_cost import cost_of, job_gpus
+from services.common.webhooks.payload import IncidentFacts, for_format, wants
 
 
 async def enqueue(session: AsyncSession, *, event: str, key: str, payload: Mapping[str, Any],
@@ -39,14 +39,6 @@ def decided_by(plan: Plan) -> str | None:
     """Who decided ``plan`` (an operator's token name, or ``policy`` for an automatic one), for
     the events that follow the decision (applied, reverted); its approvals must be loaded."""
     return plan.approvals[-1].approver if plan.approvals else None
-
-
-async def job_gpus(session: AsyncSession, job_id: str) -> int | None:
-    jobs = await repo.jobs_by_id(session, [job_id])
-    job = jobs.get(job_id)
-    if job is not None and job.world_size:
-        return job.world_size
-    return (await repo.rank_counts(session, [job_id])).get(job_id) or None
 
 
 async def incident_facts(session: AsyncSession, inc: Incident,

@@ -15,7 +15,13 @@ from typing import Literal
 
 import httpx
 
-from services.notifier.signing import ATTEMPT_HEADER, DELIVERY_HEADER, EVENT_HEADER, SIGNATURE_HEADER, sign
+from services.common.webhooks.signing import (
+    ATTEMPT_HEADER,
+    DELIVERY_HEADER,
+    EVENT_HEADER,
+    SIGNATURE_HEADER,
+    sign,
+)
 
 Outcome = Literal["delivered", "http_error", "rejected", "timeout", "connection_error"]
 _RETRY_STATUS = {408, 425, 429}

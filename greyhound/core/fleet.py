@@ -20,29 +20,39 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Literal
+
+from greyhound.core.placement import NodeLabel, Placement
 
 ComponentKind = Literal["gpu", "node", "link"]
 Advice = Literal["drain", "watch", "ok"]
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where one rank of one job ran."""
+class BlamedGpu:
+    """A GPU the validator confirmed: its rank, and its host and device when it knew them."""
 
-    host: str
-    device: int
-    node: int | None
+    rank: int
+    host: str | None = None
+    device: int | None = None
 
 
 @dataclass(frozen=True)
 class FleetIncident:
+    """What an incident blames, in the job's own names: the validator's GPUs, the analyzer's
+    compute ranks (None: it named none), the incident's ranks, its node pairs and nodes; and
+    whether the validator reproduced the fault on the hardware."""
+
     id: str
     job_id: str
     kind: str
     opened_at: datetime
-    culprit: Mapping[str, Any]
-    evidence: Mapping[str, Any]
+    confirmed: bool
+    gpus: tuple[BlamedGpu, ...] = ()
+    compute_ranks: tuple[int, ...] | None = None
+    ranks: tuple[int, ...] = ()
+    links: tuple[tuple[NodeLabel, NodeLabel], ...] = ()
+    nodes: tuple[NodeLabel, ...] = ()
 
 
 @dataclass
@@ -77,12 +87,7 @@ class Component:
         return max(s.opened_at for s in self.sightings)
 
 
-def confirmed_by_validation(evidence: Mapping[str, Any]) -> bool:
-    v = evidence.get("validation")
-    return isinstance(v, Mapping) and v.get("verdict") not in (None, "transient")
-
-
-def _host_of_node(node: Any, placements: Mapping[int, Placement]) -> str | None:
+def _host_of_node(node: NodeLabel, placements: Mapping[int, Placement]) -> str | None:
     if isinstance(node, str):
         # The validator writes "rank<r>" for a rank it had no placement of: no host known.
         return None if node.startswith("rank") and node[4:].isdigit() else node
@@ -97,31 +102,26 @@ def _gpus(inc: FleetIncident, placements: Mapping[int, Placement]) -> list[tuple
     """The GPUs the incident blames: the validator's (with host and device), else the compute
     ranks the analyzer localised."""
     out: list[tuple[str, int]] = []
-    gpus = inc.culprit.get("gpus")
-    if isinstance(gpus, list) and gpus:
-        for g in gpus:
-            if isinstance(g, Mapping) and isinstance(g.get("host"), str) \
-                    and isinstance(g.get("device"), int):
-                out.append((g["host"], g["device"]))
-            elif isinstance(g, Mapping) and isinstance(g.get("rank"), int) \
-                    and g["rank"] in placements:
-                p = placements[g["rank"]]
+    if inc.gpus:
+        for g in inc.gpus:
+            if g.host is not None and g.device is not None:
+                out.append((g.host, g.device))
+            elif g.rank in placements:
+                p = placements[g.rank]
                 out.append((p.host, p.device))
         return out
-    ranks = inc.culprit.get("compute_ranks")
+    ranks = inc.compute_ranks
     if ranks is None and inc.kind == "compute_slow":
-        ranks = inc.culprit.get("ranks")
-    for r in ranks or []:
-        if isinstance(r, int) and r in placements:
+        ranks = inc.ranks
+    for r in ranks or ():
+        if r in placements:
             out.append((placements[r].host, placements[r].device))
     return out
 
 
 def _links(inc: FleetIncident, placements: Mapping[int, Placement]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
-    for pair in inc.culprit.get("links") or []:
-        if not isinstance(pair, list | tuple) or len(pair) != 2:
-            continue
+    for pair in inc.links:
         a, b = (_host_of_node(n, placements) for n in pair)
         if a is not None and b is not None and a != b:
             x, y = sorted((a, b))
@@ -130,7 +130,7 @@ def _links(inc: FleetIncident, placements: Mapping[int, Placement]) -> list[tupl
 
 
 def _nodes(inc: FleetIncident, placements: Mapping[int, Placement]) -> list[str]:
-    hosts = {h for n in inc.culprit.get("nodes") or [] if (h := _host_of_node(n, placements))}
+    hosts = {h for n in inc.nodes if (h := _host_of_node(n, placements))}
     return sorted(hosts)
 
 
@@ -150,7 +150,7 @@ def build_fleet(incidents: Iterable[FleetIncident],
         if inc.opened_at < now - window or inc.kind.startswith("hang"):
             continue  # hangs name software states (who did not enter), not hardware
         where = placements.get(inc.job_id, {})
-        confirmed = confirmed_by_validation(inc.evidence)
+        confirmed = inc.confirmed
         gpus = _gpus(inc, where)
         for host, device in gpus:
             see("gpu", f"{host}:{device}", inc, confirmed, host=host, device=device)

@@ -7,7 +7,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from services.notifier.payload import (
+from services.common.db.documents import Culprit, Gpu
+from services.common.webhooks.payload import (
     SCHEMA,
     IncidentFacts,
     delivery_key,
@@ -15,9 +16,9 @@ from services.notifier.payload import (
     incident_payload,
     wants,
 )
-from services.notifier.secretbox import SecretBox, SecretKeyError
-from services.notifier.sender import retry_delay_s
-from services.notifier.signing import ReplayGuard, SignatureError, sign, verify
+from services.common.webhooks.secretbox import SecretBox, SecretKeyError
+from services.common.webhooks.sender import retry_delay_s
+from services.common.webhooks.signing import ReplayGuard, SignatureError, sign, verify
 
 SECRET = "whsec_test"
 
@@ -67,7 +68,8 @@ def test_body_schema_and_slack_form() -> None:
     t = datetime(2026, 11, 1, tzinfo=UTC)
     inc = IncidentFacts(id="i1", job_id="j", kind="compute_slow", status="validated",
                         severity=1.4, summary="job j compute straggler (1.40x)",
-                        culprit={"gpus": [{"rank": 3, "host": "h1", "device": 3}]}, opened_at=t,
+                        culprit=Culprit(gpus=[Gpu(rank=3, node=0, host="h1", device=3)]),
+                        opened_at=t,
                         resolved_at=None, gpu_hours_lost=12.5)
     key = delivery_key("incident.validated", "i1", "bus-event-7")
     body = incident_payload("incident.validated", key, inc, occurred_at=t, dashboard="http://d/")
