@@ -47,7 +47,7 @@ async def _principal(request: Request, creds: HTTPAuthorizationCredentials | Non
         if token.last_used_at is None or now - token.last_used_at > _TOUCH_EVERY:
             await repo.mark_token_used(uow.session, token.id, now)
     role: Role = token.role  # type: ignore[assignment]
-    return Principal(name=token.name, role=role, token_id=token.id)
+    return Principal(name=token.name, role=role, token_id=token.id, job_id=token.job_id)
 
 
 def require(role: Role) -> Callable[..., Awaitable[Principal]]:
@@ -63,7 +63,24 @@ def require(role: Role) -> Callable[..., Awaitable[Principal]]:
     return check
 
 
+def require_own_job() -> Callable[..., Awaitable[Principal]]:
+    """A job's own routes (``/v1/jobs/{job_id}/...``): the job role or stronger, and a job token
+    only for the job it names (403 on any other; a job token made before tokens named their job
+    acts for none)."""
+    async def check(request: Request, job_id: str,
+                    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+                    ) -> Principal:
+        who = await require("job")(request, creds)
+        if not who.acts_for(job_id):
+            mine = f"job {who.job_id!r}" if who.job_id else "no job (make one with --job)"
+            raise Forbidden(f"{who.name!r} is a job token for {mine}, not for job {job_id!r}")
+        return who
+
+    setattr(check, ROLE_ATTR, "job")
+    return check
+
+
 Viewer = Annotated[Principal, Depends(require("viewer"))]
-JobRole = Annotated[Principal, Depends(require("job"))]
+OwnJob = Annotated[Principal, Depends(require_own_job())]
 Operator = Annotated[Principal, Depends(require("operator"))]
 Admin = Annotated[Principal, Depends(require("admin"))]

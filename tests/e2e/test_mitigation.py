@@ -79,8 +79,8 @@ class Run:
         self.operator = mint_token(db, role="operator", name="oncall", token_key=None)
         self.sim = LiveSimulation(self.scenario, stack.settings.shm_dir, self.job, speed=SPEED)
         self.follower = SimPlanFollower(
-            self.sim, PlanClient(self.base, self.job, mint_token(db, role="job", name=self.job,
-                                                                 token_key=None), timeout_s=5.0))
+            self.sim, PlanClient(self.base, self.job, mint_token(
+                db, role="job", name=self.job, job_id=self.job, token_key=None), timeout_s=5.0))
         self.incidents: list[dict[str, Any]] = []
         self.plans: list[dict[str, Any]] = []
         self.approved: list[str] = []

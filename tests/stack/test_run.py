@@ -97,4 +97,5 @@ async def test_without_a_token_one_is_made_in_the_database_for_the_job(
     async with sessions() as session:
         (token,) = await repo.find_tokens(session, "job-train-3")
     assert token.role == "job" and token.token_hash == hash_token(secret, None)
+    assert token.job_id == "train-3"  # it acts for this job only
     assert token.created_by == "greyhound run"

@@ -395,9 +395,10 @@ async def open_escalations(session: AsyncSession) -> Sequence[tuple[Escalation, 
 # ---- API tokens -------------------------------------------------------------------------------
 
 async def create_token(session: AsyncSession, *, name: str, role: str, token_hash: str,
-                       prefix: str, created_by: str, expires_at: datetime | None) -> ApiToken:
+                       prefix: str, created_by: str, expires_at: datetime | None,
+                       job_id: str | None = None) -> ApiToken:
     token = ApiToken(name=name, role=role, token_hash=token_hash, prefix=prefix,
-                     created_by=created_by, expires_at=expires_at)
+                     created_by=created_by, expires_at=expires_at, job_id=job_id)
     session.add(token)
     await session.flush()
     return token

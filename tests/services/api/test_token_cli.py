@@ -63,6 +63,11 @@ async def test_first_admin_token_from_the_cli(fresh_db_url: str, tmp_path: Path)
     assert again.returncode == 1 and "no live token" in again.stderr
     bad = _cli(fresh_db_url, tmp_path, "create", "--role", "viewer", "--expires", "soon")
     assert bad.returncode == 2 and "expiry must look like" in bad.stderr
+    unscoped = _cli(fresh_db_url, tmp_path, "create", "--role", "job")
+    assert unscoped.returncode == 2 and "--job" in unscoped.stderr
+    scoped = _cli(fresh_db_url, tmp_path, "create", "--role", "job", "--job", "train-7")
+    assert scoped.returncode == 0 and "for job train-7" in scoped.stderr, scoped.stderr
+    assert "(job train-7)" in _cli(fresh_db_url, tmp_path, "list").stdout
 
 
 def test_token_create_needs_the_database_only(fresh_db_url: str, tmp_path: Path) -> None:
