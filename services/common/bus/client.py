@@ -21,7 +21,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from services.common.bus.auth import BusAuthError, Credentials
-from services.common.bus.contract import Message, Subjects
+from services.common.bus.contract import Message, Subjects, subject_mismatch
 from services.common.bus.dead_letters import encode_dead_letter
 from services.common.bus.errors import PermanentError, TransientError, classify, describe
 from services.common.bus.holds import Holds
@@ -206,7 +206,9 @@ class Consumer(Generic[M]):
     Each message ends one way: acked after the handler returned (i.e. after its database
     commit); naked with the spec's retry delay after a transient failure (see errors.classify);
     or terminated and recorded on the dead-letter subject with the reason, when it fails
-    validation, fails its handler for good, or fails transiently on its last allowed delivery.
+    validation, says another job or agent than its subject (contract.subject_mismatch: the
+    server checks the subject, not the body), fails its handler for good, or fails transiently
+    on its last allowed delivery.
 
     One job's trouble stays its own (services.common.bus.holds): after a transient failure the
     job's later messages wait behind the failed one, naked without running the handler, while
@@ -339,6 +341,10 @@ class Consumer(Generic[M]):
             kind = "invalid_json" if any(e["type"] == "json_invalid" for e in exc.errors()) \
                 else "schema"
             await self._dead_letter(msg, f"{kind}: {errs}")
+            return
+        forged = subject_mismatch(msg.subject, decoded)
+        if forged is not None:
+            await self._dead_letter(msg, f"subject_mismatch: {forged}")
             return
         try:
             await self._handler(msg.subject, decoded)

@@ -183,7 +183,8 @@ VALIDATOR = ConsumerSpec(
 ANALYZER_COLLECTIVES = ConsumerSpec(
     stream=TELEMETRY,
     durable="analyzer-collectives",
-    filter_subjects=(Subjects.ALL_COLLECTIVES,),
+    # as stored: with tracker partitions the stream appends the job's partition to the subject
+    filter_subjects=(Subjects.stored(Subjects.ALL_COLLECTIVES),),
     batch=256,
 )
 PLANNER = ConsumerSpec(

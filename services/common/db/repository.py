@@ -81,6 +81,20 @@ async def upsert_ranks(session: AsyncSession, job_id: str, agent_id: str,
               "last_seen_at": func.now()}))
 
 
+async def ranks_held_by_others(session: AsyncSession, job_id: str, agent_id: str,
+                               ranks: Sequence[int], *, seen_since: datetime
+                               ) -> Sequence[tuple[int, str]]:
+    """(rank, agent) of ``ranks`` of the job that another agent announced since ``seen_since``:
+    ranks a hello from ``agent_id`` may not take."""
+    if not ranks:
+        return []
+    rows = await session.execute(
+        select(Rank.rank, Rank.agent_id).where(
+            Rank.job_id == job_id, Rank.rank.in_(list(ranks)), Rank.agent_id != agent_id,
+            Rank.last_seen_at >= seen_since).order_by(Rank.rank))
+    return [(int(r), str(a)) for r, a in rows.all()]
+
+
 async def list_jobs(session: AsyncSession) -> Sequence[Job]:
     return (await session.scalars(select(Job).order_by(Job.last_seen_at.desc()))).all()
 
