@@ -22,6 +22,7 @@ from typing import Protocol, TypeVar
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.common.bus.contract import Message
+from services.common.bus.errors import is_transient
 from services.common.db import repository as repo
 
 M = TypeVar("M", bound=Message)
@@ -106,6 +107,18 @@ class Work:
         relay's next pass."""
         if self.outbox is not None:
             await self.outbox.send_pending()
+
+    async def writable(self) -> bool:
+        """Whether the database takes writes now (a consumer's ``ready``: while it does not,
+        the consumer fetches nothing and no failure counts against a message); False on a
+        failure to ask that a retry could mend, a bug's exception otherwise."""
+        try:
+            async with self.sessions() as session:
+                return await repo.writable(session)
+        except Exception as exc:
+            if is_transient(exc):
+                return False
+            raise
 
     @contextlib.asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncSession]:

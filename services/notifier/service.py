@@ -193,7 +193,8 @@ async def run_notifier(ctx: ServiceContext, stop: asyncio.Event, *,
     """``settings`` (read from the environment when not given) apply to the notifier made here;
     a ``notifier`` passed in brings its own."""
     notifier = notifier or Notifier(ctx, await check_key(ctx), settings or NotifierSettings())
-    consumer: Consumer[IncidentEvent] = Consumer(ctx.js, NOTIFIER, IncidentEvent, notifier.consume)
+    consumer: Consumer[IncidentEvent] = Consumer(ctx.js, NOTIFIER, IncidentEvent, notifier.consume,
+                                                 ready=notifier.work.writable)
     tasks = [asyncio.create_task(consumer.run()), asyncio.create_task(notifier.run_sender(stop))]
     await stop.wait()
     consumer.stop()

@@ -146,7 +146,8 @@ class Tracker:
 
     def consumer(self, spec: ConsumerSpec) -> Consumer[Any]:
         """The durable consumer this tracker needs (it reads each message's stream sequence)."""
-        return SequencedConsumer(self.ctx.js, spec, Telemetry, self.handle)
+        return SequencedConsumer(self.ctx.js, spec, Telemetry, self.handle,
+                                 ready=self.work.writable if self.work is not None else None)
 
     def _new_hang_monitor(self) -> JobHangMonitor:
         s = self.settings

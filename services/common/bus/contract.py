@@ -176,6 +176,15 @@ class Subjects:
         return f"{head}.>"
 
     @staticmethod
+    def published(stored: str) -> str:
+        """The subject a message was published on, from the one its stream stored it under
+        (less the partition token a partitioned stream appends)."""
+        parts = stored.split(".")
+        if len(parts) < 4 or f"{parts[0]}.{parts[1]}" != PREFIX:
+            return stored
+        return ".".join(parts[:5] if parts[3] in _PER_AGENT_KINDS else parts[:4])
+
+    @staticmethod
     def agent_of(subject: str) -> str | None:
         """The agent token of a per-agent subject (telemetry from an agent, requests to one),
         None for a job-level one."""

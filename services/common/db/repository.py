@@ -41,6 +41,13 @@ async def ping(session: AsyncSession) -> None:
     await session.execute(text("select 1"))
 
 
+async def writable(session: AsyncSession) -> bool:
+    """Whether the database takes writes now: up, and not a standby (a failover may leave a
+    connection on one, read-only)."""
+    return bool(await session.scalar(text(
+        "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'")))
+
+
 async def try_lock(session: AsyncSession, key: int) -> bool:
     """Take the transaction-scoped advisory lock ``key`` unless another transaction holds it."""
     return bool(await session.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}))
