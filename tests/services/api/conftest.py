@@ -134,7 +134,10 @@ class Api:
 def api_settings(nats_url: str, db_url: str, tmp_path: Path, **over: Any) -> Settings:
     base: dict[str, Any] = {"nats_url": nats_url, "database_url": db_url,
                             "data_dir": tmp_path / "data", "webhook_key": WEBHOOK_KEY,
-                            "token_key": TOKEN_KEY, "webhook_timeout_s": 2.0}
+                            "token_key": TOKEN_KEY, "webhook_timeout_s": 2.0,
+                            # the tests' receivers listen on loopback, which webhooks may not
+                            # reach unless allowed
+                            "webhook_allow_hosts": "127.0.0.1"}
     base.update(over)
     return Settings(**base)
 
