@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import socket
 import time
@@ -110,10 +111,11 @@ class NodeAgent:
     def _job_dirs(self) -> list[str]:
         if self.fixed_jobs is not None:
             return self.fixed_jobs
-        root = self.shm_dir
-        if not root.is_dir():
+        try:  # a symlink is no job directory (another user's, pointing anywhere)
+            return sorted(e.name for e in os.scandir(self.shm_dir)
+                          if e.is_dir(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(p.name for p in root.iterdir() if p.is_dir())
 
     def _valid_job(self, job: str) -> bool:
         try:
