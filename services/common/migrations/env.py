@@ -20,7 +20,6 @@ from services.common.db.models import Base
 from services.common.embedded import asyncpg_url
 
 
-
 def _run(connection: Connection) -> None:
     context.configure(connection=connection, target_metadata=Base.metadata, compare_type=True)
     with context.begin_transaction():

@@ -77,8 +77,8 @@ async def test_the_migration_lock_is_held_until_the_schema_is_committed(
     from services.common.db.migrate import MIGRATION_LOCK, upgrade
 
     def slow_down(conn: object, cursor: object, statement: str, *_: object) -> None:
-        if "alembic_version" in statement and statement.lstrip().upper().startswith(
-                ("INSERT", "UPDATE")) or "pg_advisory_unlock" in statement:
+        if ("alembic_version" in statement and statement.lstrip().upper().startswith(
+                ("INSERT", "UPDATE"))) or "pg_advisory_unlock" in statement:
             time.sleep(1.5)
 
     event.listen(Engine, "after_cursor_execute", slow_down)
