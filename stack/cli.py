@@ -59,13 +59,14 @@ def cmd_service(args: argparse.Namespace) -> int:
     """Any service of the registry: connect as it needs, then run its entry point. A bus that
     refuses this process (its credentials, or a grant its code needs) is said in one message,
     not a traceback: it is a setting to fix, not a crash."""
+    from services.api.tokens import MissingTokenKey
     from services.common.bus.auth import BusAuthError
 
     service: Service = args.service
     try:
         asyncio.run(_serve(service, {o.dest: getattr(args, o.dest)
                                      for o in service.cli_options()}))
-    except BusAuthError as exc:
+    except (BusAuthError, MissingTokenKey) as exc:
         logging.getLogger("greyhound").error("%s", exc)
         return 2
     return 0

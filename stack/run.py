@@ -91,10 +91,11 @@ def api_url(explicit: str | None, env: Mapping[str, str], settings: Settings) ->
 
 def make_token(settings: Settings, job: str) -> str | None:
     """A job token in the database this machine reaches, or None when it reaches none."""
+    from services.api.tokens import token_key
     from services.common.embedded import EmbeddedPostgres
     from stack.sim_plans import mint_token
 
-    key = None if settings.token_key is None else settings.token_key.get_secret_value().encode()
+    key = token_key(settings)
     if settings.database_url:
         return mint_token(settings.database_url, role="job", name=f"job-{job}", token_key=key,
                           created_by="greyhound run", job_id=job)

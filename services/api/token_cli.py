@@ -29,6 +29,7 @@ from services.api.tokens import (
     hash_token,
     new_token,
     parse_duration,
+    token_key,
     usable,
 )
 from services.common.db import repository as repo
@@ -89,7 +90,7 @@ async def _run(settings: Settings, url: str, args: argparse.Namespace, out: Text
 
 async def _command(settings: Settings, url: str, args: argparse.Namespace, out: TextIO) -> int:
     engine = make_engine(url)
-    key = None if settings.token_key is None else settings.token_key.get_secret_value().encode()
+    key = token_key(settings)
     work = Work(make_sessionmaker(engine))
     try:
         if args.token_command == "create":
@@ -155,6 +156,7 @@ async def _revoke(work: Work, args: argparse.Namespace, out: TextIO) -> int:
 def run(settings: Settings, args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if args.token_command == "create":
         try:
+            token_key(settings)
             check_scope(args.role, args.job)
             if args.expires:
                 parse_duration(args.expires)

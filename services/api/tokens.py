@@ -22,6 +22,7 @@ from typing import Literal
 
 from greyhound.ids import check_token
 from services.common.data_keys import LEGACY_TOKEN_KEY
+from services.common.settings import Settings
 
 # ``job``: a training job's own token: it reads what a viewer reads, declares its layout and
 # reports what it did with its plans, for its own job only (the token names it), and decides
@@ -54,6 +55,26 @@ def check_scope(role: str, job_id: str | None) -> None:
 
 def new_token() -> str:
     return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+class MissingTokenKey(ValueError):
+    """A database the operator configured, and no key to hash its tokens with."""
+
+
+def token_key(settings: Settings) -> bytes | None:
+    """The key API tokens are hashed with: ``GREYHOUND_TOKEN_KEY``; None (the public default
+    key) only on the data directory's embedded Postgres, which makes its own key anyway
+    (services.common.data_keys) and keeps the default only for tokens made before it did. A
+    configured database without a key raises MissingTokenKey: a hash keyed by a public key
+    lets anyone who reads the table test a guess, or add a token of their own."""
+    if settings.token_key is not None:
+        return settings.token_key.get_secret_value().encode()
+    if settings.database_url is not None:
+        raise MissingTokenKey(
+            "GREYHOUND_TOKEN_KEY is not set: on a database you configured "
+            "(GREYHOUND_DATABASE_URL) API tokens are hashed with a key of yours; set it (a "
+            "random string, the same for every API process and `greyhound token`)")
+    return None
 
 
 def hash_token(token: str, key: bytes | None) -> str:

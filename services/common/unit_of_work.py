@@ -22,7 +22,6 @@ from typing import Protocol, TypeVar
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.common.bus.contract import Message
-from services.common.bus.errors import is_transient
 from services.common.db import repository as repo
 
 M = TypeVar("M", bound=Message)
@@ -112,6 +111,10 @@ class Work:
         """Whether the database takes writes now (a consumer's ``ready``: while it does not,
         the consumer fetches nothing and no failure counts against a message); False on a
         failure to ask that a retry could mend, a bug's exception otherwise."""
+        # here, not at the top: the classification loads the bus client, which `greyhound
+        # token` (a unit of work of its own) must not wait for
+        from services.common.bus.errors import is_transient
+
         try:
             async with self.sessions() as session:
                 return await repo.writable(session)

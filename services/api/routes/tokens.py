@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from services.api.auth import Admin, Viewer, token_key
+from services.api.auth import Admin, Viewer
 from services.api.deps import Session, SettingsDep, problems
 from services.api.errors import Conflict, NotFound
 from services.api.schemas import AuditOut, AuditTarget, Me, TokenCreated, TokenIn, TokenOut
-from services.api.tokens import display_prefix, hash_token, new_token
+from services.api.tokens import display_prefix, hash_token, new_token, token_key
 from services.common.db import repository as repo
 
 router = APIRouter(tags=["access"])

@@ -15,55 +15,55 @@ from tests.services.common.support import stored
 
 
 async def test_layout_is_declared_by_the_job_and_checked(api: Api) -> None:
-    job = api.auth("job")
+    job = await api.job_token("new-job")
     layout = {"tp": 2, "dp": 4, "pp": 2, "gpus_per_node": 8, "microbatches": 16,
               "multiple_of": 2}
-    r = await api.client.put("/v1/jobs/job-a/layout", headers=job, json=layout)
+    r = await api.client.put("/v1/jobs/new-job/layout", headers=job, json=layout)
     assert r.status_code == 200, r.text
-    detail = (await api.client.get("/v1/jobs/job-a", headers=api.auth("viewer"))).json()
+    detail = (await api.client.get("/v1/jobs/new-job", headers=api.auth("viewer"))).json()
     assert detail["topology"]["layout"] == {**layout}
     bad = [{**layout, "microbatches": 7},  # not a multiple of 2
            {**layout, "gpus_per_node": 3},  # does not divide 16 GPUs
            {**layout, "tp": 0}, {**layout, "colour": "red"}]
     for body in bad:
-        r = await api.client.put("/v1/jobs/job-a/layout", headers=job, json=body)
+        r = await api.client.put("/v1/jobs/new-job/layout", headers=job, json=body)
         assert r.status_code == 422, (body, r.text)
     r = await api.client.put("/v1/jobs/bad%20id/layout", headers=api.auth("operator"),
                              json=layout)
     assert r.status_code == 422 and "job id" in r.json()["detail"]
-    assert (await api.client.put("/v1/jobs/job-a/layout", headers=api.auth("viewer"),
+    assert (await api.client.put("/v1/jobs/new-job/layout", headers=api.auth("viewer"),
                                  json=layout)).status_code == 403
 
 
 async def test_current_plan_and_a_report_reach_the_planner_once(api: Api) -> None:
-    await api.job("job-a")
-    r = await api.client.get("/v1/jobs/job-a/plan", headers=api.auth("viewer"))
+    await api.job("job-r")
+    r = await api.client.get("/v1/jobs/job-r/plan", headers=api.auth("viewer"))
     assert r.json()["version"] == 0 and r.json()["microbatches"] is None
     assert (await api.client.get("/v1/jobs/nope/plan",
                                  headers=api.auth("viewer"))).status_code == 404
-    plan = await api.plan(await api.incident("job-a"), "job-a")
-    await api.deliver(plan, "job-a", version=1, microbatches=[5, 3])
-    body = (await api.client.get("/v1/jobs/job-a/plan", headers=api.auth("job"))).json()
+    plan = await api.plan(await api.incident("job-r"), "job-r")
+    await api.deliver(plan, "job-r", version=1, microbatches=[5, 3])
+    body = (await api.client.get("/v1/jobs/job-r/plan", headers=api.auth("viewer"))).json()
     assert (body["version"], body["plan_id"], body["microbatches"], body["action"]) == (
         1, plan, [5, 3], "apply")
-    job = api.auth("job")
-    assert (await api.client.post("/v1/jobs/job-a/plan/applied", headers=job,
+    job = await api.job_token("job-r")
+    assert (await api.client.post("/v1/jobs/job-r/plan/applied", headers=job,
                                   json={"version": 2})).status_code == 404
-    r = await api.client.post("/v1/jobs/job-a/plan/applied", headers=job,
+    r = await api.client.post("/v1/jobs/job-r/plan/applied", headers=job,
                               json={"version": 1, "cost_s": 0.25})
     assert r.status_code == 202, r.text
-    sent = await _reports(api, "job-a")
+    sent = await _reports(api, "job-r")
     assert [(m.version, m.outcome, m.cost_s, m.reporter) for m in sent] == [
         (1, "applied", 0.25, "job-user")]
     assert sent[0].event_id == r.json()["event_id"]
     async with api.ctx.db()() as session:  # the planner recorded it
-        d = await repo.get_delivery(session, "job-a", 1, for_update=True)
+        d = await repo.get_delivery(session, "job-r", 1, for_update=True)
         assert d is not None
         d.outcome = "applied"
         await session.commit()
-    again = await api.client.post("/v1/jobs/job-a/plan/applied", headers=job, json={"version": 1})
+    again = await api.client.post("/v1/jobs/job-r/plan/applied", headers=job, json={"version": 1})
     assert again.status_code == 409 and "already" in again.json()["detail"]
-    assert (await api.client.post("/v1/jobs/job-a/plan/applied", headers=job,
+    assert (await api.client.post("/v1/jobs/job-r/plan/applied", headers=job,
                                   json={"version": 1, "outcome": "done"})).status_code == 422
 
 
