@@ -29,7 +29,6 @@ from typing import Any
 
 import httpx
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.api.settings import ApiSettings
 from services.common.bus.auth import agent_user
@@ -42,13 +41,13 @@ from services.common.bus.contract import (
     RankInfo,
     Subjects,
 )
-from services.common.bus.streams import DEAD_LETTERS
 from services.common.embedded import OPERATOR
 from services.common.settings import Settings
 from stack.sim_plans import mint_token
 from stack.up import Stack, wait_api
 from tests.conftest import TEST_TOKEN_KEY, new_database
 from tests.e2e.faults import ThreadedPgProxy
+from tests.services.common.test_poison import all_letters
 from tests.services.notifier.receiver import free_port
 
 OUTAGE_S = 75.0
@@ -106,16 +105,7 @@ def _hello(job: str, agent: str, ranks: range) -> AgentHello:
 async def _letters(rig: Rig) -> list[DeadLetter]:
     nc = await rig.bus(OPERATOR)
     try:
-        sub = await nc.jetstream().pull_subscribe(
-            Subjects.ALL_DEAD_LETTERS, durable=None, stream=DEAD_LETTERS,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE))
-        out: list[DeadLetter] = []
-        while True:
-            try:
-                msgs = await sub.fetch(256, timeout=1.0)
-            except TimeoutError:
-                return out
-            out += [DeadLetter.model_validate_json(m.data) for m in msgs]
+        return await all_letters(nc.jetstream())
     finally:
         await nc.close()
 
