@@ -1,10 +1,10 @@
 """The ``greyhound`` command.
 
 One subcommand per service of the registry (services.registry), ``up`` (all of them), ``db``,
-``demo``, ``run`` (a training command with the hook and a plan client), and the library's
-offline ``detect``, ``sim`` and ``plan``. The services and the registry are imported only by the
-subcommands that need them: ``token`` (made while a plan waits for an operator) and the offline
-commands load neither the bus nor the services.
+``dlq`` (the dead letters), ``demo``, ``run`` (a training command with the hook and a plan
+client), and the library's offline ``detect``, ``sim`` and ``plan``. The services and the
+registry are imported only by the subcommands that need them: ``token`` (made while a plan
+waits for an operator) and the offline commands load neither the bus nor the services.
 """
 
 from __future__ import annotations
@@ -59,13 +59,14 @@ def cmd_service(args: argparse.Namespace) -> int:
     """Any service of the registry: connect as it needs, then run its entry point. A bus that
     refuses this process (its credentials, or a grant its code needs) is said in one message,
     not a traceback: it is a setting to fix, not a crash."""
+    from services.api.tokens import MissingTokenKey
     from services.common.bus.auth import BusAuthError
 
     service: Service = args.service
     try:
         asyncio.run(_serve(service, {o.dest: getattr(args, o.dest)
                                      for o in service.cli_options()}))
-    except BusAuthError as exc:
+    except (BusAuthError, MissingTokenKey) as exc:
         logging.getLogger("greyhound").error("%s", exc)
         return 2
     return 0
@@ -88,6 +89,12 @@ def cmd_token(args: argparse.Namespace) -> int:
     from services.api.token_cli import run
 
     return run(_db_settings(), args)
+
+
+def cmd_dlq(args: argparse.Namespace) -> int:
+    from stack.dlq import run
+
+    return run(get_settings(), args)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -177,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_token_parser(sub)
     sub.choices["token"].set_defaults(func=cmd_token)
+
+    from stack.dlq import add_parser as add_dlq_parser
+
+    add_dlq_parser(sub)
+    sub.choices["dlq"].set_defaults(func=cmd_dlq)
 
     from stack.deploy.cli import add_parser as add_deploy_parser
 

@@ -115,7 +115,8 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
     sim = LiveSimulation(sc, Path(stack.settings.shm_dir), job, speed=policy.slow)
     poll_s = (sc.mitigation or MitigationSpec()).poll_s
     follower = SimPlanFollower(sim, PlanClient(base, job, mint_token(
-        db, role="job", name=f"job-{job}", token_key=token_key), timeout_s=5.0), poll_s=poll_s)
+        db, role="job", name=f"job-{job}", job_id=job, token_key=token_key), timeout_s=5.0),
+        poll_s=poll_s)
     pacer = Pacer(policy, [f.start_s for f in sc.faults])
     incidents: list[dict[str, Any]] = []
     plans: list[dict[str, Any]] = []

@@ -12,7 +12,8 @@ process (``exec``: its signals, its exit status) with:
   ``GREYHOUND_API_URL`` and a ``job`` token in ``GREYHOUND_API_TOKEN``. The token is the
   environment's if set, else ``--token-file``'s, else one made for this run in Greyhound's
   database when this machine reaches it (``GREYHOUND_DATABASE_URL``, or the embedded one of a
-  ``greyhound up`` in the data directory), as ``greyhound token create --role job`` would; with
+  ``greyhound up`` in the data directory), as ``greyhound token create --role job --job <id>``
+  would (scoped to this job: it acts for no other); with
   none of these the job runs without plans (its telemetry is still recorded) and says so.
 """
 
@@ -90,19 +91,20 @@ def api_url(explicit: str | None, env: Mapping[str, str], settings: Settings) ->
 
 def make_token(settings: Settings, job: str) -> str | None:
     """A job token in the database this machine reaches, or None when it reaches none."""
+    from services.api.tokens import token_key
     from services.common.embedded import EmbeddedPostgres
     from stack.sim_plans import mint_token
 
-    key = None if settings.token_key is None else settings.token_key.get_secret_value().encode()
+    key = token_key(settings)
     if settings.database_url:
         return mint_token(settings.database_url, role="job", name=f"job-{job}", token_key=key,
-                          created_by="greyhound run")
+                          created_by="greyhound run", job_id=job)
     if not (settings.data_dir / "pg").is_dir():
         return None  # no stack on this machine: never start a database just for a token
     pg = EmbeddedPostgres(settings.data_dir)
     try:
         return mint_token(pg.start(), role="job", name=f"job-{job}", token_key=key,
-                          created_by="greyhound run")
+                          created_by="greyhound run", job_id=job)
     finally:
         pg.stop()
 

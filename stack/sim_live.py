@@ -229,7 +229,7 @@ def _follower(scenario: Scenario, sim: LiveSimulation, stack: Stack, base: str,
         return None
     assert stack.backends is not None
     key = stack.settings.token_key
-    token = mint_token(stack.backends.database_url, role="job", name=job,
+    token = mint_token(stack.backends.database_url, role="job", name=job, job_id=job,
                        token_key=None if key is None else key.get_secret_value().encode())
     follower = SimPlanFollower(sim, PlanClient(base, job, token, timeout_s=5.0),
                                poll_s=scenario.mitigation.poll_s)

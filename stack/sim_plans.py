@@ -25,7 +25,7 @@ from greyhound.core.plans import MicrobatchPlan, Plan, SwapGpusPlan, even_split
 from greyhound.integrations.rest import PlanClient
 from greyhound.sim.live import LiveSimulation
 from greyhound.sim.scenario import JobSpec
-from services.api.tokens import display_prefix, hash_token, new_token
+from services.api.tokens import check_scope, display_prefix, hash_token, new_token
 from services.common.db import repository as repo
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.unit_of_work import Work
@@ -42,8 +42,10 @@ def layout_of(job: JobSpec) -> dict[str, Any]:
 
 
 def mint_token(database_url: str, *, role: str, name: str, token_key: bytes | None,
-               created_by: str = "sim") -> str:
-    """A token made straight in the database, as ``greyhound token create`` does."""
+               created_by: str = "sim", job_id: str | None = None) -> str:
+    """A token made straight in the database, as ``greyhound token create`` does (a job token
+    names its ``job_id``)."""
+    check_scope(role, job_id)
     async def make() -> str:
         engine = make_engine(database_url)
         try:
@@ -52,7 +54,7 @@ def mint_token(database_url: str, *, role: str, name: str, token_key: bytes | No
                 await repo.create_token(uow.session, name=name, role=role,
                                         token_hash=hash_token(secret, token_key),
                                         prefix=display_prefix(secret), created_by=created_by,
-                                        expires_at=None)
+                                        expires_at=None, job_id=job_id)
             return secret
         finally:
             await engine.dispose()

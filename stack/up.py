@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 from pydantic_settings import BaseSettings
 
+from services.common.data_keys import with_data_dir_keys
 from services.common.db.migrate import upgrade
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
 from services.common.runtime import Backends, resolve_backends
@@ -77,6 +78,10 @@ class Stack:
 
     def start(self) -> None:
         self.lifeline.start()  # first: whatever starts after it ends if this process is killed
+        # On the data directory's own Postgres the services share its keys (as `greyhound up`
+        # gives them): its children see a database URL, and without a key on a database URL
+        # the API refuses to start (services.api.tokens.token_key).
+        self.settings = with_data_dir_keys(self.settings)
         self.backends = resolve_backends(self.settings)
         for server in self.backends.started:
             if isinstance(server, EmbeddedNats) and server.pid is not None:

@@ -30,6 +30,10 @@ from services.common.embedded import OPERATOR, EmbeddedNats, EmbeddedPostgres
 from services.common.runtime import Backends, ServiceContext, start_service
 from services.common.settings import Settings
 
+# The token key of the stacks the tests run on a database of their own (a configured database:
+# the API refuses one without a key).
+TEST_TOKEN_KEY = "tests-token-key-0123456789"
+
 
 @dataclass
 class Bus:

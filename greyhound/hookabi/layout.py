@@ -7,6 +7,7 @@ tests/hookabi compares offsets, sizes, enum values and constants with the header
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 from pathlib import Path
@@ -393,6 +394,14 @@ FINAL_BENCH_STATES = frozenset({BenchState.DONE, BenchState.UNSUPPORTED, BenchSt
 
 def ring_path(shm_dir: Path, job: str, rank: int) -> Path:
     return Path(shm_dir) / job / f"rank-{rank}.ring"
+
+
+def ring_names(names: Iterable[str]) -> list[str]:
+    """The ring files among a job directory's entries, by rank (temporaries of a rank still
+    being created are left out)."""
+    rings = [n for n in names if n.startswith("rank-") and n.endswith(".ring")
+             and n[5:-5].isdigit()]
+    return sorted(rings, key=lambda n: int(n[5:-5]))
 
 
 def list_rings(shm_dir: Path, job: str | None = None) -> list[Path]:

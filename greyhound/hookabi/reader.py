@@ -235,9 +235,9 @@ class RingReader:
 
     def __init__(
         self, path: Path, *, gpu_wait_ns: int = 2_000_000_000, stuck_ns: int = 1_000_000_000,
-        max_poll: int = MAX_POLL_RECORDS,
+        max_poll: int = MAX_POLL_RECORDS, dir_fd: int | None = None,
     ) -> None:
-        self._ring = RingFile(path)
+        self._ring = RingFile(path, dir_fd=dir_fd)
         try:
             self.header = _header(self._ring)
             self._cursor = self._ring.consumed()
@@ -260,6 +260,11 @@ class RingReader:
     @property
     def file_id(self) -> FileId:
         return self._ring.id
+
+    @property
+    def owner(self) -> int:
+        """The uid that owns the ring file."""
+        return self._ring.owner
 
     @property
     def lost(self) -> int:

@@ -7,7 +7,8 @@ Python code can catch. A pread past the end comes back short instead, and that b
 RingError the agent reports. Every read copies, so nothing here aliases the writer's memory.
 
 The file is opened without following a symlink and must be a regular file: a privileged agent
-must never be led into writing its cursor into some other file.
+must never be led into writing its cursor into some other file. Opened relative to its job
+directory's descriptor (``dir_fd``), no component of the path is a symlink either.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ class FileId:
 
 
 class RingFile:
-    """A ring file checked against the layout on open, then read by region with pread."""
+    """A ring file checked against the layout on open, then read by region with pread; with
+    ``dir_fd``, its name is opened in that directory (the path names it in logs)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, dir_fd: int | None = None) -> None:
         self.path = Path(path)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = os.open(self.path.name if dir_fd is not None else self.path,
+                         os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
                 raise RingError(path, "not_a_file", "is a symbolic link") from exc
@@ -70,6 +73,7 @@ class RingFile:
             if not stat.S_ISREG(st.st_mode):
                 raise RingError(path, "not_a_file", "is not a regular file")
             self.id = FileId.of(st)
+            self.owner = int(st.st_uid)
             self.geometry: Geometry = check_header(self._read(0, HEADER_DTYPE, ()), st.st_size,
                                                    self.path)
         except BaseException:

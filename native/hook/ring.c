@@ -17,6 +17,10 @@
  *   has a random name and is opened O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600; nothing is ever
  *   truncated through a name. The shared root ($GREYHOUND_SHM_DIR), when the hook creates it,
  *   is 01777 like /tmp: every user's jobs get their directory there, none can touch another's.
+ *   A root found there is used only if it is a directory (not a symlink), owned by root or by
+ *   this user, and sticky when others may write into it: in a root another user owns, or a
+ *   world-writable one without the sticky bit, that user could rename the job's directory
+ *   away and put one of theirs in its place, or have squatted the name before the job came.
  *   The agent therefore runs as the training user or as root (deploy/compose.yaml: root).
  * - The ring file stays open with a POSIX write lock for the life of the process: the agent's
  *   reaper takes an unlocked ring as one no live process writes (a lock dies with its process,
@@ -93,24 +97,33 @@ __attribute__((weak)) uint64_t gh_ring_nonce(void) {
   return v;
 }
 
-/* $GREYHOUND_SHM_DIR, made if missing: ancestors 0755, the root itself 01777 (see above). */
+/* $GREYHOUND_SHM_DIR, made if missing (ancestors 0755, the root itself 01777), and refused
+ * unless nobody but root and this user can swap what is in it (see above). */
 static int open_root(const char *dir) {
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0 || errno != ENOENT) return fd;
-  char buf[4096];
-  if (strlen(dir) >= sizeof buf) return -1;
-  strcpy(buf, dir);
-  for (char *p = buf + 1; *p != '\0'; p++) {
-    if (*p != '/') continue;
-    *p = '\0';
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
-    *p = '/';
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT) {
+    char buf[4096];
+    if (strlen(dir) >= sizeof buf) return -1;
+    strcpy(buf, dir);
+    for (char *p = buf + 1; *p != '\0'; p++) {
+      if (*p != '/') continue;
+      *p = '\0';
+      if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+      *p = '/';
+    }
+    int made = mkdir(dir, 0700) == 0;
+    if (!made && errno != EEXIST) return -1;
+    fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    struct stat mine;
+    if (fd >= 0 && made && fstat(fd, &mine) == 0 && mine.st_uid == geteuid()) fchmod(fd, 01777);
   }
-  int made = mkdir(dir, 0700) == 0;
-  if (!made && errno != EEXIST) return -1;
-  fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return -1; /* a symlink (ELOOP), not a directory, not reachable */
   struct stat st;
-  if (fd >= 0 && made && fstat(fd, &st) == 0 && st.st_uid == geteuid()) fchmod(fd, 01777);
+  if (fstat(fd, &st) != 0 || !S_ISDIR(st.st_mode) || (st.st_uid != 0 && st.st_uid != geteuid()) ||
+      ((st.st_mode & 022) != 0 && (st.st_mode & S_ISVTX) == 0)) {
+    close(fd);
+    return -1;
+  }
   return fd;
 }
 

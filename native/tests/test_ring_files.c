@@ -3,6 +3,8 @@
  * process: this binary runs itself with the scenario's name, since a ring is made once per
  * process). A symlink planted at the temporary's name or at the ring's name is never followed;
  * a job directory that is a symlink is refused, one that others could write into is closed up;
+ * a shared root that is a symlink, that others may write into without the sticky bit, or that
+ * another user owns (when this test runs as root and can make one) is refused;
  * modes are 0600 / 0700 / 01777; a ring larger than RLIMIT_FSIZE is not attempted (growing the
  * file would send SIGXFSZ, which kills); the ring carries a write lock while its process lives;
  * it is removed at normal exit (not with GREYHOUND_RING_KEEP=1, not by a forked child, not when
@@ -219,9 +221,37 @@ int main(int argc, char **argv) {
   snprintf(planted, sizeof planted, "%s/rank-7.ring", elsewhere);
   CHECK(!exists(planted) && hidden_entries(elsewhere) == 0);
 
+  /* Roots another local user could swap things in: no ring, and nothing lands in them. */
+  char shared[600], linked_root[600];
+  snprintf(shared, sizeof shared, "%s-shared", root);
+  snprintf(linked_root, sizeof linked_root, "%s-linked-root", root);
+  CHECK(mkdir(shared, 0700) == 0 && chmod(shared, 01777) == 0 && symlink(shared, linked_root) == 0);
+  setenv("GREYHOUND_SHM_DIR", linked_root, 1); /* the root itself a symlink */
+  CHECK(exited_with(run("made", 8, "files", 0), 2));
+  setenv("GREYHOUND_SHM_DIR", shared, 1);
+  CHECK(chmod(shared, 0777) == 0); /* world-writable, not sticky */
+  CHECK(exited_with(run("made", 9, "files", 0), 2));
+  if (geteuid() == 0) { /* sticky, but another user's: they may rename what is in it */
+    CHECK(chmod(shared, 01777) == 0 && chown(shared, 4242, 4242) == 0);
+    CHECK(exited_with(run("made", 10, "files", 0), 2));
+    CHECK(chown(shared, 0, 0) == 0);
+  }
+  CHECK(chmod(shared, 01777) == 0); /* sticky and ours (or root's): the ring is made */
+  setenv("GREYHOUND_RING_KEEP", "1", 1);
+  CHECK(exited_with(run("made", 11, "files", 0), 0));
+  unsetenv("GREYHOUND_RING_KEEP");
+  snprintf(planted, sizeof planted, "%s/files/rank-11.ring", shared);
+  CHECK(exists(planted));
+  for (int r = 8; r <= 10; r++) {
+    snprintf(planted, sizeof planted, "%s/files/rank-%d.ring", shared, r);
+    CHECK(!exists(planted));
+  }
+  setenv("GREYHOUND_SHM_DIR", root, 1);
+
   CHECK(hidden_entries(jobdir) == 0); /* no temporary left behind anywhere */
-  char cmd[2048];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s' '%s'", root, victim, elsewhere);
+  char cmd[4096];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s' '%s' '%s' '%s'", root, victim, elsewhere, shared,
+           linked_root);
   CHECK(system(cmd) == 0);
   printf("test_ring_files: %s\n", failures ? "FAIL" : "ok");
   return failures != 0;

@@ -13,6 +13,7 @@ are dropped before they become bus messages.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ from greyhound.hookabi import (
     Op,
     RingError,
     RingReader,
-    list_rings,
+    ring_names,
 )
 from greyhound.hookabi.validation import sane_comm_rows, sane_records
 from services.agent.health import RingHealth
@@ -372,17 +373,42 @@ class Collector:
         self.job = job
         self.health = health if health is not None else RingHealth()
         self.streams: dict[Path, RankStream] = {}
+        self._linked = False  # the job directory was found to be a symlink (said once)
         self._retiring: list[RankStream] = []  # replaced or deleted: drained once more, closed
+
+    def _open_dir(self) -> int | None:
+        """The job directory, opened without following a symlink (a directory another user
+        links there would hand its rings to this job); None when there is none to read."""
+        try:
+            return os.open(Path(self.shm_dir) / self.job,
+                           os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and not self._linked:
+                self._linked = True
+                log.warning("job directory %s is a symbolic link or no directory: its rings are "
+                            "not read", Path(self.shm_dir) / self.job)
+            return None
 
     def scan(self) -> list[RankStream]:
         """Attach to ring files that appeared (or were re-created by a restarted rank) since the
         last scan, retire those whose process exited or whose file is gone; returns the new
-        ones. A file that fails its checks is reported and skipped."""
+        ones. A file that fails its checks is reported and skipped. Every name is looked up
+        in the job directory's descriptor, so no symlink anywhere below the root is followed."""
+        dfd = self._open_dir()
+        try:
+            return self._scan(dfd)
+        finally:
+            if dfd is not None:
+                os.close(dfd)
+
+    def _scan(self, dfd: int | None) -> list[RankStream]:
         new: list[RankStream] = []
-        listed = list_rings(self.shm_dir, self.job)
+        job_dir = Path(self.shm_dir) / self.job
+        listed = [job_dir / n for n in ring_names(os.listdir(dfd))] if dfd is not None else []
+        owner = os.fstat(dfd).st_uid if dfd is not None else -1
         for path in listed:
             try:
-                file_id = FileId.of(os.lstat(path))
+                file_id = FileId.of(os.stat(path.name, dir_fd=dfd, follow_symlinks=False))
             except OSError:
                 continue
             old = self.streams.get(path)
@@ -394,7 +420,7 @@ class Collector:
             if self.health.skip(path, file_id):
                 continue
             try:
-                stream = self._attach(path)
+                stream = self._attach(path, dfd, owner)
             except Exception as exc:  # whatever the file holds, it costs this ring only
                 self.health.report(path, file_id, exc)
                 continue
@@ -406,17 +432,25 @@ class Collector:
         present = set(listed)
         for path in [p for p in self.streams if p not in present]:
             self._retiring.append(self.streams.pop(path))
-        job_dir = Path(self.shm_dir) / self.job
         self.health.forget(lambda p: p.parent != job_dir or p in present)
         return new
 
-    def _attach(self, path: Path) -> RankStream:
-        reader = RingReader(path)
+    def _attach(self, path: Path, dfd: int | None, owner: int) -> RankStream:
+        """The ring, if its header's rank and job are its name's and its directory's and its
+        owner is the directory's: a ring another local user made (in their own directory under
+        this job's name, or a file of theirs in ours) must not speak for the job."""
+        reader = RingReader(path, dir_fd=dfd)
         try:
             named = int(path.stem.split("-", 1)[1])
             if reader.header.rank != named:
                 raise RingError(path, "rank", f"the header says rank {reader.header.rank}, the "
                                               f"file name rank {named}")
+            if reader.header.job != self.job:
+                raise RingError(path, "job", f"the header says job {reader.header.job!r}, the "
+                                             f"directory {self.job!r}")
+            if reader.owner != owner:
+                raise RingError(path, "owner", f"owned by uid {reader.owner}, its job directory "
+                                               f"by uid {owner}")
         except BaseException:
             reader.close()
             raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import socket
 import time
@@ -87,6 +88,7 @@ class NodeAgent:
         self.malformed = 0  # batches that failed the contract (nonsense from a ring)
         self.loop_errors = 0  # steps of a tick that raised (a bug: logged, the loop goes on)
         self._ignored: set[str] = set()
+        self._hello_at: dict[str, float] = {}  # when each job's ranks were last announced
         self._status_at = 0.0
         self._status_seen: dict[str, int] = {}
         self._publish_failures = 0  # in a row (the bus away, or the streams not declared yet)
@@ -109,10 +111,11 @@ class NodeAgent:
     def _job_dirs(self) -> list[str]:
         if self.fixed_jobs is not None:
             return self.fixed_jobs
-        root = self.shm_dir
-        if not root.is_dir():
+        try:  # a symlink is no job directory (another user's, pointing anywhere)
+            return sorted(e.name for e in os.scandir(self.shm_dir)
+                          if e.is_dir(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(p.name for p in root.iterdir() if p.is_dir())
 
     def _valid_job(self, job: str) -> bool:
         try:
@@ -140,6 +143,7 @@ class NodeAgent:
 
     def scan(self) -> None:
         jobs = [j for j in self._job_dirs() if self._valid_job(j)]
+        now = time.monotonic()
         for job in jobs:
             col = self.collectors.get(job) or Collector(self.shm_dir, job, health=self.health)
             new = col.scan()
@@ -147,7 +151,12 @@ class NodeAgent:
             learned = [s for s in col.streams.values() if s not in new and s.gpu_api_learned()]
             if col.streams:
                 self.collectors[job] = col
+            # Every live rank again now and then: the tracker lets another agent take a rank
+            # only once this one stopped announcing it (a job restarted on other nodes).
+            if now >= self._hello_at.get(job, 0.0) + self.settings.hello_s:
+                learned = [s for s in col.streams.values() if s not in new and not s.ended]
             if new or learned:
+                self._hello_at[job] = now
                 self._queue(Subjects.hello(job, self.agent_id),
                             partial(self._hello, job, [*new, *learned]))
         for job in [j for j in self.collectors if j not in jobs]:
@@ -178,6 +187,7 @@ class NodeAgent:
             if not col.streams:  # every ring of the job is gone and drained: evict it
                 col.close()
                 del self.collectors[job]
+                self._hello_at.pop(job, None)
 
     def _valid(self, model: type[B], job: str, columns: dict[str, list[Any]],
                **envelope: Any) -> B | None:

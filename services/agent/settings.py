@@ -7,13 +7,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class AgentSettings(BaseSettings):
-    """``GREYHOUND_AGENT_POLL_S``, ``_COUNTERS_S``, ``_RING_GRACE_S``, ``_GPU_S``, ``_XID_POLL_S``,
-    ``_NVML``, ``_NVML_LIB``."""
+    """``GREYHOUND_AGENT_POLL_S``, ``_COUNTERS_S``, ``_HELLO_S``, ``_RING_GRACE_S``, ``_GPU_S``,
+    ``_XID_POLL_S``, ``_NVML``, ``_NVML_LIB``."""
 
     model_config = SettingsConfigDict(env_prefix="GREYHOUND_AGENT_", extra="forbid", frozen=True)
 
     poll_s: float = Field(default=0.05, gt=0, description="ring drain and publish period")
     counters_s: float = Field(default=0.5, gt=0, description="comm counter sampling period")
+    hello_s: float = Field(default=60.0, gt=0, description=(
+        "how often the agent announces its ranks again: the tracker lets another agent take a "
+        "rank only once its holder stopped announcing it (GREYHOUND_TRACKER_RANK_TAKEOVER_S)"))
     ring_grace_s: float = Field(default=300.0, gt=0, description=(
         "a ring no live process writes is removed once unchanged this long"))
     gpu_s: float = Field(default=5.0, gt=0, description="GPU health (NVML) sampling period")

@@ -321,7 +321,7 @@ async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
     localizer = SlowLocalizer(ctx, work)
     analyzer = Analyzer(ctx, work, localizer)
     consumer: Consumer[DetectionEvent] = Consumer(
-        ctx.js, ANALYZER, DetectionEvent, analyzer.consume)
+        ctx.js, ANALYZER, DetectionEvent, analyzer.consume, ready=work.writable)
     feed = CollectiveFeed(ctx.js, localizer.buffers)
 
     async def stopper() -> None:

@@ -8,6 +8,7 @@ route is the enforced one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
@@ -16,18 +17,24 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.api.errors import Forbidden, Unauthorized
-from services.api.tokens import Principal, Role, at_least, hash_token, usable
+from services.api.middleware import client_of
+from services.api.tokens import (
+    Principal,
+    Role,
+    at_least,
+    display_prefix,
+    hash_token,
+    token_key,
+    usable,
+)
 from services.common.db import repository as repo
 from services.common.settings import Settings
 
+log = logging.getLogger(__name__)
 ROLE_ATTR = "greyhound_role"
 _TOUCH_EVERY = timedelta(minutes=1)
 bearer = HTTPBearer(auto_error=False, scheme_name="token",
                     description="`Authorization: Bearer gh_...` from `greyhound token create`")
-
-
-def token_key(settings: Settings) -> bytes | None:
-    return None if settings.token_key is None else settings.token_key.get_secret_value().encode()
 
 
 async def _principal(request: Request, creds: HTTPAuthorizationCredentials | None) -> Principal:
@@ -43,11 +50,25 @@ async def _principal(request: Request, creds: HTTPAuthorizationCredentials | Non
     async with request.app.state.work.unit() as uow:
         token = await repo.token_by_hash(uow.session, digest)
         if token is None or not usable(token.expires_at, token.revoked_at, now):
+            _failed_login(request, creds.credentials, "unknown" if token is None else
+                          f"expired or revoked ({token.name})")
             raise Unauthorized("unknown, expired or revoked token")
         if token.last_used_at is None or now - token.last_used_at > _TOUCH_EVERY:
             await repo.mark_token_used(uow.session, token.id, now)
     role: Role = token.role  # type: ignore[assignment]
-    return Principal(name=token.name, role=role, token_id=token.id)
+    return Principal(name=token.name, role=role, token_id=token.id, job_id=token.job_id)
+
+
+def _failed_login(request: Request, secret: str, why: str) -> None:
+    """Log a failed authentication (who sent it, on which route, the token's first characters:
+    enough to tell one caller's mistake from many guesses) and charge the client's failed-login
+    bucket (services.api.middleware), past which its requests with a token get a 429."""
+    client = client_of(request.scope)
+    buckets = request.scope.get("state", {}).get("auth_failures")
+    if buckets is not None:
+        buckets.take(client)
+    log.warning("failed login from %s on %s %s: %s token %r", client, request.method,
+                request.url.path, why, display_prefix(secret)[:10])
 
 
 def require(role: Role) -> Callable[..., Awaitable[Principal]]:
@@ -63,7 +84,24 @@ def require(role: Role) -> Callable[..., Awaitable[Principal]]:
     return check
 
 
+def require_own_job() -> Callable[..., Awaitable[Principal]]:
+    """A job's own routes (``/v1/jobs/{job_id}/...``): the job role or stronger, and a job token
+    only for the job it names (403 on any other; a job token made before tokens named their job
+    acts for none)."""
+    async def check(request: Request, job_id: str,
+                    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+                    ) -> Principal:
+        who = await require("job")(request, creds)
+        if not who.acts_for(job_id):
+            mine = f"job {who.job_id!r}" if who.job_id else "no job (make one with --job)"
+            raise Forbidden(f"{who.name!r} is a job token for {mine}, not for job {job_id!r}")
+        return who
+
+    setattr(check, ROLE_ATTR, "job")
+    return check
+
+
 Viewer = Annotated[Principal, Depends(require("viewer"))]
-JobRole = Annotated[Principal, Depends(require("job"))]
+OwnJob = Annotated[Principal, Depends(require_own_job())]
 Operator = Annotated[Principal, Depends(require("operator"))]
 Admin = Annotated[Principal, Depends(require("admin"))]

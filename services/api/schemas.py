@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from services.api.errors import storable_text
-from services.api.tokens import Role
+from services.api.tokens import Role, check_scope
 from services.common.db.documents import Document
 from services.common.webhooks.payload import EVENTS, Format
 
@@ -306,6 +306,7 @@ class TokenOut(BaseModel):
     id: str
     name: str = Field(examples=["ci-bot"])
     role: Role
+    job_id: str | None = Field(default=None, description="a job token's job (None otherwise)")
     prefix: str = Field(examples=["gh_Zx81kPq"])
     created_by: str
     created_at: datetime
@@ -321,13 +322,21 @@ class TokenCreated(TokenOut):
 class TokenIn(Input):
     name: str = Field(min_length=1, max_length=255, pattern=r"^[\w.@ -]+$", examples=["oncall-bot"])
     role: Role = Field(examples=["operator"])
+    job_id: str | None = Field(default=None, max_length=128, description=(
+        "the job a job token acts for (required for the job role, refused for the others)"))
     expires_in_days: float | None = Field(default=None, gt=0, le=3650, examples=[90])
+
+    @model_validator(mode="after")
+    def _scope(self) -> TokenIn:
+        check_scope(self.role, self.job_id)
+        return self
 
 
 class Me(BaseModel):
     name: str
     role: Role
     token_id: str | None
+    job_id: str | None = None
 
 
 EventName = Literal[EVENTS]  # type: ignore[valid-type]

@@ -16,10 +16,10 @@ from typing import TypeVar
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from services.common.bus.contract import CollectiveBatch, IterationBatch, Subjects
-from services.common.bus.reader import TelemetryReader
+from services.common.bus.reader import TelemetryReader, decode
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,10 @@ async def _read(js: JetStreamContext, subject: str, since: datetime, model: type
             except (NatsTimeoutError, TimeoutError):
                 break
             for msg in msgs:
-                try:
-                    out.append(model.model_validate_json(msg.data))
-                except ValidationError:
-                    continue  # the consumers dead-letter these; a read just skips them
                 pending = int(msg.metadata.num_pending or 0)
+                item = decode(msg, model)
+                if item is not None:
+                    out.append(item)
     finally:
         await reader.close()
     return out, truncated

@@ -22,7 +22,16 @@ from typing import TextIO
 
 import sqlalchemy.exc as sa
 
-from services.api.tokens import ROLES, display_prefix, hash_token, new_token, parse_duration, usable
+from services.api.tokens import (
+    ROLES,
+    check_scope,
+    display_prefix,
+    hash_token,
+    new_token,
+    parse_duration,
+    token_key,
+    usable,
+)
 from services.common.db import repository as repo
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import EmbeddedPostgres
@@ -43,6 +52,8 @@ def build_parser(tok: argparse.ArgumentParser) -> argparse.ArgumentParser:
     create = tsub.add_parser("create", help="make a token; its secret is printed once")
     create.add_argument("--role", required=True, choices=ROLES)
     create.add_argument("--name", default=None, help="who or what uses it (default: the role)")
+    create.add_argument("--job", default=None, metavar="ID",
+                        help="the job a job token acts for (required with --role job)")
     create.add_argument("--expires", default=None, metavar="D",
                         help="lifetime such as 90d, 12h, 2w (default: never)")
     tsub.add_parser("list", help="tokens that are not revoked")
@@ -79,7 +90,7 @@ async def _run(settings: Settings, url: str, args: argparse.Namespace, out: Text
 
 async def _command(settings: Settings, url: str, args: argparse.Namespace, out: TextIO) -> int:
     engine = make_engine(url)
-    key = None if settings.token_key is None else settings.token_key.get_secret_value().encode()
+    key = token_key(settings)
     work = Work(make_sessionmaker(engine))
     try:
         if args.token_command == "create":
@@ -98,11 +109,12 @@ async def _create(work: Work, args: argparse.Namespace, key: bytes | None, out: 
         token = await repo.create_token(
             uow.session, name=args.name or args.role, role=args.role,
             token_hash=hash_token(secret, key), prefix=display_prefix(secret),
-            created_by=_actor(), expires_at=expires)
+            created_by=_actor(), expires_at=expires, job_id=args.job)
         await repo.audit(uow.session, actor=_actor(), token_id=None, action="token.create",
                          target_type="token", target_id=token.id,
-                         detail={"name": token.name, "role": token.role})
+                         detail={"name": token.name, "role": token.role, "job_id": token.job_id})
     print(f"token {token.id} ({token.name}, {token.role}"
+          f"{' for job ' + token.job_id if token.job_id else ''}"
           f"{', expires ' + expires.isoformat(timespec='seconds') if expires else ''})",
           file=sys.stderr)
     print("the secret below is shown once; only its hash is stored:", file=sys.stderr)
@@ -119,8 +131,9 @@ async def _list(work: Work, out: TextIO) -> int:
         state = "" if usable(t.expires_at, t.revoked_at, now) else " (expired)"
         until = t.expires_at.isoformat(timespec="seconds") if t.expires_at else "never"
         used = t.last_used_at.isoformat(timespec="seconds") if t.last_used_at else "never"
-        print(f"{t.id:32}  {t.name[:20]:20} {t.role:8} {t.prefix:10} {until:20} {used}{state}",
-              file=out)
+        scope = f" (job {t.job_id})" if t.job_id else ""
+        print(f"{t.id:32}  {t.name[:20]:20} {t.role:8} {t.prefix:10} {until:20} {used}{state}"
+              f"{scope}", file=out)
     return 0
 
 
@@ -141,9 +154,12 @@ async def _revoke(work: Work, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def run(settings: Settings, args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    if args.token_command == "create" and args.expires:
+    if args.token_command == "create":
         try:
-            parse_duration(args.expires)
+            token_key(settings)
+            check_scope(args.role, args.job)
+            if args.expires:
+                parse_duration(args.expires)
         except ValueError as exc:
             print(f"greyhound token create: {exc}", file=sys.stderr)
             return 2

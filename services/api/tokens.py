@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
+from greyhound.ids import check_token
 from services.common.data_keys import LEGACY_TOKEN_KEY
+from services.common.settings import Settings
 
 # ``job``: a training job's own token: it reads what a viewer reads, declares its layout and
-# reports what it did with its plans, and decides nothing.
+# reports what it did with its plans, for its own job only (the token names it), and decides
+# nothing.
 Role = Literal["viewer", "job", "operator", "admin"]
 ROLES: tuple[Role, ...] = ("viewer", "job", "operator", "admin")
 _RANK = {r: i for i, r in enumerate(ROLES)}
@@ -38,8 +41,40 @@ def at_least(have: str, need: Role) -> bool:
     return have in _RANK and _RANK[have] >= _RANK[need]
 
 
+def check_scope(role: str, job_id: str | None) -> None:
+    """A job token names its job, and only a job token does: ValueError otherwise. A job token
+    good for every job could declare another job's layout (S2 plans are built from it and
+    applied without an operator) and report another job's plans applied or failed."""
+    if role == "job" and job_id is None:
+        raise ValueError("a job token names its job (--job <id>): it acts for that job only")
+    if role != "job" and job_id is not None:
+        raise ValueError(f"only a job token names a job; a {role} token acts on every job")
+    if job_id is not None:
+        check_token(job_id, "job id")
+
+
 def new_token() -> str:
     return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+class MissingTokenKey(ValueError):
+    """A database the operator configured, and no key to hash its tokens with."""
+
+
+def token_key(settings: Settings) -> bytes | None:
+    """The key API tokens are hashed with: ``GREYHOUND_TOKEN_KEY``; None (the public default
+    key) only on the data directory's embedded Postgres, which makes its own key anyway
+    (services.common.data_keys) and keeps the default only for tokens made before it did. A
+    configured database without a key raises MissingTokenKey: a hash keyed by a public key
+    lets anyone who reads the table test a guess, or add a token of their own."""
+    if settings.token_key is not None:
+        return settings.token_key.get_secret_value().encode()
+    if settings.database_url is not None:
+        raise MissingTokenKey(
+            "GREYHOUND_TOKEN_KEY is not set: on a database you configured "
+            "(GREYHOUND_DATABASE_URL) API tokens are hashed with a key of yours; set it (a "
+            "random string, the same for every API process and `greyhound token`)")
+    return None
 
 
 def hash_token(token: str, key: bytes | None) -> str:
@@ -66,6 +101,15 @@ class Principal:
     name: str
     role: Role
     token_id: str | None
+    job_id: str | None = None  # a job token's job
+
+    def acts_for(self, job_id: str) -> bool:
+        """May call ``job_id``'s own routes (declare its layout, report its plans): a job token
+        for its own job only; operators and admins for any job, as their role always allowed
+        (fixing a job whose reporter died is theirs to do, and they approve its plans anyway)."""
+        if self.role == "job":
+            return self.job_id == job_id
+        return at_least(self.role, "job")
 
 
 def usable(expires_at: datetime | None, revoked_at: datetime | None,

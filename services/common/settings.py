@@ -27,6 +27,7 @@ from pydantic_settings import (
 )
 
 from services.common.redact import redact
+from services.common.webhooks.destination import AllowList
 
 
 class Settings(BaseSettings):
@@ -82,6 +83,10 @@ class Settings(BaseSettings):
     webhook_timeout_s: float = Field(
         default=5.0, gt=0, le=60,
         description="a webhook delivery's timeout (the notifier's, and the API's test delivery)")
+    webhook_allow_hosts: str = Field(
+        default="", description=(
+            "comma-separated host names, addresses and CIDR blocks webhooks may reach although "
+            "not public (loopback, private, link-local): an on-call receiver inside the network"))
     # The transactional outbox (services.common.outbox): every service with a database publishes
     # what its commits announce through it.
     outbox_poll_s: float = Field(
@@ -126,6 +131,15 @@ class Settings(BaseSettings):
         if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
             raise ValueError("GREYHOUND_NATS_TLS_CERT and GREYHOUND_NATS_TLS_KEY go together")
         return self
+
+    @field_validator("webhook_allow_hosts")
+    @classmethod
+    def _allow_hosts(cls, v: str) -> str:
+        AllowList.parse(v)  # fail fast, naming the entry
+        return v
+
+    def webhook_allow(self) -> AllowList:
+        return AllowList.parse(self.webhook_allow_hosts)
 
     @field_validator("nats_url")
     @classmethod

@@ -107,6 +107,22 @@ class Work:
         if self.outbox is not None:
             await self.outbox.send_pending()
 
+    async def writable(self) -> bool:
+        """Whether the database takes writes now (a consumer's ``ready``: while it does not,
+        the consumer fetches nothing and no failure counts against a message); False on a
+        failure to ask that a retry could mend, a bug's exception otherwise."""
+        # here, not at the top: the classification loads the bus client, which `greyhound
+        # token` (a unit of work of its own) must not wait for
+        from services.common.bus.errors import is_transient
+
+        try:
+            async with self.sessions() as session:
+                return await repo.writable(session)
+        except Exception as exc:
+            if is_transient(exc):
+                return False
+            raise
+
     @contextlib.asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncSession]:
         """A session to read with: nothing written through it is ever committed."""

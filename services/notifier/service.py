@@ -18,8 +18,6 @@ import random
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-import httpx
-
 from services.common.bus.client import Consumer
 from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.bus.streams import EVENTS, ConsumerSpec
@@ -95,7 +93,7 @@ class Notifier:
 
     # ---- pending deliveries -> HTTP -----------------------------------------------------------
 
-    async def send_due(self, client: httpx.AsyncClient, limit: int = 32) -> int:
+    async def send_due(self, limit: int = 32) -> int:
         """Claim and send what is due now; how many attempts were made."""
         s = self.settings
         now = datetime.now(UTC)
@@ -105,10 +103,10 @@ class Notifier:
             hooks = {h.id: h for h in await repo.list_webhooks(uow.session)}
         if not due:
             return 0
-        await asyncio.gather(*(self._send_one(client, d, hooks.get(d.webhook_id)) for d in due))
+        await asyncio.gather(*(self._send_one(d, hooks.get(d.webhook_id)) for d in due))
         return len(due)
 
-    async def _send_one(self, client: httpx.AsyncClient, d: WebhookDelivery,
+    async def _send_one(self, d: WebhookDelivery,
                         hook: Webhook | None) -> None:
         s = self.settings
         number = d.attempts + 1
@@ -123,8 +121,9 @@ class Notifier:
                 result = Attempt("rejected", None, str(exc), 0.0)
             else:
                 body = json.dumps(d.payload, separators=(",", ":"), sort_keys=True).encode()
-                result = await attempt(client, hook.url, secret, body, key=d.event_id,
-                                       event=d.event, number=number, timeout_s=s.webhook_timeout_s)
+                result = await attempt(hook.url, secret, body, key=d.event_id, event=d.event,
+                                       number=number, timeout_s=s.webhook_timeout_s,
+                                       allow=s.webhook_allow())
         await self._record(d, number, result)
 
     async def _record(self, d: WebhookDelivery, number: int, result: Attempt) -> None:
@@ -155,21 +154,20 @@ class Notifier:
                 result.outcome, f" ({result.error})" if result.error else "")
 
     async def run_sender(self, stop: asyncio.Event) -> None:
-        async with httpx.AsyncClient() as client:
-            while not stop.is_set():
-                try:
-                    sent = await self.send_due(client)
-                except Exception:  # the database restarting must not end the loop
-                    log.exception("webhook sender pass failed")
-                    sent = 0
-                if sent:
-                    continue
-                self.wake.clear()
-                waits = [asyncio.create_task(self.wake.wait()), asyncio.create_task(stop.wait())]
-                await asyncio.wait(waits, timeout=self.config.notifier_poll_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                for t in waits:
-                    t.cancel()
+        while not stop.is_set():
+            try:
+                sent = await self.send_due()
+            except Exception:  # the database restarting must not end the loop
+                log.exception("webhook sender pass failed")
+                sent = 0
+            if sent:
+                continue
+            self.wake.clear()
+            waits = [asyncio.create_task(self.wake.wait()), asyncio.create_task(stop.wait())]
+            await asyncio.wait(waits, timeout=self.config.notifier_poll_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            for t in waits:
+                t.cancel()
 
 
 async def check_key(ctx: ServiceContext) -> SecretBox | None:
@@ -193,7 +191,8 @@ async def run_notifier(ctx: ServiceContext, stop: asyncio.Event, *,
     """``settings`` (read from the environment when not given) apply to the notifier made here;
     a ``notifier`` passed in brings its own."""
     notifier = notifier or Notifier(ctx, await check_key(ctx), settings or NotifierSettings())
-    consumer: Consumer[IncidentEvent] = Consumer(ctx.js, NOTIFIER, IncidentEvent, notifier.consume)
+    consumer: Consumer[IncidentEvent] = Consumer(ctx.js, NOTIFIER, IncidentEvent, notifier.consume,
+                                                 ready=notifier.work.writable)
     tasks = [asyncio.create_task(consumer.run()), asyncio.create_task(notifier.run_sender(stop))]
     await stop.wait()
     consumer.stop()

@@ -27,11 +27,10 @@ from datetime import UTC, datetime
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from pydantic import ValidationError
 
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.bus.errors import describe
-from services.common.bus.reader import TelemetryReader
+from services.common.bus.reader import TelemetryReader, decode
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +118,8 @@ class IterationWatch:
                 continue
             new: list[float] = []
             for msg in msgs:
-                try:
-                    batch = IterationBatch.model_validate_json(msg.data)
-                except ValidationError:
+                batch = decode(msg, IterationBatch)
+                if batch is None:
                     continue  # the tracker dead-letters these; a reader just skips them
                 self._last_ts = batch.ts
                 new += self.series.take(batch)

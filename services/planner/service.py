@@ -102,7 +102,8 @@ async def run_planner(ctx: ServiceContext, stop: asyncio.Event,
     or raises when its consumer cannot go on (the process exits for its supervisor)."""
     planner = planner or Planner(ctx, settings or PlannerSettings())
     await planner.restore()
-    consumer: Consumer[Event] = Consumer(ctx.js, spec, Event, planner.consume)
+    consumer: Consumer[Event] = Consumer(ctx.js, spec, Event, planner.consume,
+                                         ready=planner.state.work.writable)
 
     async def ticker() -> None:
         while not stop.is_set():

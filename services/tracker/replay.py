@@ -25,11 +25,10 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from pydantic import ValidationError
 
 from services.common.bus.client import Consumer, stream_seq
 from services.common.bus.contract import IterationBatch, Subjects
-from services.common.bus.reader import TelemetryReader
+from services.common.bus.reader import TelemetryReader, decode
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +71,8 @@ async def replay(js: JetStreamContext, job: str, *, after: int, before: int, lim
                 pending = int(m.metadata.num_pending)
                 if seq is None or seq >= before:
                     return
-                try:
-                    batch = IterationBatch.model_validate_json(m.data)
-                except ValidationError:
+                batch = decode(m, IterationBatch)
+                if batch is None:
                     continue
                 given += 1
                 yield seq, batch

@@ -38,6 +38,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from statistics import median
 from typing import Annotated, Any
 
@@ -145,7 +146,8 @@ class Tracker:
 
     def consumer(self, spec: ConsumerSpec) -> Consumer[Any]:
         """The durable consumer this tracker needs (it reads each message's stream sequence)."""
-        return SequencedConsumer(self.ctx.js, spec, Telemetry, self.handle)
+        return SequencedConsumer(self.ctx.js, spec, Telemetry, self.handle,
+                                 ready=self.work.writable if self.work is not None else None)
 
     def _new_hang_monitor(self) -> JobHangMonitor:
         s = self.settings
@@ -235,12 +237,23 @@ class Tracker:
             await self._hand_on(msg.job_id, st)
 
     async def _hello(self, msg: AgentHello) -> None:
-        """A database failure propagates: the consumer retries what may succeed later."""
+        """Record which agent serves which ranks (the validator pauses them through it). A hello
+        that takes a rank another agent announced within ``tracker_rank_takeover_s`` is refused
+        (dead-lettered): one node's bus password must not point another job's ranks at itself.
+        A database failure propagates: the consumer retries what may succeed later."""
         if self.work is None:
             log.debug("no database: hello of %s on %s not recorded", msg.agent_id, msg.job_id)
             return
         off = set(msg.marks_off)
+        since = datetime.now(UTC) - timedelta(seconds=self.settings.tracker_rank_takeover_s)
         async with self.work.unit() as uow:
+            held = await repo.ranks_held_by_others(uow.session, msg.job_id, msg.agent_id,
+                                                   [r.rank for r in msg.ranks], seen_since=since)
+            if held:
+                raise PermanentError(
+                    f"rank_taken: agent {msg.agent_id} announced rank(s) of job {msg.job_id} "
+                    f"that another agent holds ({', '.join(f'{r}: {a}' for r, a in held[:8])}); "
+                    "a rank changes agent only once its holder stopped announcing it")
             await repo.touch_job(uow.session, msg.job_id, world_size=msg.world_size)
             await repo.upsert_ranks(uow.session, msg.job_id, msg.agent_id,
                                     [{**r.model_dump(), "marks_off": r.rank in off}

@@ -35,6 +35,10 @@ class TrackerSettings(BaseSettings):
         default=7 * 24 * 3600.0, gt=0, description="saved state of a job idle this long expires")
     tracker_state_max_bytes: int = Field(
         default=1 << 30, gt=0, description="the saved-state bucket's size bound")
+    tracker_rank_takeover_s: float = Field(
+        default=180.0, gt=0, description=(
+            "a hello may take a rank from another agent only once that agent has not announced "
+            "it for this long (agents re-announce their ranks every GREYHOUND_AGENT_HELLO_S)"))
     tracker_replay_max_messages: int = Field(
         default=20_000, ge=0, description=(
             "after a restart, at most this many of a job's telemetry messages between its saved "

@@ -158,7 +158,8 @@ async def run_validator(ctx: ServiceContext, stop: asyncio.Event,
     or raises when its consumer, its outbox relay or its resume loop cannot go on (the process
     exits for its supervisor)."""
     validator = validator or Validator(ctx, settings or ValidatorSettings())
-    consumer: Consumer[Suspicion] = Consumer(ctx.js, VALIDATOR, Suspicion, validator.consume)
+    consumer: Consumer[Suspicion] = Consumer(ctx.js, VALIDATOR, Suspicion, validator.consume,
+                                             ready=validator.work.writable)
 
     async def stopper() -> None:
         await stop.wait()

@@ -100,7 +100,8 @@ async def test_every_curl_line_runs_as_written(api: Api, tmp_path: Path) -> None
         pytest.skip("curl is not installed: the docs' curl lines cannot be run here")
     ids = await _seed(api)
     port = free_port()
-    env = {**os.environ, "API": f"http://127.0.0.1:{port}", "JOB_TOKEN": api.tokens["job"],
+    job_token = await api.token("job", f"job-{JOB}", job_id=JOB)  # the docs' job's own
+    env = {**os.environ, "API": f"http://127.0.0.1:{port}", "JOB_TOKEN": job_token,
            "OP_TOKEN": api.tokens["operator"], "ADMIN_TOKEN": api.tokens["admin"]}
     ran: list[str] = []
     async with serve_api(api.ctx, port):

@@ -19,6 +19,7 @@ from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import for_cpu_fake
 from stack.up import Stack, wait_api
+from tests.conftest import TEST_TOKEN_KEY
 
 HANG_FLOOR_S = 2.0
 GPU_DIR = "gpu"  # under the stack's root: the workdir whose fault file the agent's fake NVML reads
@@ -35,7 +36,8 @@ def stack(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
     """As ``greyhound up`` runs it: no NATS URL, so the embedded one in the data directory, each
     service with its own bus user."""
     root = tmp_path_factory.mktemp("e2e")
-    settings = Settings(database_url=pg_url, data_dir=root / "data", shm_dir=root / "shm")
+    settings = Settings(database_url=pg_url, token_key=TEST_TOKEN_KEY, data_dir=root / "data",
+                        shm_dir=root / "shm")
     port = _free_port()
     # The agent loads the fake NVML, which reads <root>/gpu/faults.txt: jobs run in that workdir
     # (gpu_workdir) share their fault file with the agent's GPUs.

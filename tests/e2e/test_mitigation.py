@@ -33,6 +33,7 @@ from greyhound.integrations.rest import PlanClient
 from greyhound.sim.live import LiveSimulation
 from greyhound.sim.scenario import Scenario, load_scenario
 from services.api.settings import ApiSettings
+from services.api.tokens import token_key
 from services.common.settings import Settings
 from services.planner.settings import PlannerSettings
 from stack.sim_plans import SimPlanFollower, Step, mint_token
@@ -76,11 +77,12 @@ class Run:
         self.base = f"http://127.0.0.1:{stack.port}"
         assert stack.backends is not None
         db = stack.backends.database_url
-        self.operator = mint_token(db, role="operator", name="oncall", token_key=None)
+        key = token_key(stack.settings)  # the data directory's, as the stack's API has it
+        self.operator = mint_token(db, role="operator", name="oncall", token_key=key)
         self.sim = LiveSimulation(self.scenario, stack.settings.shm_dir, self.job, speed=SPEED)
         self.follower = SimPlanFollower(
-            self.sim, PlanClient(self.base, self.job, mint_token(db, role="job", name=self.job,
-                                                                 token_key=None), timeout_s=5.0))
+            self.sim, PlanClient(self.base, self.job, mint_token(
+                db, role="job", name=self.job, job_id=self.job, token_key=key), timeout_s=5.0))
         self.incidents: list[dict[str, Any]] = []
         self.plans: list[dict[str, Any]] = []
         self.approved: list[str] = []

@@ -45,7 +45,7 @@ from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import ValidatorSettings
 from stack.up import Stack, wait_api
-from tests.conftest import new_database
+from tests.conftest import TEST_TOKEN_KEY, new_database
 from tests.e2e.faults import ThreadedPgProxy, kill9, restart
 from tests.sim.helpers import job as job_shape
 from tests.sim.helpers import scenario
@@ -93,8 +93,8 @@ def _rig(root: Path, db_url: str) -> Iterator[Rig]:
     pg = ThreadedPgProxy(db_url)
     pg.start()
     # no NATS URL: the stack uses the embedded one of its data directory and its users
-    settings = Settings(database_url=pg.url, data_dir=root / "data", shm_dir=root / "shm",
-                        outbox_poll_s=0.5, outbox_grace_s=1.0)
+    settings = Settings(database_url=pg.url, token_key=TEST_TOKEN_KEY, data_dir=root / "data",
+                        shm_dir=root / "shm", outbox_poll_s=0.5, outbox_grace_s=1.0)
     port = _free_port()
     stack = Stack(settings, port=port,
                   services=("tracker", "analyzer", "validator", "api", "agent"),

@@ -44,7 +44,7 @@ from services.tracker.settings import TrackerSettings
 from services.validator.settings import for_cpu_fake
 from stack.sim_live import run_live
 from stack.up import Stack, wait_api
-from tests.conftest import new_database
+from tests.conftest import TEST_TOKEN_KEY, new_database
 from tests.e2e.conftest import fake_job
 from tests.services.notifier.receiver import free_port
 from tests.sim.helpers import job as job_shape
@@ -114,8 +114,8 @@ def rig(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     root = tmp_path_factory.mktemp("restart")
     with new_database(pg_url, "rs") as db:
         # no NATS URL: the embedded one in the data directory, with its users
-        r = Rig(Settings(database_url=db, data_dir=root / "data", shm_dir=root / "shm"),
-                free_port())
+        r = Rig(Settings(database_url=db, token_key=TEST_TOKEN_KEY, data_dir=root / "data",
+                         shm_dir=root / "shm"), free_port())
         try:
             yield r
         finally:
@@ -194,7 +194,8 @@ def test_two_sim_runs_back_to_back_in_one_data_directory(pg_url: str, tmp_path: 
                       optimizer_s=0.01, link_latency_us=5.0, nvlink_latency_us=1.0)
     noise = {"jitter_cv": 0.01, "gc_prob": 0.0}
     with new_database(pg_url, "sim") as db:
-        settings = Settings(database_url=db, data_dir=tmp_path / "data", shm_dir=tmp_path / "shm")
+        settings = Settings(database_url=db, token_key=TEST_TOKEN_KEY, data_dir=tmp_path / "data",
+                            shm_dir=tmp_path / "shm")
         first = scenario(shape, [], duration_s=40.0, name="first", noise=noise)
         _first_run_leaving_telemetry(first, settings)
         pending = _pending_telemetry(settings)

@@ -16,6 +16,7 @@ import pytest
 from services.common.settings import Settings
 from stack.sim_live import run_live
 from stack.up import Stack
+from tests.conftest import TEST_TOKEN_KEY
 from tests.sim.helpers import job, scenario
 
 
@@ -32,7 +33,8 @@ def test_gpu_slow_becomes_a_localized_incident(pg_url: str, tmp_path: Path) -> N
     sc = scenario(j, [{"kind": "gpu_slow", "rank": 3, "start_s": 30.0, "factor": 2.5}],
                   duration_s=60.0, name="stack-test", noise={"jitter_cv": 0.01, "gc_prob": 0.0})
     # no NATS URL: the embedded one in the data directory, with its users, as a user runs it
-    settings = Settings(database_url=pg_url, data_dir=tmp_path / "data", shm_dir=tmp_path / "shm")
+    settings = Settings(database_url=pg_url, token_key=TEST_TOKEN_KEY, data_dir=tmp_path / "data",
+                        shm_dir=tmp_path / "shm")
     out, err = io.StringIO(), io.StringIO()
     served: list[Any] = []
 
@@ -85,7 +87,8 @@ def test_a_run_the_tracker_did_not_follow_says_so(pg_url: str, tmp_path: Path,
     j = job(tp=2, dp=2, pp=1, gpus_per_node=2, microbatches=4, microbatch_compute_s=0.02,
             dp_allreduce_bytes=1e6)
     sc = scenario(j, [], duration_s=10.0, name="behind-test")
-    settings = Settings(database_url=pg_url, data_dir=tmp_path / "data", shm_dir=tmp_path / "shm")
+    settings = Settings(database_url=pg_url, token_key=TEST_TOKEN_KEY, data_dir=tmp_path / "data",
+                        shm_dir=tmp_path / "shm")
     out, err = io.StringIO(), io.StringIO()
     rc = run_live(sc, settings, port=_free_port(), speed=5.0, as_json=True, out=out, err=err,
                   settle_s=0.5)

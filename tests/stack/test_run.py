@@ -89,12 +89,13 @@ def test_a_job_id_is_made_from_the_training_script(tmp_path: Path) -> None:
 async def test_without_a_token_one_is_made_in_the_database_for_the_job(
         tmp_path: Path, sessions: async_sessionmaker[AsyncSession], fresh_db_url: str) -> None:
     done = _run(["--job", "train-3", "--no-hook", "--", sys.executable, "-c", PROBE], tmp_path,
-                GREYHOUND_DATABASE_URL=fresh_db_url)
+                GREYHOUND_DATABASE_URL=fresh_db_url, GREYHOUND_TOKEN_KEY="run-test-key")
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     secret = seen["env"]["GREYHOUND_API_TOKEN"]
     assert seen["client"] == "train-3" and "token job-train-3 made for the run" in done.stderr
     async with sessions() as session:
         (token,) = await repo.find_tokens(session, "job-train-3")
-    assert token.role == "job" and token.token_hash == hash_token(secret, None)
+    assert token.role == "job" and token.token_hash == hash_token(secret, b"run-test-key")
+    assert token.job_id == "train-3"  # it acts for this job only
     assert token.created_by == "greyhound run"

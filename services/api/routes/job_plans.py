@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from greyhound.ids import check_token
-from services.api.auth import JobRole, Viewer
+from services.api.auth import OwnJob, Viewer
 from services.api.deps import BusDep, Session, Unit, problems
 from services.api.errors import Conflict, Invalid, NotFound
 from services.api.schemas import JobPlanOut, PlanReportAccepted, PlanReportIn
@@ -41,12 +41,12 @@ async def current_plan(job_id: str, session: Session, _: Viewer) -> JobPlanOut:
 
 
 @router.put("/{job_id}/layout", response_model=JobLayout, summary="Declare the job's layout",
-            description="Needs job (or stronger). TP/DP/PP sizes, GPUs per node, the global "
+            description="Needs the job's own token (or operator). TP/DP/PP sizes, GPUs per node, the global "
                         "batch's micro-batches and their multiple; what the planner builds "
                         "plans from. Creates the job if the agents have not announced it yet.",
             responses=problems(401, 403, 422))
 async def declare_layout(job_id: str, body: JobLayout, session: Session,
-                         who: JobRole) -> JobLayout:
+                         who: OwnJob) -> JobLayout:
     try:
         check_token(job_id, "job id")
     except ValueError as exc:
@@ -59,11 +59,12 @@ async def declare_layout(job_id: str, body: JobLayout, session: Session,
 
 @router.post("/{job_id}/plan/applied", response_model=PlanReportAccepted, status_code=202,
              summary="Report that the job applied (or could not apply) a plan version",
-             description="Needs job (or stronger). 404 for a version never delivered, 409 for one "
-                         "reported already, 503 without the bus. The planner records it.",
+             description="Needs the job's own token (or operator). 404 for a version never "
+                         "delivered, 409 for one reported already, 503 without the bus. The "
+                         "planner records it.",
              responses=problems(401, 403, 404, 409, 422, 503))
 async def report_plan(job_id: str, body: PlanReportIn, uow: Unit, bus: BusDep,
-                      who: JobRole) -> PlanReportAccepted:
+                      who: OwnJob) -> PlanReportAccepted:
     session = uow.session
     sent = await repo.get_delivery(session, job_id, body.version)
     if sent is None:

@@ -23,6 +23,7 @@ from services.api.schemas import (
 )
 from services.api.telemetry import Window, read_window
 from services.api.timeline import job_timeline, rank_states
+from services.common.bus.errors import describe
 from services.common.db import repository as repo
 from services.common.db.models import Incident, Job
 from services.common.incident_cost import cost_of
@@ -83,8 +84,9 @@ async def _window(bus: BusDep, job_id: str, window_s: float,
     try:
         return await read_window(bus.js, job_id, window_s=window_s, collectives=collectives), None
     except Exception as exc:  # the telemetry is a bonus: the database answer stands without it
-        log.warning("reading telemetry of %s failed: %s", job_id, exc)
-        return None, f"{type(exc).__name__}: {exc}"[:300]
+        # the details (host names, addresses) go to the log, not to whoever asked
+        log.warning("reading telemetry of %s failed: %s", job_id, describe(exc))
+        return None, "the telemetry stream did not answer (the API's log says why)"
 
 
 @router.get("/{job_id}/ranks", response_model=list[RankStateOut],

@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from services.api.auth import Admin, Viewer, token_key
+from services.api.auth import Admin, Viewer
 from services.api.deps import Session, SettingsDep, problems
 from services.api.errors import Conflict, NotFound
 from services.api.schemas import AuditOut, AuditTarget, Me, TokenCreated, TokenIn, TokenOut
-from services.api.tokens import display_prefix, hash_token, new_token
+from services.api.tokens import display_prefix, hash_token, new_token, token_key
 from services.common.db import repository as repo
 
 router = APIRouter(tags=["access"])
@@ -19,7 +19,7 @@ router = APIRouter(tags=["access"])
 
 @router.get("/v1/me", response_model=Me, summary="Who the token belongs to and its role")
 async def me(who: Viewer) -> Me:
-    return Me(name=who.name, role=who.role, token_id=who.token_id)
+    return Me(name=who.name, role=who.role, token_id=who.token_id, job_id=who.job_id)
 
 
 @router.get("/v1/tokens", response_model=list[TokenOut], summary="Tokens (never their secrets)",
@@ -41,10 +41,10 @@ async def create_token(body: TokenIn, session: Session, settings: SettingsDep,
     token = await repo.create_token(session, name=body.name, role=body.role,
                                     token_hash=hash_token(secret, token_key(settings)),
                                     prefix=display_prefix(secret), created_by=who.name,
-                                    expires_at=expires)
+                                    expires_at=expires, job_id=body.job_id)
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="token.create",
                      target_type="token", target_id=token.id,
-                     detail={"name": token.name, "role": token.role})
+                     detail={"name": token.name, "role": token.role, "job_id": token.job_id})
     return TokenCreated(**TokenOut.model_validate(token).model_dump(), token=secret)
 
 

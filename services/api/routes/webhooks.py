@@ -7,15 +7,15 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated
 
-import httpx
 from fastapi import APIRouter, Query, Response
 
 from services.api.auth import Admin
 from services.api.deps import Session, SettingsDep, problems
-from services.api.errors import NotFound, Unavailable
+from services.api.errors import Invalid, NotFound, Unavailable
 from services.api.schemas import AttemptOut, DeliveryOut, WebhookCreated, WebhookIn, WebhookOut
 from services.common.db import repository as repo
 from services.common.settings import Settings
+from services.common.webhooks.destination import DestinationRefused, check_literal, origin
 from services.common.webhooks.payload import for_format, ping_payload
 from services.common.webhooks.secretbox import SecretBox
 from services.common.webhooks.sender import attempt
@@ -33,17 +33,27 @@ def _box(settings: Settings) -> SecretBox:
 
 @router.post("", response_model=WebhookCreated, status_code=201,
              summary="Add a webhook; its signing secret is returned this once",
+             description="422 for a URL whose host is an address webhooks may not reach "
+                         "(loopback, link-local, private, ...: docs/webhooks.md) unless "
+                         "GREYHOUND_WEBHOOK_ALLOW_HOSTS allows it; a host name is checked at "
+                         "every send.",
              responses=problems(422, 503))
 async def create_webhook(body: WebhookIn, session: Session, settings: SettingsDep,
                          who: Admin) -> WebhookCreated:
     box = _box(settings)
+    try:
+        check_literal(str(body.url), settings.webhook_allow())
+    except DestinationRefused as exc:
+        raise Invalid(f"url: {exc}") from None
     secret = body.secret or new_secret()
     hook = await repo.create_webhook(session, name=body.name, url=str(body.url),
                                      secret_enc=box.encrypt(secret), events=list(body.events),
                                      format=body.format, created_by=who.name)
+    # the host only: a Slack webhook's path is its secret, and the audit log is no vault
     await repo.audit(session, actor=who.name, token_id=who.token_id, action="webhook.create",
                      target_type="webhook", target_id=hook.id,
-                     detail={"url": hook.url, "events": hook.events, "format": hook.format})
+                     detail={"url": origin(hook.url), "events": hook.events,
+                             "format": hook.format})
     return WebhookCreated(**WebhookOut.model_validate(hook).model_dump(), secret=secret)
 
 
@@ -81,9 +91,8 @@ async def send_test(webhook_id: str, session: Session, settings: SettingsDep,
                                               payload=payload, due=now)
     assert delivery_id is not None  # a fresh key
     body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-    async with httpx.AsyncClient() as client:
-        result = await attempt(client, hook.url, secret, body, key=key, event="webhook.test",
-                               number=1, timeout_s=settings.webhook_timeout_s)
+    result = await attempt(hook.url, secret, body, key=key, event="webhook.test", number=1,
+                           timeout_s=settings.webhook_timeout_s, allow=settings.webhook_allow())
     await repo.record_attempt(session, delivery_id, outcome=result.outcome,
                               status_code=result.status_code, error=result.error,
                               duration_ms=result.duration_ms,

@@ -149,12 +149,12 @@ function timelineSvg(tl) {
     if (m.kind === "plan")
       return `<g class="marker plan"><title>${esc(m.label)} (${esc(m.status)})</title>
         <line x1="${x(t)}" x2="${x(t)}" y1="${T}" y2="${H - B}" stroke="#2b5fd9" stroke-dasharray="4 3"/>
-        <text x="${x(t) - 26}" y="${T + 22}" style="fill:#2b5fd9">plan</text></g>`;
+        <text x="${x(t) - 26}" y="${T + 22}" fill="#2b5fd9">plan</text></g>`;
     const end = m.until ? new Date(m.until).getTime() / 1000 : t1;
     return `<g class="marker incident"><title>${esc(m.label)} (${esc(m.status)})</title>
       <rect x="${x(t)}" y="${T}" width="${Math.max(x(end) - x(t), 2)}" height="${H - T - B}" fill="#c62f2f" opacity="0.08"/>
       <line x1="${x(t)}" x2="${x(t)}" y1="${T}" y2="${H - B}" stroke="#c62f2f" stroke-dasharray="4 3"/>
-      <text x="${x(t) > W - 90 ? x(t) - 50 : x(t) + 3}" y="${T + 10}" style="fill:#c62f2f">incident</text></g>`;
+      <text x="${x(t) > W - 90 ? x(t) - 50 : x(t) + 3}" y="${T + 10}" fill="#c62f2f">incident</text></g>`;
   }).join("");
   const ticks = [0, 0.5, 1].map(f => `<text x="4" y="${y(ymax * f / 1.25) + 4}">${(ymax * f / 1.25).toFixed(2)}s</text>`).join("");
   return `<svg width="100%" viewBox="0 0 ${W} ${H}" role="img" aria-label="iteration time">

@@ -21,7 +21,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from services.common.bus.auth import BusAuthError, Credentials
-from services.common.bus.contract import Message, Subjects
+from services.common.bus.contract import Message, Subjects, subject_mismatch
 from services.common.bus.dead_letters import encode_dead_letter
 from services.common.bus.errors import PermanentError, TransientError, classify, describe
 from services.common.bus.holds import Holds
@@ -42,6 +42,13 @@ FETCH_WAIT_S = 0.25
 # A permanent fetch error this many times in a row means the subscription is unusable.
 PERMANENT_FETCH_LIMIT = 3
 MAX_PAUSE_S = 5.0
+# While the consumer's dependency is away: how often it is asked again (doubling up to the
+# most), how long one question may take, and when the messages fetched meanwhile come back.
+AWAY_PROBE_S = 0.5
+MAX_AWAY_PROBE_S = 10.0
+READY_TIMEOUT_S = 5.0
+AWAY_NAK_S = 1.0
+MAX_STRIKES_KEPT = 10_000
 
 
 _AUTH_ERRORS = ("authorization violation", "authentication", "user authentication expired",
@@ -165,6 +172,8 @@ class ConsumerStats:
     dead_lettered: int = 0
     retried: int = 0
     held: int = 0  # naked unhandled: their job waited behind a message that had failed
+    paused: int = 0  # times fetching paused because the dependency (the database) was away
+    paused_s: float = 0.0
     reasons: dict[str, int] = field(default_factory=dict)
     fetch_failures: int = 0
     settle_failures: int = 0  # ack, nak or term that did not reach the server
@@ -206,7 +215,15 @@ class Consumer(Generic[M]):
     Each message ends one way: acked after the handler returned (i.e. after its database
     commit); naked with the spec's retry delay after a transient failure (see errors.classify);
     or terminated and recorded on the dead-letter subject with the reason, when it fails
-    validation, fails its handler for good, or fails transiently on its last allowed delivery.
+    validation, says another job or agent than its subject (contract.subject_mismatch: the
+    server checks the subject, not the body), fails its handler for good, or fails transiently
+    ``max_deliver`` times while its dependency answers.
+
+    A transient failure while the dependency is away (``ready``, the service's database probe,
+    says so: down, or read-only after a failover) is no fault of the message: it never counts
+    towards that bound, and fetching pauses, asking ``ready`` again with a growing interval,
+    until the dependency is back; the messages fetched meanwhile go back unhandled. The server
+    redelivers without a bound (max deliver -1), so an outage of any length loses nothing.
 
     One job's trouble stays its own (services.common.bus.holds): after a transient failure the
     job's later messages wait behind the failed one, naked without running the handler, while
@@ -220,7 +237,8 @@ class Consumer(Generic[M]):
 
     def __init__(self, js: JetStreamContext, spec: ConsumerSpec, model: Any,
                  handler: Callable[[str, Any], Awaitable[None]], *,
-                 liveness_s: float = 5.0, bind_timeout_s: float = 30.0) -> None:
+                 liveness_s: float = 5.0, bind_timeout_s: float = 30.0,
+                 ready: Callable[[], Awaitable[bool]] | None = None) -> None:
         self._js = js
         self.spec = spec
         self._adapter: TypeAdapter[Any] = TypeAdapter(model)
@@ -233,6 +251,9 @@ class Consumer(Generic[M]):
         self._idle_streak = 0
         self._checked_at = 0.0
         self.holds = Holds()
+        self._ready = ready
+        self._away = False  # the dependency was away at the last transient failure
+        self._strikes: dict[int, int] = {}  # stream seq -> transient failures while it answered
 
     @property
     def _nc(self) -> NATS:
@@ -276,51 +297,101 @@ class Consumer(Generic[M]):
         try:
             await self._js.publish(Subjects.dead_letter(self.spec.stream), data,
                                    headers=self._letter_id(msg))
-        except Exception as exc:
+        except Exception as exc:  # keep it: dead-letter it when it comes back
             self.stats.dead_letter_failures += 1
-            delivery = _delivery(msg)
-            if delivery < self.spec.max_deliver:  # keep it: dead-letter it when it comes back
-                log.warning("could not dead-letter %s on %s (%s); it comes back for another try",
-                            msg.subject, self.spec.durable, describe(exc))
-                await self._settle(msg, "nak", self.spec.retry_delay_s(delivery))
-                return
-            log.error("could not dead-letter %s on %s on its last delivery; %d bytes lost: %s "
-                      "(reason: %s)", msg.subject, self.spec.durable, len(msg.data),
-                      describe(exc), reason[:200])
+            log.warning("could not dead-letter %s on %s (%s); it comes back for another try",
+                        msg.subject, self.spec.durable, describe(exc))
+            await self._settle(msg, "nak", self.spec.retry_delay_s(_delivery(msg)))
+            return
         else:
             self.stats.dead_lettered += 1
             self.stats.reasons[key] = self.stats.reasons.get(key, 0) + 1
             log.warning("dead-lettered %s on %s: %s", msg.subject, self.spec.durable, reason[:200])
         await self._settle(msg, "term")
 
+    async def _is_ready(self) -> bool:
+        """Whether the dependency answers (always, for a consumer without one)."""
+        if self._ready is None:
+            return True
+        try:
+            return bool(await asyncio.wait_for(self._ready(), READY_TIMEOUT_S))
+        except Exception as exc:
+            log.debug("readiness probe of %s failed: %s", self.spec.durable, describe(exc))
+            return False
+
+    def _strike(self, msg: Msg, away: bool) -> int:
+        """The message's tries while its dependency answered (a transient failure, or a turn
+        spent waiting behind its job's failed message), this one included unless it was
+        ``away``; the server's delivery count for a message without a sequence."""
+        seq = stream_seq(msg)
+        if seq is None:
+            return _delivery(msg)
+        strikes = self._strikes.pop(seq, 0) + (0 if away else 1)
+        if len(self._strikes) < MAX_STRIKES_KEPT:
+            self._strikes[seq] = strikes
+        return strikes
+
     async def _failed(self, msg: Msg, exc: Exception) -> None:
-        """A handler raised: retry what may succeed later, dead-letter the rest."""
-        delivery = _delivery(msg)
+        """A handler raised: dead-letter what no retry can fix, retry the rest (see the class
+        docstring: a failure while the dependency is away never counts)."""
+        seq = stream_seq(msg)
         if classify(exc) == "permanent":
-            self.holds.release(msg.subject, stream_seq(msg))
+            self.holds.release(msg.subject, seq)
+            self._strikes.pop(seq or 0, None)
             if isinstance(exc, PermissionDenied):
                 log.error("handler failed on %s: %s", msg.subject, exc)
             else:
                 log.error("handler failed on %s", msg.subject, exc_info=exc)
             await self._dead_letter(msg, f"handler_error: {describe(exc)}")
             return
-        if delivery >= self.spec.max_deliver:
-            self.holds.release(msg.subject, stream_seq(msg))
-            await self._dead_letter(msg, f"retries_exhausted: delivery {delivery} of "
-                                         f"{self.spec.max_deliver} failed: {describe(exc)}")
+        away = not await self._is_ready()
+        strikes = self._strike(msg, away)
+        if strikes >= self.spec.max_deliver:
+            self.holds.release(msg.subject, seq)
+            self._strikes.pop(seq or 0, None)
+            await self._dead_letter(msg, f"retries_exhausted: {strikes} tries of "
+                                         f"{self.spec.max_deliver} while its dependencies "
+                                         f"answered: {describe(exc)}")
             return
-        delay = self.spec.retry_delay_s(delivery)
+        delay = self.spec.retry_delay_s(max(strikes, 1))
         self.stats.retried += 1
-        self.holds.hold(msg.subject, stream_seq(msg), delay, describe(exc))
-        log.warning("transient failure on %s (delivery %d of %d), retrying in %.1fs: %s",
-                    msg.subject, delivery, self.spec.max_deliver, delay, describe(exc))
+        self.holds.hold(msg.subject, seq, delay, describe(exc))
+        if away and not self._away:
+            log.warning("transient failure on %s while the database is away; fetching pauses "
+                        "until it is back: %s", msg.subject, describe(exc))
+        elif not away:
+            log.warning("transient failure on %s (%d of %d), retrying in %.1fs: %s",
+                        msg.subject, strikes, self.spec.max_deliver, delay, describe(exc))
+        self._away = self._away or away
         await self._settle(msg, "nak", delay)
 
+    async def _wait_until_ready(self, idle: Callable[[], Awaitable[None]] | None) -> None:
+        """Fetch nothing while the dependency is away: ask again, each interval twice the last
+        (up to MAX_AWAY_PROBE_S), running ``idle`` meanwhile; back to fetching once it
+        answers (or on stop())."""
+        t0, wait = time.monotonic(), AWAY_PROBE_S
+        self.stats.paused += 1
+        while not self._stopping.is_set():
+            await self._pause(wait)
+            if idle is not None:
+                await self._idle_guarded(idle)
+            if await self._is_ready():
+                break
+            wait = min(wait * 2, MAX_AWAY_PROBE_S)
+        self._away = False
+        self.stats.paused_s += time.monotonic() - t0
+        log.info("%s fetches again: its dependency answers after %.1fs away", self.spec.durable,
+                 time.monotonic() - t0)
+
     async def _held(self, msg: Msg) -> bool:
-        """Nak ``msg`` without handling it while its job waits behind a failed message; False
-        when it may run (never on its last delivery: it gets its try)."""
+        """Nak ``msg`` without handling it while its job waits behind a failed message, or
+        while the dependency is away; False when it may run (on its last try it does: a job
+        whose failures never end has each message dead-lettered in ``max_deliver`` rounds)."""
+        if self._away:
+            await self._settle(msg, "nak", AWAY_NAK_S)
+            return True
         hold = self.holds.of(msg.subject, stream_seq(msg))
-        if hold is None or _delivery(msg) >= self.spec.max_deliver:
+        if hold is None or self._strike(msg, away=False) >= self.spec.max_deliver:
             return False
         self.stats.held += 1
         if self.stats.held == 1 or self.stats.held % 1000 == 0:
@@ -340,6 +411,10 @@ class Consumer(Generic[M]):
                 else "schema"
             await self._dead_letter(msg, f"{kind}: {errs}")
             return
+        forged = subject_mismatch(msg.subject, decoded)
+        if forged is not None:
+            await self._dead_letter(msg, f"subject_mismatch: {forged}")
+            return
         try:
             await self._handler(msg.subject, decoded)
         except Exception as exc:
@@ -347,6 +422,7 @@ class Consumer(Generic[M]):
             return
         self.stats.handled += 1
         self.holds.release(msg.subject, stream_seq(msg))
+        self._strikes.pop(stream_seq(msg) or 0, None)
         await self._settle(msg, "ack")
 
     # -- the loop ------------------------------------------------------------------------------
@@ -471,6 +547,8 @@ class Consumer(Generic[M]):
         self._checked_at = time.monotonic()
         try:
             while not self._stopping.is_set():
+                if self._away:
+                    await self._wait_until_ready(idle)
                 t0 = time.monotonic()
                 for msg in await self._fetch(sub):
                     await self._handle_guarded(msg)

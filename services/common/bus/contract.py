@@ -123,12 +123,13 @@ class Subjects:
 
     @staticmethod
     def job_iterations(job: str) -> str:
-        """Every agent's iteration batches of one job (the API reads a job's recent window)."""
-        return f"{_job_subject(job, 'iter')}.*"
+        """Every agent's iteration batches of one job as stored (the API reads a job's recent
+        window), with or without a partition token after the agent's."""
+        return f"{_job_subject(job, 'iter')}.>"
 
     @staticmethod
     def job_collectives(job: str) -> str:
-        return f"{_job_subject(job, 'colls')}.*"
+        return f"{_job_subject(job, 'colls')}.>"
 
     # Wildcard filters (any job, any agent).
     ALL_HELLO = f"{PREFIX}.*.hello.*"
@@ -149,20 +150,48 @@ class Subjects:
     def telemetry_partitioning(partitions: int) -> tuple[str, str]:
         """Stream transform (source, destination) that shards telemetry by job for trackers.
 
-        The stored subject's last token (the agent id, which every message also carries in its
-        body) becomes the job's partition, 0..partitions-1, a stable hash of the job token; the
-        other tokens, hence every existing filter, stay as they are.
+        The job's partition, 0..partitions-1 (a stable hash of the job token), is appended to
+        the stored subject after the agent id: the agent token stays, so a consumer can still
+        check that the body's agent is the one the server let publish there (it replaced the
+        agent token before, which left the body's word for who sent it).
         """
         return (f"{PREFIX}.*.*.*",
-                f"{PREFIX}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}.{{{{partition({partitions},1)}}}}")
+                f"{PREFIX}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}.{{{{wildcard(3)}}}}"
+                f".{{{{partition({partitions},1)}}}}")
 
     @staticmethod
     def in_partition(filter_subject: str, partition: int) -> str:
         """A telemetry wildcard filter (ALL_ITERATIONS, ...) narrowed to one tracker partition."""
+        if filter_subject.rpartition(".")[2] != "*":
+            raise ValueError(f"{filter_subject!r} has no agent token to partition")
+        return f"{filter_subject}.{partition}"
+
+    @staticmethod
+    def stored(filter_subject: str) -> str:
+        """A telemetry wildcard filter (ALL_COLLECTIVES, ...) that matches its subjects as the
+        stream stores them, with the partition token or without."""
         head, _, last = filter_subject.rpartition(".")
         if last != "*":
-            raise ValueError(f"{filter_subject!r} has no agent token to partition")
-        return f"{head}.{partition}"
+            raise ValueError(f"{filter_subject!r} has no agent token")
+        return f"{head}.>"
+
+    @staticmethod
+    def published(stored: str) -> str:
+        """The subject a message was published on, from the one its stream stored it under
+        (less the partition token a partitioned stream appends)."""
+        parts = stored.split(".")
+        if len(parts) < 4 or f"{parts[0]}.{parts[1]}" != PREFIX:
+            return stored
+        return ".".join(parts[:5] if parts[3] in _PER_AGENT_KINDS else parts[:4])
+
+    @staticmethod
+    def agent_of(subject: str) -> str | None:
+        """The agent token of a per-agent subject (telemetry from an agent, requests to one),
+        None for a job-level one."""
+        parts = subject.split(".")
+        if len(parts) >= 5 and parts[3] in _PER_AGENT_KINDS:
+            return parts[4]
+        return None
 
     @staticmethod
     def job_of(subject: str) -> str:
@@ -171,6 +200,30 @@ class Subjects:
         if len(parts) < 4 or f"{parts[0]}.{parts[1]}" != PREFIX:
             raise ValueError(f"not a {PREFIX} subject: {subject!r}")
         return parts[2]
+
+
+# The kinds whose subjects end in an agent id (Subjects.hello ... Subjects.validation).
+_PER_AGENT_KINDS = frozenset({"hello", "iter", "counters", "colls", "gpu", "control", "validate"})
+
+
+def subject_mismatch(subject: str, msg: BaseModel) -> str | None:
+    """Why ``msg`` may not be taken as sent on ``subject``, None when it may.
+
+    The server checks who publishes on which subject (an agent only on subjects ending in its
+    own id), never what the body says, so a consumer believes the subject: a body whose job
+    differs from the subject's job token, or whose agent differs from the subject's agent
+    token, is a forgery (one node's bus password speaking for another job or agent)."""
+    try:
+        job = Subjects.job_of(subject)
+    except ValueError as exc:
+        return str(exc)
+    said = getattr(msg, "job_id", None)
+    if said is not None and said != job:
+        return f"the body's job {said!r} is not the subject's {job!r}"
+    agent, said = Subjects.agent_of(subject), getattr(msg, "agent_id", None)
+    if agent is not None and said is not None and said != agent:
+        return f"the body's agent {said!r} is not the subject's {agent!r}"
+    return None
 
 
 def new_event_id() -> str:

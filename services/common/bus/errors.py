@@ -33,10 +33,12 @@ class PermanentError(Exception):
 
 
 # SQLSTATE classes (and single codes) where the same statement can succeed later: connection
-# exceptions, transaction rollbacks (serialization failure, deadlock), insufficient resources
-# (too many connections, disk full), operator intervention (admin or crash shutdown, cannot
-# connect now, query cancelled), system errors, and a lock that was not available.
-_TRANSIENT_SQLSTATE_PREFIXES = ("08", "40", "53", "57", "58", "55P03")
+# exceptions, invalid transaction state (25006, a read-only server: the standby a failover
+# left this connection on, writable again once the pool reaches the new primary), transaction
+# rollbacks (serialization failure, deadlock), insufficient resources (too many connections,
+# disk full), operator intervention (admin or crash shutdown, cannot connect now, query
+# cancelled), system errors, and a lock that was not available.
+_TRANSIENT_SQLSTATE_PREFIXES = ("08", "25", "40", "53", "57", "58", "55P03")
 
 # Python's own names for a connection that failed or was cut; the asyncpg and SQLAlchemy
 # connection errors below complete the list.

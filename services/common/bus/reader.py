@@ -13,11 +13,28 @@ import contextlib
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TypeVar
 
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from pydantic import BaseModel, ValidationError
 
+from services.common.bus.contract import subject_mismatch
 from services.common.bus.streams import TELEMETRY
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def decode(msg: Msg, model: type[M]) -> M | None:
+    """The message as ``model``, or None when it fails the contract or says another job or
+    agent than its subject: the durable consumers dead-letter those, a reader passes them
+    over (what a forged body claims must not reach a chart, a plan or a detector's replay)."""
+    try:
+        out = model.model_validate_json(msg.data)
+    except ValidationError:
+        return None
+    return None if subject_mismatch(msg.subject, out) is not None else out
 
 
 @dataclass

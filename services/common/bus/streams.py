@@ -103,8 +103,10 @@ class ConsumerSpec:
       while every message's ack wait runs, so ``batch`` handler runs must fit in ``ack_wait_s``.
     * ``retry_delays_s`` are the delays of the consumer's own naks after a transient failure:
       the n-th delivery is retried after ``retry_delays_s[n-1]`` (the last value repeats).
-    * ``max_deliver`` bounds deliveries of one message; the consumer dead-letters a message whose
-      last delivery failed instead of naking it (the server would just stop delivering it).
+    * ``max_deliver`` bounds the transient failures of one message while the consumer's
+      dependency answers (bus.client.Consumer): then it is dead-lettered. The server's own
+      bound is off (-1): a database outage of any length, during which failures do not count,
+      must never make the server stop delivering a message.
     """
 
     stream: str
@@ -139,7 +141,7 @@ class ConsumerSpec:
             deliver_policy=DeliverPolicy.ALL,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.ack_wait_s,
-            max_deliver=self.max_deliver,
+            max_deliver=-1,  # the consumer bounds deliveries itself (class docstring)
             backoff=None,  # none on purpose: see the class docstring
             max_ack_pending=self.max_ack_pending,
             filter_subjects=list(self.filter_subjects),
@@ -183,7 +185,8 @@ VALIDATOR = ConsumerSpec(
 ANALYZER_COLLECTIVES = ConsumerSpec(
     stream=TELEMETRY,
     durable="analyzer-collectives",
-    filter_subjects=(Subjects.ALL_COLLECTIVES,),
+    # as stored: with tracker partitions the stream appends the job's partition to the subject
+    filter_subjects=(Subjects.stored(Subjects.ALL_COLLECTIVES),),
     batch=256,
 )
 PLANNER = ConsumerSpec(

@@ -9,6 +9,7 @@ from alembic import command
 from alembic.config import Config
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATION_LOCK = 0x67726579  # "grey": the advisory lock one migration run holds (env.py)
 
 
 def alembic_config(url: str) -> Config:

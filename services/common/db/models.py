@@ -281,6 +281,8 @@ class ApiToken(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=_uuid)
     name: Mapped[str] = mapped_column(String(255))
     role: Mapped[str] = mapped_column(String(16))
+    # a job token's job: the only one whose own routes it may call (None for the other roles)
+    job_id: Mapped[str | None] = mapped_column(String(128))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
     created_by: Mapped[str] = mapped_column(String(255), default="")

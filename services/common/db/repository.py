@@ -41,6 +41,13 @@ async def ping(session: AsyncSession) -> None:
     await session.execute(text("select 1"))
 
 
+async def writable(session: AsyncSession) -> bool:
+    """Whether the database takes writes now: up, and not a standby (a failover may leave a
+    connection on one, read-only)."""
+    return bool(await session.scalar(text(
+        "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'")))
+
+
 async def try_lock(session: AsyncSession, key: int) -> bool:
     """Take the transaction-scoped advisory lock ``key`` unless another transaction holds it."""
     return bool(await session.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}))
@@ -79,6 +86,20 @@ async def upsert_ranks(session: AsyncSession, job_id: str, agent_id: str,
               "device": stmt.excluded.device, "pid": stmt.excluded.pid,
               "agent_id": stmt.excluded.agent_id, "marks_off": stmt.excluded.marks_off,
               "last_seen_at": func.now()}))
+
+
+async def ranks_held_by_others(session: AsyncSession, job_id: str, agent_id: str,
+                               ranks: Sequence[int], *, seen_since: datetime
+                               ) -> Sequence[tuple[int, str]]:
+    """(rank, agent) of ``ranks`` of the job that another agent announced since ``seen_since``:
+    ranks a hello from ``agent_id`` may not take."""
+    if not ranks:
+        return []
+    rows = await session.execute(
+        select(Rank.rank, Rank.agent_id).where(
+            Rank.job_id == job_id, Rank.rank.in_(list(ranks)), Rank.agent_id != agent_id,
+            Rank.last_seen_at >= seen_since).order_by(Rank.rank))
+    return [(int(r), str(a)) for r, a in rows.all()]
 
 
 async def list_jobs(session: AsyncSession) -> Sequence[Job]:
@@ -395,9 +416,10 @@ async def open_escalations(session: AsyncSession) -> Sequence[tuple[Escalation, 
 # ---- API tokens -------------------------------------------------------------------------------
 
 async def create_token(session: AsyncSession, *, name: str, role: str, token_hash: str,
-                       prefix: str, created_by: str, expires_at: datetime | None) -> ApiToken:
+                       prefix: str, created_by: str, expires_at: datetime | None,
+                       job_id: str | None = None) -> ApiToken:
     token = ApiToken(name=name, role=role, token_hash=token_hash, prefix=prefix,
-                     created_by=created_by, expires_at=expires_at)
+                     created_by=created_by, expires_at=expires_at, job_id=job_id)
     session.add(token)
     await session.flush()
     return token

@@ -3,18 +3,22 @@
 Redirects are not followed (a webhook URL is where the body goes, nothing else); a 2xx answer
 delivers; a timeout, a connection failure, 408, 425, 429 or a 5xx is retried with back-off; any
 other answer is the receiver refusing the request (bad signature, unknown endpoint), which no
-retry fixes, so the delivery fails at once and the attempt log says why.
+retry fixes, so the delivery fails at once and the attempt log says why; so does a destination
+webhooks may not reach (services.common.webhooks.destination).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit
 
 import httpx
 
+from services.common.webhooks.destination import AllowList, DestinationRefused, resolve
 from services.common.webhooks.signing import (
     ATTEMPT_HEADER,
     DELIVERY_HEADER,
@@ -64,28 +68,40 @@ def _retry_after(resp: httpx.Response) -> float | None:
         return None
 
 
-async def attempt(client: httpx.AsyncClient, url: str, secret: str, body: bytes, *, key: str,
-                  event: str, number: int, timeout_s: float) -> Attempt:
+async def attempt(url: str, secret: str, body: bytes, *, key: str, event: str, number: int,
+                  timeout_s: float, allow: AllowList) -> Attempt:
+    """One signed POST, within ``timeout_s`` all told (resolving, connecting, sending and the
+    receiver's status line: httpx's own timeouts are per step, so a receiver that answers a
+    byte at a time could hold a sender for ever). The destination is checked and pinned first
+    (services.common.webhooks.destination). The reply's body is never read: nothing a receiver
+    says is kept or shown, only its status and Retry-After."""
     timestamp = int(time.time())
     headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT,
-               SIGNATURE_HEADER: sign(secret, timestamp, body), DELIVERY_HEADER: key,
+               SIGNATURE_HEADER: sign(secret, timestamp, body, key), DELIVERY_HEADER: key,
                "Idempotency-Key": key, EVENT_HEADER: event, ATTEMPT_HEADER: str(number)}
     t0 = time.perf_counter()
+
+    def ms() -> float:
+        return (time.perf_counter() - t0) * 1e3
+
     try:
-        resp = await client.post(url, content=body, headers=headers, timeout=timeout_s,
-                                 follow_redirects=False)
-    except httpx.TimeoutException as exc:
-        return Attempt("timeout", None, f"no answer within {timeout_s:g}s ({type(exc).__name__})",
-                       (time.perf_counter() - t0) * 1e3)
-    except httpx.HTTPError as exc:
-        return Attempt("connection_error", None, f"{type(exc).__name__}: {exc}"[:500],
-                       (time.perf_counter() - t0) * 1e3)
-    ms = (time.perf_counter() - t0) * 1e3
-    code = resp.status_code
+        async with asyncio.timeout(timeout_s):
+            dest = await resolve(url, allow)
+            headers["Host"] = urlsplit(url).netloc.rpartition("@")[2]
+            # A client per attempt: a pooled connection to the same address opened for another
+            # host name would carry that name's TLS session.
+            async with httpx.AsyncClient(follow_redirects=False, timeout=timeout_s) as client, \
+                    client.stream("POST", dest.pinned_url(), content=body, headers=headers,
+                                  extensions={"sni_hostname": dest.host}) as resp:
+                code, retry_after = resp.status_code, _retry_after(resp)
+    except DestinationRefused as exc:
+        return Attempt("rejected", None, f"destination refused: {exc}", ms())
+    except (TimeoutError, httpx.TimeoutException):
+        return Attempt("timeout", None, f"no answer within {timeout_s:g}s", ms())
+    except (httpx.HTTPError, OSError) as exc:
+        return Attempt("connection_error", None, f"{type(exc).__name__}: {exc}"[:300], ms())
     if 200 <= code < 300:
-        return Attempt("delivered", code, None, ms)
-    snippet = resp.text[:300] if resp.content else ""
-    error = f"HTTP {code}" + (f": {snippet}" if snippet else "")
+        return Attempt("delivered", code, None, ms())
     if code in _RETRY_STATUS or code >= 500:
-        return Attempt("http_error", code, error, ms, _retry_after(resp))
-    return Attempt("rejected", code, error, ms)
+        return Attempt("http_error", code, f"HTTP {code}", ms(), retry_after)
+    return Attempt("rejected", code, f"HTTP {code}", ms())

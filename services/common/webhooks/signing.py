@@ -1,10 +1,13 @@
 """Signing a webhook delivery, and the check a receiver runs (documented in docs/webhooks.md).
 
-The signature is HMAC-SHA256 over ``"<unix seconds>." + body`` with the webhook's secret, sent as
-``Greyhound-Signature: t=<unix seconds>,v1=<hex>``. Binding the timestamp into the MAC lets a
-receiver refuse old requests (a replay outside the tolerance); the idempotency key
-(``Greyhound-Delivery``, the same on every retry of one event) lets it refuse a replay inside the
-tolerance and ignore our own retries of what it already processed.
+The signature is HMAC-SHA256 with the webhook's secret over ``"<unix seconds>.<delivery>." +
+body``, sent as ``Greyhound-Signature: t=<unix seconds>,v1=<hex>,v2=<hex>`` (``v2``; ``v1``
+is the MAC over ``"<unix seconds>." + body`` alone, for receivers written before ``v2``).
+Binding the timestamp into the MAC lets a receiver refuse old requests (a replay outside the
+tolerance); the idempotency key (``Greyhound-Delivery``, the same on every retry of one event)
+lets it refuse a replay inside the tolerance and ignore our own retries of what it already
+processed, which it can trust only because ``v2`` signs it: with ``v1`` alone, a captured
+request replayed with a new key would pass as a new event.
 """
 
 from __future__ import annotations
@@ -30,21 +33,30 @@ def new_secret() -> str:
     return "whsec_" + secrets.token_urlsafe(32)
 
 
-def sign(secret: str, timestamp: int, body: bytes) -> str:
-    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
-    return f"t={timestamp},v1={mac}"
+def _mac(secret: str, signed: bytes) -> str:
+    return hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
 
 
-def verify(secret: str, header: str, body: bytes, *, now: float | None = None,
-           tolerance_s: float = TOLERANCE_S) -> int:
-    """The signed timestamp when ``header`` signs ``body`` and is recent; SignatureError if not."""
+def sign(secret: str, timestamp: int, body: bytes, delivery: str) -> str:
+    v1 = _mac(secret, f"{timestamp}.".encode() + body)
+    v2 = _mac(secret, f"{timestamp}.{delivery}.".encode() + body)
+    return f"t={timestamp},v1={v1},v2={v2}"
+
+
+def verify(secret: str, header: str, body: bytes, *, delivery: str | None = None,
+           now: float | None = None, tolerance_s: float = TOLERANCE_S) -> int:
+    """The signed timestamp when ``header`` signs ``body`` (and ``delivery``, the
+    Greyhound-Delivery header, when given: ``v2``, which a receiver that de-duplicates on it
+    must check) and is recent; SignatureError if not."""
     fields = dict(part.split("=", 1) for part in header.split(",") if "=" in part)
+    version = "v1" if delivery is None else "v2"
     try:
         timestamp = int(fields["t"])
-        given = fields["v1"]
+        given = fields[version]
     except (KeyError, ValueError) as exc:
-        raise SignatureError("malformed signature header") from exc
-    expected = sign(secret, timestamp, body).split("v1=", 1)[1]
+        raise SignatureError(f"malformed signature header (no t or {version})") from exc
+    signed = f"{timestamp}.".encode() if delivery is None else f"{timestamp}.{delivery}.".encode()
+    expected = _mac(secret, signed + body)
     if not hmac.compare_digest(expected, given):
         raise SignatureError("signature does not match")
     if abs((time.time() if now is None else now) - timestamp) > tolerance_s:

@@ -4,6 +4,7 @@ when a rank it announced before its hook decided turns out to be one."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,6 +28,25 @@ def _hellos(agent: NodeAgent) -> list[AgentHello]:
 def _ring(shm: Path, rank: int, api: H.GpuApi) -> H.RingWriter:
     return H.RingWriter(H.ring_path(shm, JOB, rank), job=JOB, rank=rank, host="h", pid=0,
                         device=rank, capacity=64, comms=[H.CommRow(7, rank, 2)], gpu_api=api)
+
+
+def test_live_ranks_are_announced_again_every_hello_period(tmp_path: Path) -> None:
+    """The tracker lets another agent take a rank only once its holder stopped announcing it,
+    so an agent announces its live ranks again every GREYHOUND_AGENT_HELLO_S."""
+    agent = NodeAgent(tmp_path, cast(JetStreamContext, None), agent_id="a1", jobs=[JOB],
+                      settings=AgentSettings(hello_s=2.0))
+    rings = [_ring(tmp_path, r, H.GpuApi.DRIVER) for r in (0, 1)]
+    agent.scan()
+    assert [[r.rank for r in h.ranks] for h in _hellos(agent)] == [[0, 1]]
+    agent.scan()
+    assert _hellos(agent) == []  # within the period: nothing
+    time.sleep(2.1)
+    agent.scan()
+    assert [[r.rank for r in h.ranks] for h in _hellos(agent)] == [[0, 1]]
+    for col in agent.collectors.values():
+        col.close()
+    for w in rings:
+        w.close()
 
 
 def test_ranks_without_gpu_marks_are_named_in_the_hello(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Every ring is untrusted input: broken, truncated, foreign and random rings next to good ones.
+"""Every ring is untrusted input: broken, truncated, foreign and random rings next to good ones
+(a header naming another job, a file another user owns: when the test runs as root).
 
 Each bad ring is reported (with the reason the checks give) and skipped; the good rings are
 still drained and published; the agent's loop keeps running; memory stays bounded whatever a
@@ -12,6 +13,7 @@ import os
 import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -78,6 +80,16 @@ def _build(shm: Path) -> dict[Path, str]:
     expected[fifo] = "not_a_file"
     H.ring_path(shm, JOB, 33).mkdir()
     expected[H.ring_path(shm, JOB, 33)] = "IsADirectoryError"
+    # another job's ring put in this job's directory: it must not speak for this job
+    other = good_ring(shm, JOB, 34)
+    other.close()
+    poke(other.path, "job", b"another-job".ljust(64, b"\0"))
+    expected[other.path] = "job"
+    if os.geteuid() == 0:  # a file another user owns in the job's directory
+        foreign = good_ring(shm, JOB, 35)
+        foreign.close()
+        os.chown(foreign.path, 4242, 4242)
+        expected[foreign.path] = "owner"
     return expected
 
 
@@ -253,3 +265,19 @@ def test_header_fields_read_back_as_poked(tmp_path: Path) -> None:
     assert header_offset(w.path, "capacity") == 0
     col = Collector(tmp_path, JOB)
     assert col.scan() == [] and col.health.bad[w.path].reason == "capacity"
+
+
+def test_a_symlinked_job_directory_is_not_read(tmp_path: Path) -> None:
+    """A local user links a directory of theirs, with rings naming job ``victim``, under that
+    job's name: the agent lists no such job and its collector reads nothing through the link
+    (it followed directory symlinks, and took the job from the link's name)."""
+    shm, theirs = tmp_path / "shm", tmp_path / "theirs"
+    shm.mkdir()
+    good_ring(theirs, "victim", 0).close()  # a well-formed ring of "victim", in their tree
+    (shm / "victim").symlink_to(theirs / "victim", target_is_directory=True)
+    good_ring(shm, JOB, 0).close()
+    agent = NodeAgent(shm, cast(JetStreamContext, None), agent_id="a1", settings=AgentSettings())
+    assert agent._job_dirs() == [JOB]
+    col = Collector(shm, "victim")
+    assert col.scan() == [] and not col.streams
+    col.close()

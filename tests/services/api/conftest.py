@@ -39,6 +39,7 @@ MICROBATCHES = MicrobatchParams(kind="microbatch", microbatches=[6, 6, 4, 8],
 WEBHOOK_KEY = "test-webhook-key-0123456789abcdef"
 TOKEN_KEY = "test-token-pepper"
 ROLES = ("viewer", "job", "operator", "admin")
+JOB_OF_JOB_TOKEN = "job-a"  # the job the fixture's job token acts for
 
 
 @dataclass
@@ -57,13 +58,20 @@ class Api:
     def auth(self, role: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens[role]}"}
 
-    async def token(self, role: str, name: str, *, expires_at: datetime | None = None) -> str:
+    async def job_token(self, job_id: str) -> dict[str, str]:
+        """The headers of a job token for ``job_id`` (made once, named after the job)."""
+        if job_id not in self.tokens:
+            self.tokens[job_id] = await self.token("job", "job-user", job_id=job_id)
+        return self.auth(job_id)
+
+    async def token(self, role: str, name: str, *, expires_at: datetime | None = None,
+                    job_id: str | None = None) -> str:
         secret = new_token()
         async with self.ctx.db()() as session:
             await repo.create_token(session, name=name, role=role,
                                     token_hash=hash_token(secret, TOKEN_KEY.encode()),
                                     prefix=display_prefix(secret), created_by="test",
-                                    expires_at=expires_at)
+                                    expires_at=expires_at, job_id=job_id)
             await session.commit()
         return secret
 
@@ -126,7 +134,10 @@ class Api:
 def api_settings(nats_url: str, db_url: str, tmp_path: Path, **over: Any) -> Settings:
     base: dict[str, Any] = {"nats_url": nats_url, "database_url": db_url,
                             "data_dir": tmp_path / "data", "webhook_key": WEBHOOK_KEY,
-                            "token_key": TOKEN_KEY, "webhook_timeout_s": 2.0}
+                            "token_key": TOKEN_KEY, "webhook_timeout_s": 2.0,
+                            # the tests' receivers listen on loopback, which webhooks may not
+                            # reach unless allowed
+                            "webhook_allow_hosts": "127.0.0.1"}
     base.update(over)
     return Settings(**base)
 
@@ -139,7 +150,8 @@ async def api(bus: Bus, fresh_db_url: str, tmp_path: Path) -> AsyncIterator[Api]
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api")
     a = Api(ctx, app, client, bus=bus)
     for role in ROLES:
-        a.tokens[role] = await a.token(role, f"{role}-user")
+        a.tokens[role] = await a.token(role, f"{role}-user",
+                                       job_id=JOB_OF_JOB_TOKEN if role == "job" else None)
     try:
         yield a
     finally:

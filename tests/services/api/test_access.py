@@ -108,7 +108,8 @@ async def test_expired_and_revoked_tokens_are_refused(api: Api) -> None:
                                   json={"name": "short-lived", "role": "operator"})).json()
     bearer = {"Authorization": f"Bearer {made['token']}"}
     me = (await api.client.get("/v1/me", headers=bearer)).json()
-    assert me == {"name": "short-lived", "role": "operator", "token_id": made["id"]}
+    assert me == {"name": "short-lived", "role": "operator", "token_id": made["id"],
+                  "job_id": None}
     assert (await api.client.delete(f"/v1/tokens/{made['id']}",
                                     headers=api.auth("admin"))).status_code == 204
     assert (await api.client.get("/v1/me", headers=bearer)).status_code == 401

@@ -15,7 +15,7 @@ from tests.services.common.support import stored
 
 
 async def test_layout_is_declared_by_the_job_and_checked(api: Api) -> None:
-    job = api.auth("job")
+    job = await api.job_token("new-job")
     layout = {"tp": 2, "dp": 4, "pp": 2, "gpus_per_node": 8, "microbatches": 16,
               "multiple_of": 2}
     r = await api.client.put("/v1/jobs/new-job/layout", headers=job, json=layout)
@@ -28,7 +28,8 @@ async def test_layout_is_declared_by_the_job_and_checked(api: Api) -> None:
     for body in bad:
         r = await api.client.put("/v1/jobs/new-job/layout", headers=job, json=body)
         assert r.status_code == 422, (body, r.text)
-    r = await api.client.put("/v1/jobs/bad%20id/layout", headers=job, json=layout)
+    r = await api.client.put("/v1/jobs/bad%20id/layout", headers=api.auth("operator"),
+                             json=layout)
     assert r.status_code == 422 and "job id" in r.json()["detail"]
     assert (await api.client.put("/v1/jobs/new-job/layout", headers=api.auth("viewer"),
                                  json=layout)).status_code == 403
@@ -42,10 +43,10 @@ async def test_current_plan_and_a_report_reach_the_planner_once(api: Api) -> Non
                                  headers=api.auth("viewer"))).status_code == 404
     plan = await api.plan(await api.incident("job-r"), "job-r")
     await api.deliver(plan, "job-r", version=1, microbatches=[5, 3])
-    body = (await api.client.get("/v1/jobs/job-r/plan", headers=api.auth("job"))).json()
+    body = (await api.client.get("/v1/jobs/job-r/plan", headers=api.auth("viewer"))).json()
     assert (body["version"], body["plan_id"], body["microbatches"], body["action"]) == (
         1, plan, [5, 3], "apply")
-    job = api.auth("job")
+    job = await api.job_token("job-r")
     assert (await api.client.post("/v1/jobs/job-r/plan/applied", headers=job,
                                   json={"version": 2})).status_code == 404
     r = await api.client.post("/v1/jobs/job-r/plan/applied", headers=job,
@@ -64,6 +65,40 @@ async def test_current_plan_and_a_report_reach_the_planner_once(api: Api) -> Non
     assert again.status_code == 409 and "already" in again.json()["detail"]
     assert (await api.client.post("/v1/jobs/job-r/plan/applied", headers=job,
                                   json={"version": 1, "outcome": "done"})).status_code == 422
+
+
+async def test_a_job_token_acts_for_its_own_job_only(api: Api) -> None:
+    """Job A's token on job B's layout and plan report: 403, nothing recorded or sent. A job
+    token made before tokens named their job acts for none; an operator acts for any job."""
+    await api.job("job-b")
+    plan = await api.plan(await api.incident("job-b"), "job-b")
+    await api.deliver(plan, "job-b", version=1, microbatches=[5, 3])
+    layout = {"tp": 1, "dp": 2, "pp": 1, "gpus_per_node": 2, "microbatches": 2}
+    unscoped = await api.token("job", "old-job-token")  # as migration 0006 leaves one
+    for headers in (api.auth("job"), {"Authorization": f"Bearer {unscoped}"}):
+        r = await api.client.put("/v1/jobs/job-b/layout", headers=headers, json=layout)
+        assert r.status_code == 403 and "not for job 'job-b'" in r.json()["detail"], r.text
+        r = await api.client.post("/v1/jobs/job-b/plan/applied", headers=headers,
+                                  json={"version": 1, "outcome": "failed", "error": "forged"})
+        assert r.status_code == 403, r.text
+    detail = (await api.client.get("/v1/jobs/job-b", headers=api.auth("viewer"))).json()
+    assert detail["topology"]["layout"]["dp"] == 4  # the seeded layout, untouched
+    assert await _reports(api, "job-b") == []
+    r = await api.client.put("/v1/jobs/job-b/layout", headers=api.auth("operator"), json=layout)
+    assert r.status_code == 200, r.text
+    me = (await api.client.get("/v1/me", headers=api.auth("job"))).json()
+    assert me["job_id"] == "job-a"
+    admin = api.auth("admin")
+    for body in ({"name": "j", "role": "job"}, {"name": "v", "role": "viewer", "job_id": "job-a"},
+                 {"name": "k", "role": "job", "job_id": "bad id"}):
+        r = await api.client.post("/v1/tokens", headers=admin, json=body)
+        assert r.status_code == 422, (body, r.text)
+    made = await api.client.post("/v1/tokens", headers=admin,
+                                 json={"name": "b", "role": "job", "job_id": "job-b"})
+    assert made.status_code == 201 and made.json()["job_id"] == "job-b"
+    r = await api.client.post("/v1/jobs/job-b/plan/applied", json={"version": 1},
+                              headers={"Authorization": f"Bearer {made.json()['token']}"})
+    assert r.status_code == 202, r.text
 
 
 async def test_an_expired_proposal_cannot_be_decided_and_decisions_reach_the_timeline(

@@ -3,17 +3,23 @@ the database and JetStream."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.app import create_app
 from services.api.settings import ApiSettings
 from services.common.db import repository as repo
 from services.common.db.documents import Evidence, Validation
+from services.common.db.session import make_engine, make_sessionmaker
 from tests.conftest import Bus
 from tests.services.api.conftest import Api, api_settings
+from tests.services.notifier.receiver import free_port
 
 
 async def test_readyz_names_what_is_missing(api: Api, bus: Bus, fresh_db_url: str,
@@ -28,6 +34,25 @@ async def test_readyz_names_what_is_missing(api: Api, bus: Bus, fresh_db_url: st
         r = await c.get("/readyz")
         assert r.status_code == 503 and r.json()["checks"]["nats"] == "not configured"
         assert (await c.get("/healthz")).json() == {"status": "ok"}
+
+
+async def test_readyz_says_what_failed_not_where(api: Api, bus: Bus, fresh_db_url: str,
+                                                tmp_path: Path) -> None:
+    """An open route: a database that does not answer is "unreachable", without the driver's
+    text (which named the host, its address and port)."""
+    port = free_port()  # nothing listens there
+    engine = make_engine(f"postgresql://postgres@127.0.0.1:{port}/greyhound")
+    down = create_app(make_sessionmaker(engine), settings=api_settings(
+        bus.url, fresh_db_url, tmp_path), api=ApiSettings(), nc=api.ctx.nc, js=api.ctx.js)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=down),
+                                     base_url="http://a") as c:
+            r = await c.get("/readyz")
+    finally:
+        await engine.dispose()
+    assert r.status_code == 503, r.text
+    assert r.json()["checks"] == {"database": "unreachable", "nats": "ok"}
+    assert "127.0.0.1" not in r.text and str(port) not in r.text
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -80,3 +105,32 @@ async def test_metrics_from_database_and_jetstream(api: Api) -> None:
     assert ("greyhound_bus_messages_total", (("stream", "GH_EVENTS"),)) in m
     assert any(k[0] == "greyhound_api_requests_total" and ("route", "/v1/incidents") in k[1]
                for k in m)
+
+
+async def test_a_probe_that_times_out_answers_503_and_leaves_the_api_usable(
+        api: Api, bus: Bus, fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A database that takes longer than the probe's 2 s to answer (its ping made a 5 s
+    query): /readyz says so, and the API answers the next requests. The probe's query was
+    cancelled on the request's own session, whose commit then failed: a 500 instead of the
+    503, and a connection cut mid-operation left to the request's cleanup."""
+    slow = {"on": False}
+    real_ping = repo.ping
+
+    async def ping(session: AsyncSession) -> None:
+        if slow["on"]:
+            await session.execute(text("select pg_sleep(5)"))
+        await real_ping(session)
+
+    monkeypatch.setattr(repo, "ping", ping)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api.app),
+                                 base_url="http://a") as c:
+        slow["on"] = True
+        r = await c.get("/readyz")
+        assert r.status_code == 503 and r.json()["checks"]["database"] == "unreachable", r.text
+        slow["on"] = False
+        for _ in range(3):
+            assert (await c.get("/readyz")).status_code == 200
+            assert (await c.get("/v1/incidents", headers=api.auth("viewer"))).status_code == 200
+    failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not failed, failed

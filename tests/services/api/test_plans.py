@@ -74,7 +74,7 @@ async def test_the_decision_is_on_the_plan_and_on_its_incidents_audit_trail(api:
     listed = (await api.client.get("/v1/plans", headers=v, params={"job_id": "job-r"})).json()
     assert [p["decided_by"] for p in listed] == ["operator-user"]
     await api.deliver(plan, "job-r")
-    applied = await api.client.post("/v1/jobs/job-r/plan/applied", headers=api.auth("job"),
+    applied = await api.client.post("/v1/jobs/job-r/plan/applied", headers=await api.job_token("job-r"),
                                     json={"version": 1, "cost_s": 0.5})
     assert applied.status_code == 202, applied.text
     await api.client.post(f"/v1/incidents/{inc}/ack", headers=api.auth("operator"), json={})

@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from services.api.app import create_app
 from services.api.settings import ApiSettings
+from services.api.tokens import MissingTokenKey
 from services.common.db.session import make_engine, make_sessionmaker
 from tests.services.api.conftest import TOKEN_KEY, api_settings
 
@@ -23,10 +25,13 @@ _LOADED = ("import sys, runpy; sys.argv = ['greyhound', 'token', *sys.argv[1:]]\
            "file=sys.stderr)")
 
 
-def _cli(db_url: str, tmp: Path, *args: str, nats: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "GREYHOUND_NATS_URL"}
-    env |= {"GREYHOUND_DATABASE_URL": db_url, "GREYHOUND_TOKEN_KEY": TOKEN_KEY,
-            "GREYHOUND_DATA_DIR": str(tmp / "data")}
+def _cli(db_url: str, tmp: Path, *args: str, nats: bool = True,
+         key: str | None = TOKEN_KEY) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GREYHOUND_NATS_URL", "GREYHOUND_TOKEN_KEY")}
+    env |= {"GREYHOUND_DATABASE_URL": db_url, "GREYHOUND_DATA_DIR": str(tmp / "data")}
+    if key is not None:
+        env["GREYHOUND_TOKEN_KEY"] = key
     if nats:
         env["GREYHOUND_NATS_URL"] = "nats://127.0.0.1:1"
     return subprocess.run([sys.executable, "-c", _LOADED, *args], env=env,
@@ -63,6 +68,11 @@ async def test_first_admin_token_from_the_cli(fresh_db_url: str, tmp_path: Path)
     assert again.returncode == 1 and "no live token" in again.stderr
     bad = _cli(fresh_db_url, tmp_path, "create", "--role", "viewer", "--expires", "soon")
     assert bad.returncode == 2 and "expiry must look like" in bad.stderr
+    unscoped = _cli(fresh_db_url, tmp_path, "create", "--role", "job")
+    assert unscoped.returncode == 2 and "--job" in unscoped.stderr
+    scoped = _cli(fresh_db_url, tmp_path, "create", "--role", "job", "--job", "train-7")
+    assert scoped.returncode == 0 and "for job train-7" in scoped.stderr, scoped.stderr
+    assert "(job train-7)" in _cli(fresh_db_url, tmp_path, "list").stdout
 
 
 def test_token_create_needs_the_database_only(fresh_db_url: str, tmp_path: Path) -> None:
@@ -78,3 +88,14 @@ def test_token_create_needs_the_database_only(fresh_db_url: str, tmp_path: Path)
     assert not (tmp_path / "data" / "nats").exists()
     listed = _cli(fresh_db_url, tmp_path, "list", nats=False)
     assert "operator" in listed.stdout and " v " in listed.stdout
+
+
+def test_a_configured_database_needs_a_token_key(fresh_db_url: str, tmp_path: Path) -> None:
+    """Hashes keyed by the public default key would let anyone who reads the table test a
+    guess or add a token: on a configured database, no key is an error, said at once."""
+    keyless = _cli(fresh_db_url, tmp_path, "create", "--role", "admin", key=None)
+    assert keyless.returncode == 2 and "GREYHOUND_TOKEN_KEY is not set" in keyless.stderr
+    assert keyless.stdout == ""
+    with pytest.raises(MissingTokenKey, match="GREYHOUND_TOKEN_KEY"):
+        create_app(make_sessionmaker(make_engine(fresh_db_url)), settings=api_settings(
+            "nats://127.0.0.1:1", fresh_db_url, tmp_path, token_key=None), api=ApiSettings())

@@ -44,7 +44,7 @@ async def test_create_list_test_send_and_delete(api: Api) -> None:
         assert [a["outcome"] for a in sent["attempt_log"]] == ["delivered"]
         (got,) = rx.processed
         assert got.key == sent["event_id"] and set(got.body) == {"text", "blocks"}
-        verify(secret, got.headers["greyhound-signature"], got.raw)
+        verify(secret, got.headers["greyhound-signature"], got.raw, delivery=got.key)
 
         log = (await api.client.get(f"/v1/webhooks/{made['id']}/deliveries",
                                     headers=admin)).json()
@@ -81,3 +81,43 @@ async def test_bad_input_and_missing_key(api: Api, bus: Bus, fresh_db_url: str,
                                  base_url="http://a") as c:
         r = await c.post("/v1/webhooks", headers=admin, json={"url": "http://x.test/"})
     assert r.status_code == 503 and "GREYHOUND_WEBHOOK_KEY" in r.json()["detail"]
+
+
+async def test_webhooks_to_internal_addresses_are_refused(api: Api, bus: Bus, fresh_db_url: str,
+                                                          tmp_path: Path) -> None:
+    """Without GREYHOUND_WEBHOOK_ALLOW_HOSTS: a URL naming loopback or the metadata address is
+    a 422; one stored before the check (or a name that resolves there) is refused at the test
+    send, before anything connects; the audit log keeps the URL's origin, not its secret path."""
+    secret = "whsec_known-secret-for-this-test"
+    rx = Receiver(secret)
+    await rx.start()
+    strict = create_app(api.ctx.db(), settings=api_settings(bus.url, fresh_db_url, tmp_path,
+                                                            webhook_allow_hosts=""),
+                        api=ApiSettings())
+    admin = api.auth("admin")
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=strict),
+                                     base_url="http://a") as c:
+            for url in (rx.url, "http://169.254.169.254/latest/meta-data/iam/",
+                        "http://[::ffff:169.254.169.254]/", f"http://localhost:{rx.port}/"):
+                r = await c.post("/v1/webhooks", headers=admin, json={"url": url})
+                assert r.status_code == 422 and "GREYHOUND_WEBHOOK_ALLOW_HOSTS" in r.text, url
+            async with api.ctx.db()() as session:
+                hook = Webhook(url=rx.url, secret_enc=SecretBox(WEBHOOK_KEY).encrypt(secret),
+                               events=[], name="old")
+                session.add(hook)
+                await session.commit()
+            r = await c.post(f"/v1/webhooks/{hook.id}/test", headers=admin)
+            assert r.status_code == 200, r.text
+            (tried,) = r.json()["attempt_log"]
+            assert tried["outcome"] == "rejected" and "destination refused" in tried["error"]
+            assert rx.requests == 0
+            made = await c.post("/v1/webhooks", headers=admin, json={
+                "url": "https://hooks.slack.com/services/T000/B000/SECRETPATH"})
+            assert made.status_code == 201, made.text
+        audit = (await api.client.get("/v1/audit", headers=admin,
+                                      params={"target_type": "webhook"})).json()
+        assert audit[0]["detail"]["url"] == "https://hooks.slack.com"
+        assert "SECRETPATH" not in str(audit)
+    finally:
+        await rx.stop()

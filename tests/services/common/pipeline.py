@@ -46,7 +46,7 @@ from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import run_tracker
 from services.validator.service import run_validator
-from tests.conftest import Bus
+from tests.conftest import TEST_TOKEN_KEY, Bus
 
 AGENTS = {"node-a": (0, 1), "node-b": (2, 3)}
 WORLD = 4
@@ -219,7 +219,8 @@ async def pipeline(bus: Bus, db_url: str, data_dir: Any,
     """The services as tasks of this process, each with its own connections and bus user (as
     processes)."""
     s = Settings(nats_url=bus.url, database_url=db_url, data_dir=data_dir,
-                 outbox_poll_s=0.2, outbox_grace_s=0.3, **settings)
+                 outbox_poll_s=0.2, outbox_grace_s=0.3,
+                 **{"token_key": TEST_TOKEN_KEY, **settings})  # an API made on it needs one
     ctx = await start_service("pipeline-test", s, backends=bus.backends(OPERATOR, db_url))
     stop = asyncio.Event()
     runners = {"tracker": run_tracker, "analyzer": run_analyzer, "validator": run_validator}

@@ -37,9 +37,9 @@ async def jetstream(bus: Bus, name: str) -> tuple[NATS, JetStreamContext]:
     return nc, js
 
 
-def batch(job: str, iteration: int = 1) -> IterationBatch:
-    return IterationBatch(job_id=job, agent_id="a1", rank=[0], iteration=[iteration], end_ns=[0],
-                          duration_s=[0.1])
+def batch(job: str, iteration: int = 1, agent: str = "a1") -> IterationBatch:
+    return IterationBatch(job_id=job, agent_id=agent, rank=[0], iteration=[iteration],
+                          end_ns=[0], duration_s=[0.1])
 
 
 async def stored(js: JetStreamContext, stream: str, subject: str, limit: int = 32) -> list[bytes]:

@@ -41,7 +41,7 @@ async def test_validator_gets_the_ack_wait_its_spec_states(bus: Bus) -> None:
     await sub.unsubscribe()
     config = (await js.consumer_info(EVENTS, spec.durable)).config
     assert config.ack_wait == 120.0 and not config.backoff
-    assert config.max_deliver == 5 and spec.batch == 1
+    assert config.max_deliver == -1 and spec.batch == 1  # the old bound lifted on update
     await js.delete_consumer(EVENTS, spec.durable)
     await nc.drain()
 

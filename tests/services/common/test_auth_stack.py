@@ -21,6 +21,7 @@ from services.common.settings import Settings
 from services.tracker.settings import TrackerSettings
 from services.validator.settings import for_cpu_fake
 from stack.up import Stack, wait_api
+from tests.conftest import TEST_TOKEN_KEY
 
 
 def _free_port() -> int:
@@ -38,7 +39,8 @@ def _incident(base: str, job: str) -> dict[str, Any] | None:
 def test_the_whole_stack_runs_on_its_own_users(pg_url: str, tmp_path: Path) -> None:
     data = tmp_path / "data"
     # No nats_url: the embedded one, with users.
-    settings = Settings(database_url=pg_url, data_dir=data, shm_dir=tmp_path / "shm")
+    settings = Settings(database_url=pg_url, token_key=TEST_TOKEN_KEY, data_dir=data,
+                        shm_dir=tmp_path / "shm")
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     job = f"auth-{uuid.uuid4().hex[:6]}"

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy.exc as sa
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from services.common.bus.errors import (
     PermanentError,
@@ -23,7 +23,9 @@ from services.common.bus.errors import (
     classify,
     describe,
 )
-from services.common.db.session import make_engine
+from services.common.db.session import make_engine, make_sessionmaker
+from services.common.embedded import asyncpg_url
+from services.common.unit_of_work import Work
 
 
 class _Model(BaseModel):
@@ -187,6 +189,28 @@ async def test_real_postgres_failures_are_classified(fresh_db_url: str) -> None:
     finally:
         await engine.dispose()
         await killer.dispose()
+
+
+async def test_a_read_only_server_is_transient_and_not_writable(fresh_db_url: str) -> None:
+    """What a failover can leave a pooled connection on: a standby, read-only (SQLSTATE 25006).
+    The write is retried, not dead-lettered, and the consumers' probe says the database is away
+    (it was classed permanent: every event of the failover went to the dead-letter queue)."""
+    engine = create_async_engine(asyncpg_url(fresh_db_url), connect_args={"server_settings": {
+        "default_transaction_read_only": "on"}})
+    try:
+        with pytest.raises(sa.DBAPIError) as read_only:
+            async with engine.begin() as conn:
+                await conn.execute(text("create table nope (k int)"))
+        assert getattr(read_only.value.orig, "sqlstate", None) == "25006"
+        assert classify(read_only.value) == "transient", describe(read_only.value)
+        assert await Work(make_sessionmaker(engine)).writable() is False
+    finally:
+        await engine.dispose()
+    writable = make_engine(fresh_db_url)
+    try:
+        assert await Work(make_sessionmaker(writable)).writable() is True
+    finally:
+        await writable.dispose()
 
 
 async def test_available_answers_unavailable_not_error(fresh_db_url: str) -> None:

@@ -23,7 +23,8 @@ def test_subject_is_per_job_and_agent_and_stored_as_telemetry() -> None:
     subject = Subjects.gpu_health("job-1", "node-2")
     assert subject == "gh.v1.job-1.gpu.node-2"
     assert Subjects.job_of(subject) == "job-1"
-    assert Subjects.in_partition(Subjects.ALL_GPU_HEALTH, 3) == "gh.v1.*.gpu.3"
+    assert Subjects.in_partition(Subjects.ALL_GPU_HEALTH, 3) == "gh.v1.*.gpu.*.3"
+    assert Subjects.agent_of(subject) == "node-2" == Subjects.agent_of(f"{subject}.3")
     telemetry = next(c for c in stream_configs(Settings()) if c.name == TELEMETRY)
     assert telemetry.subjects is not None and Subjects.ALL_GPU_HEALTH in telemetry.subjects
     with pytest.raises(ValueError):

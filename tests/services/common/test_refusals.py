@@ -73,7 +73,7 @@ async def test_a_refused_call_in_a_handler_is_dead_lettered_not_retried() -> Non
                                                       IterationBatch, handler)
         runner = asyncio.create_task(consumer.run())
         try:
-            await publish(agent.jetstream(), Subjects.iterations(job, "rf"), batch(job, 4))
+            await publish(agent.jetstream(), Subjects.iterations(job, "rf"), batch(job, 4, agent="rf"))
             await until(lambda: consumer.stats.dead_lettered == 1, what="the dead letter")
             await asyncio.sleep(1.5)  # a retry would come by now
             assert calls == [4] and consumer.stats.retried == 0

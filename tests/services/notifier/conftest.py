@@ -29,7 +29,8 @@ KEY = "notifier-test-key-0123456789abcdef"
 def notifier_settings(nats: str, db: str, tmp: Path, **over: object) -> Settings:
     values: dict[str, object] = {
         "nats_url": nats, "database_url": db, "data_dir": tmp / "data", "webhook_key": KEY,
-        "webhook_timeout_s": 2.0, "api_public_url": "http://127.0.0.1:8000/dashboard"}
+        "webhook_timeout_s": 2.0, "api_public_url": "http://127.0.0.1:8000/dashboard",
+        "webhook_allow_hosts": "127.0.0.1"}  # the test receiver's loopback, allowed
     values.update(over)
     return Settings(**values)
 

@@ -69,12 +69,12 @@ class Receiver:
             self.fail_next -= 1
             return JSONResponse({"error": "busy"}, status_code=500)
         # --- the documented receiver check -------------------------------------------------
-        try:
-            verify(self.secret, request.headers.get(SIGNATURE_HEADER, ""), raw)
+        key = request.headers.get(DELIVERY_HEADER, "")
+        try:  # v2: the key it de-duplicates on is signed too
+            verify(self.secret, request.headers.get(SIGNATURE_HEADER, ""), raw, delivery=key)
         except SignatureError as exc:
             self.rejected.append(str(exc))
             return JSONResponse({"error": str(exc)}, status_code=401)
-        key = request.headers[DELIVERY_HEADER]
         if not self.guard.first_time(key):
             self.duplicates.append(key)
             return JSONResponse({"ok": True, "duplicate": True})

@@ -148,8 +148,13 @@ async def test_signature_checked_and_replays_refused(running: Running) -> None:
             r = await client.post(rx.url, content=got.raw.replace(b"job-sig", b"job-evil"),
                                   headers=headers)
             assert r.status_code == 401
+            # The capture under a new idempotency key, to pass the de-duplication as a new
+            # event: the key is signed (v2), so it does not match either.
+            r = await client.post(rx.url, content=got.raw,
+                                  headers={**headers, "greyhound-delivery": "forged-key"})
+            assert r.status_code == 401
         assert len(rx.processed) == 1 and rx.duplicates == [got.key]
-        assert rx.rejected == ["signature does not match"]
+        assert rx.rejected == ["signature does not match"] * 2
         # Replayed after the tolerance (the receiver may have forgotten the key by then).
         with pytest.raises(SignatureError, match="tolerance"):
             verify(SECRET, got.headers["greyhound-signature"], got.raw, now=signed_at + 301)

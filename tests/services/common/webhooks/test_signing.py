@@ -23,9 +23,15 @@ from services.common.webhooks.signing import ReplayGuard, SignatureError, sign, 
 SECRET = "whsec_test"
 
 
-def test_signature_binds_time_and_body() -> None:
-    header = sign(SECRET, 1_800_000_000, b'{"a":1}')
-    assert verify(SECRET, header, b'{"a":1}', now=1_800_000_100) == 1_800_000_000
+def test_signature_binds_time_body_and_delivery_key() -> None:
+    header = sign(SECRET, 1_800_000_000, b'{"a":1}', "k1")
+    assert verify(SECRET, header, b'{"a":1}', delivery="k1", now=1_800_000_100) == 1_800_000_000
+    assert verify(SECRET, header, b'{"a":1}', now=1_800_000_100) == 1_800_000_000  # v1 alone
+    # a capture replayed under another idempotency key: a receiver checking v2 refuses it
+    with pytest.raises(SignatureError, match="does not match"):
+        verify(SECRET, header, b'{"a":1}', delivery="k2", now=1_800_000_100)
+    with pytest.raises(SignatureError, match="malformed"):  # no v2: a receiver needing it
+        verify(SECRET, header.split(",v2=")[0], b'{"a":1}', delivery="k1", now=1_800_000_100)
     for bad_body, secret, now in ((b'{"a":2}', SECRET, 1_800_000_000),
                                   (b'{"a":1}', "whsec_other", 1_800_000_000),
                                   (b'{"a":1}', SECRET, 1_800_000_301)):
