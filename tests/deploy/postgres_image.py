@@ -35,13 +35,12 @@ def start(c: Container, port: int, log: Path) -> subprocess.Popen[bytes]:
     password = Path(env["POSTGRES_PASSWORD_FILE"]).read_text().strip()
     pgdata = c.path(DATA)
     run_as, uid = _as_server_user()
-    sockets = c.rootfs / "run" / "postgresql"
-    sockets.mkdir(parents=True, exist_ok=True)
+    c.rootfs.mkdir(parents=True, exist_ok=True)
     pwfile = c.rootfs / "pwfile"
     pwfile.write_text(password)
     if uid is not None:
         ensure_prefix_permissions(pgdata)
-        for p in (pgdata, sockets, pwfile):
+        for p in (pgdata, pwfile):
             os.chown(p, uid, -1)
     pgdata.chmod(0o700)
     subprocess.run([str(BIN / "initdb"), "-D", str(pgdata), "-U", user, f"--pwfile={pwfile}",
@@ -50,7 +49,10 @@ def start(c: Container, port: int, log: Path) -> subprocess.Popen[bytes]:
     pwfile.unlink()
     out = log.open("ab")
     proc = subprocess.Popen([str(BIN / "postgres"), "-D", str(pgdata), "-p", str(port),
-                             "-c", "listen_addresses=127.0.0.1", "-k", str(sockets)],
+                             "-c", "listen_addresses=127.0.0.1",
+                             # TCP only, as the services connect: a Unix socket's path under
+                             # pytest's temporary folder can pass the 107 bytes a socket may have
+                             "-k", ""],
                             user=run_as, stdout=out, stderr=out, start_new_session=True)
     out.close()
     deadline = time.monotonic() + 60
