@@ -10,6 +10,14 @@ collectives consumer, so detections keep flowing while a job is profiled. A loca
 its process did not live to record is started again when the analyzer starts (``resume``): an
 incident still ``detected``, open, with no localisation result.
 
+Two stages (greyhound.core.levels): a slowdown a short transient could explain comes first as
+a *suspected* detection. It opens its incident (``suspected_at``) and starts the localisation,
+since profiling costs the job little, but the validator's suspicion, which pauses the job, is
+held back (kept on the incident) until the tracker's confirmation (``confirmed_at``) and sent
+then. A withdrawn suspicion (the level came back first) resolves its incident and stops its
+profiling; a slowdown suspected meanwhile waits for that profiling to end rather than be
+dropped as a repeat.
+
 A second fault while the first is open is its own incident. When the tracker reports a further
 slowdown of a job that is already slow, a new incident opens (the open ones get a timeline entry
 that points to it) and the job is profiled again; the localisation names only what the open
@@ -30,6 +38,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -45,7 +54,13 @@ from services.analyzer.settings import AnalyzerSettings
 from services.analyzer.slow import SlowLocalizer
 from services.common.bus.bounds import MAX_SECONDS
 from services.common.bus.client import Consumer
-from services.common.bus.contract import DetectionEvent, IncidentEvent, IncidentStage, Subjects
+from services.common.bus.contract import (
+    DetectionEvent,
+    IncidentEvent,
+    IncidentStage,
+    Subjects,
+    Suspicion,
+)
 from services.common.bus.errors import describe, is_transient
 from services.common.bus.streams import ANALYZER
 from services.common.db import repository as repo
@@ -67,6 +82,8 @@ class Recorded:
     events: list[IncidentEvent] = field(default_factory=list)
     localize: str | None = None
     second: bool = False
+    suspicions: list[Suspicion] = field(default_factory=list)  # held back until confirmed
+    withdrawn: str | None = None  # the incident whose suspicion was withdrawn
 
 
 def _severity(x: float) -> float:
@@ -82,6 +99,7 @@ class Analyzer:
         self.outbox = outbox or (localizer.outbox if localizer is not None
                                  else Outbox.of(ctx, "analyzer"))
         self._chains: dict[str, asyncio.Task[None]] = {}
+        self._chained: dict[str, str] = {}  # job -> incident of its newest localisation
 
     async def handle(self, subject: str, det: DetectionEvent) -> None:
         """A database failure propagates: the consumer retries what may succeed later."""
@@ -90,7 +108,9 @@ class Analyzer:
         gpus = (await job_gpu_health(self.ctx, det.job_id, timeout_s=1.0)
                 if det.kind == "hang" else [])
         done = await self._record(det, gpus)
-        await self.outbox.flush([e.event_id for e in done.events])
+        await self.outbox.flush([e.event_id for e in [*done.events, *done.suspicions]])
+        if done.withdrawn is not None and self.localizer is not None:
+            self.localizer.cancel(det.job_id, done.withdrawn)
         if done.localize is not None and self.localizer is not None:
             self._localize(done.localize, det, second=done.second)
 
@@ -118,33 +138,43 @@ class Analyzer:
         return started
 
     def _localize(self, incident_id: str, det: DetectionEvent, *, second: bool) -> None:
-        """Queue a localisation behind the job's running one; a repeat of the first one is
-        dropped while one is running or queued, a second fault's always waits its turn."""
+        """Queue a localisation behind the job's running one; a repeat of the same incident is
+        dropped while one is running or queued, another incident's (a second fault's, or a
+        new slowdown's while a withdrawn or closed one is still profiled) waits its turn."""
         assert self.localizer is not None
         localizer = self.localizer
         job = det.job_id
         before = self._chains.get(job) or localizer.tasks.get(job)
         if not second:
-            if before is None and localizer.start(incident_id, det):
-                self._chain(job, localizer.tasks[job])
-            return
+            if before is None:
+                if localizer.start(incident_id, det):
+                    self._chain(job, localizer.tasks[job], incident_id)
+                return
+            if self._chained.get(job) == incident_id:
+                return
 
         async def run() -> None:
             if before is not None:
                 await asyncio.gather(before, return_exceptions=True)
-            known = await self._known(job, incident_id)
+            known = await self._known(job, incident_id) if second else None
             running = localizer.tasks.get(job)
             if running is not None:
                 await asyncio.gather(running, return_exceptions=True)
             if localizer.start(incident_id, det, known=known):
                 await asyncio.gather(localizer.tasks[job], return_exceptions=True)
 
-        self._chain(job, asyncio.create_task(run(), name=f"localize-chain-{job}"))
+        self._chain(job, asyncio.create_task(run(), name=f"localize-chain-{job}"), incident_id)
 
-    def _chain(self, job: str, task: asyncio.Task[None]) -> None:
+    def _chain(self, job: str, task: asyncio.Task[None], incident_id: str) -> None:
         self._chains[job] = task
-        task.add_done_callback(
-            lambda t: self._chains.pop(job, None) if self._chains.get(job) is t else None)
+        self._chained[job] = incident_id
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._chains.get(job) is t:
+                self._chains.pop(job, None)
+                self._chained.pop(job, None)
+
+        task.add_done_callback(done)
 
     async def _known(self, job: str, exclude: str) -> KnownCauses:
         """What the job's other open slowdown incidents name, read when the localisation runs
@@ -198,6 +228,8 @@ class Analyzer:
                   "before_s": det.before_s, "after_s": det.after_s}
         if change is not None:
             detail.update(change=change, healthy_s=det.evidence.get("healthy_s"))
+        if det.kind == "slowdown":
+            detail.update(stage=det.stage, suspected_iteration=det.suspected_iteration)
         async with self.ctx.db()() as session:
             if not await repo.claim_event(session, ANALYZER.durable, det.event_id):
                 return Recorded()
@@ -208,12 +240,16 @@ class Analyzer:
                 done = await self._hang_over(session, det, detail)
             else:
                 open_ = await repo.open_incidents(session, det.job_id, SLOW_KEY)
-                if det.kind == "recovery":
+                if det.withdrawn:
+                    done = await self._withdrawn(session, det, detail, open_)
+                elif det.kind == "recovery":
                     done = await self._recovery(session, det, detail, change, open_)
                 else:
                     done = await self._slowdown(session, det, detail, change, open_)
             for event in done.events:
                 await self.outbox.stage(session, Subjects.incident(det.job_id), event)
+            for held in done.suspicions:
+                await self.outbox.stage(session, Subjects.suspicion(det.job_id), held)
             await session.commit()
         return done
 
@@ -255,11 +291,15 @@ class Analyzer:
     async def _slowdown(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
                         change: str | None, open_: Sequence[Incident]) -> Recorded:
         kind, severity, culprit, summary = self._classify(det)
+        suspected, confirmed = _moments(det)
+        waiting = [i for i in open_ if i.only_suspected]
+        if confirmed is not None and waiting and confirmed.iteration != suspected.iteration:
+            return await self._confirm(session, det, detail, waiting[-1], severity, confirmed)
         if not open_:
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key=SLOW_KEY, severity=severity,
                 summary=summary, culprit=culprit, evidence={"detection": detail},
-                stage_detail=detail)
+                stage_detail=detail, suspected=suspected, confirmed=confirmed)
             return Recorded([self._event(det, incident, "detected")], incident.id)
         if change != "further":
             # The same slowdown again (a tracker restart, a re-detection): the oldest one.
@@ -275,11 +315,41 @@ class Analyzer:
             session, job_id=det.job_id, kind=kind,
             dedup_key=f"{SLOW_KEY}+{det.first_iteration}:{det.event_id[:8]}",
             severity=severity, summary=summary, culprit=culprit,
-            evidence={"detection": detail, "while_open": others}, stage_detail=detail)
+            evidence={"detection": detail, "while_open": others}, stage_detail=detail,
+            suspected=suspected, confirmed=confirmed)
         for other in open_:
             await repo.add_timeline(session, other, "detected",
                                     {**detail, "further": incident.id})
         return Recorded([self._event(det, incident, "detected")], incident.id, second=True)
+
+    async def _confirm(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
+                       incident: Incident, severity: float, confirmed: repo.Moment) -> Recorded:
+        """The suspected slowdown held: its incident is confirmed, and the validator's
+        suspicion, if its localisation has already made one, is sent now."""
+        repo.confirm_incident(incident, confirmed)
+        incident.severity = max(incident.severity, severity)
+        await repo.add_timeline(session, incident, "detected", detail)
+        done = Recorded([self._event(det, incident, "detected")])
+        held = incident.evidence.get("held_suspicion")
+        if held is not None and incident.status != "resolved":
+            done.suspicions.append(Suspicion.model_validate(held))
+            log.info("incident %s confirmed: its suspicion goes to the validator", incident.id)
+        if held is not None:
+            incident.evidence = {k: v for k, v in incident.evidence.items()
+                                 if k != "held_suspicion"}
+        return done
+
+    async def _withdrawn(self, session: AsyncSession, det: DetectionEvent,
+                         detail: dict[str, Any], open_: Sequence[Incident]) -> Recorded:
+        """The job's level came back before its suspected slowdown held: that incident is
+        over, never validated (its profiling is stopped)."""
+        waiting = [i for i in open_ if i.only_suspected]
+        if not waiting:
+            return Recorded()
+        incident = waiting[-1]
+        await repo.add_timeline(session, incident, "resolved",
+                                {**detail, "result": "withdrawn", "by": "tracker"})
+        return Recorded([self._event(det, incident, "resolved")], withdrawn=incident.id)
 
     async def _recovery(self, session: AsyncSession, det: DetectionEvent, detail: dict[str, Any],
                         change: str | None, open_: Sequence[Incident]) -> Recorded:
@@ -307,6 +377,18 @@ class Analyzer:
         return IncidentEvent(job_id=det.job_id, incident_id=incident.id, stage=stage,
                              kind=incident.kind, severity=incident.severity,
                              summary=incident.summary)
+
+
+def _moments(det: DetectionEvent) -> tuple[repo.Moment, repo.Moment | None]:
+    """A slowdown's suspicion and, when it is confirmed, its confirmation."""
+    at = datetime.fromtimestamp(det.detected_ns / 1e9, UTC)
+    suspected = repo.Moment(
+        datetime.fromtimestamp(det.suspected_ns / 1e9, UTC) if det.suspected_ns else at,
+        det.suspected_iteration if det.suspected_iteration is not None
+        else det.detected_iteration)
+    if det.stage == "suspected":
+        return suspected, None
+    return suspected, repo.Moment(at, det.detected_iteration)
 
 
 def _detection_of(inc: Incident) -> DetectionEvent | None:

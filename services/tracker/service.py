@@ -75,7 +75,7 @@ HOUSEKEEPING_S = 1.0
 
 def detection_id(job: str, d: JobDetection) -> str:
     """Same decision, same id: a detection replayed after a crash is de-duplicated."""
-    key = f"{job}|{d.kind}|{d.change}|{d.first_iteration}|{d.detected_iteration}"
+    key = f"{job}|{d.kind}|{d.change}|{d.stage}|{d.first_iteration}|{d.detected_iteration}"
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -93,10 +93,12 @@ class JobState:
     pending: list[DetectionEvent] = field(default_factory=list)  # not yet handed on
     seen_at: float = field(default_factory=time.monotonic)
     replayed: bool = False  # the stream was read back from ``seq`` (once, at the first batch)
+    suspected_ns: int | None = None  # when the job's pending suspicion was raised
 
     def state_dict(self) -> dict[str, Any]:
         return {"tracker": self.tracker.state_dict(), "hangs": self.hangs.state_dict(),
-                "seq": self.seq, "pending": [e.model_dump(mode="json") for e in self.pending]}
+                "seq": self.seq, "pending": [e.model_dump(mode="json") for e in self.pending],
+                "suspected_ns": self.suspected_ns}
 
 
 @dataclass
@@ -180,7 +182,8 @@ class Tracker:
                 st = JobState(tracker, JobHangMonitor.from_state(saved["hangs"]),
                               seq=int(saved.get("seq", 0)),
                               pending=[DetectionEvent.model_validate(e)
-                                       for e in saved.get("pending", [])])
+                                       for e in saved.get("pending", [])],
+                              suspected_ns=saved.get("suspected_ns"))
             except (KeyError, TypeError, ValueError) as exc:
                 self.stats.corrupt_states += 1
                 log.error("job %s: saved state unusable, starting afresh: %s", job, describe(exc))
@@ -258,27 +261,45 @@ class Tracker:
             return False
         # A message holds tens of values: sorting the list beats numpy's median call overhead.
         st.hangs.observe_iteration(median(msg.duration_s))
-        # The agent keeps each rank's iterations in order within and across batches.
-        decisions = st.tracker.observe_many(msg.rank, np.asarray(msg.duration_s, dtype=np.float64))
+        # The agent keeps each rank's iterations in order within and across batches, and counts
+        # them: a rank whose numbers go back restarted (the tracker warms it up again).
+        decisions = st.tracker.observe_many(msg.rank, np.asarray(msg.duration_s, dtype=np.float64),
+                                            msg.iteration)
         for d in decisions:
-            st.pending.append(self._detection(msg.job_id, d))
+            st.pending.append(self._detection(msg.job_id, st, d))
         return bool(decisions)
 
-    def _detection(self, job: str, d: JobDetection) -> DetectionEvent:
+    def _detection(self, job: str, st: JobState, d: JobDetection) -> DetectionEvent:
         """``before_s``/``after_s`` are the levels either side of this change; the evidence says
         which change it is (``onset``, ``further`` slowdown while slow, ``partial`` or ``full``
-        recovery) and the job's healthy level, so a second fault reads as one."""
+        recovery, ``withdrawn`` suspicion) and the job's healthy level, so a second fault reads
+        as one. A slowdown says its stage and when it was first suspected."""
         self.detections += 1
-        log.info("job %s: %s (%s) %.3fs -> %.3fs, healthy %.3fs (ranks %s)", job, d.kind,
-                 d.change, d.before_s, d.after_s, d.healthy_s, list(d.ranks)[:8])
+        now = time.time_ns()
+        log.info("job %s: %s (%s%s) %.3fs -> %.3fs, healthy %.3fs (ranks %s)", job, d.kind,
+                 d.change, f", {d.stage}" if d.kind == "slowdown" else "", d.before_s,
+                 d.after_s, d.healthy_s, list(d.ranks)[:8])
+        suspected_ns: int | None = None
+        if d.kind == "slowdown":
+            # a confirmation of an earlier suspicion says when that was; one made at once,
+            # that it was now
+            suspected_ns = now if d.stage == "suspected" or st.suspected_ns is None \
+                else st.suspected_ns
+            st.suspected_ns = now if d.stage == "suspected" else None
+        elif d.change == "withdrawn":
+            st.suspected_ns = None
         return DetectionEvent(
             event_id=detection_id(job, d), job_id=job,
             kind="slowdown" if d.kind == "slowdown" else "recovery",
             ranks=list(d.ranks)[:MAX_LISTED], first_iteration=max(d.first_iteration, -1),
             detected_iteration=max(d.detected_iteration, -1), before_s=_level(d.before_s),
-            after_s=_level(d.after_s), detected_ns=time.time_ns(), method=self.method,
+            after_s=_level(d.after_s), detected_ns=now, method=self.method,
             evidence={"change": d.change, "healthy_s": _level(d.healthy_s),
-                      "ranks_total": len(d.ranks)})
+                      "ranks_total": len(d.ranks)},
+            stage="suspected" if d.stage == "suspected" else "confirmed",
+            suspected_iteration=(max(d.suspected_iteration, -1) if d.kind == "slowdown"
+                                 else None),
+            suspected_ns=suspected_ns)
 
     # ---- hangs --------------------------------------------------------------------------------
 
