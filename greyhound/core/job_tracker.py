@@ -377,8 +377,12 @@ class JobTracker:
                      and d.kind == "slowdown" and d.stage == "confirmed"]
         if len(confirmed) >= needed:
             self.pending = None
-            return replace(self._summary("slowdown", p.change, confirmed), stage="confirmed",
-                           suspected_iteration=p.detected_iteration)
+            found = self._summary("slowdown", p.change, confirmed)
+            # after the suspicion (each rank's confirmation follows its own suspicion, but ranks
+            # count their points apart): the confirmation is a moment of its own
+            return replace(found, stage="confirmed", suspected_iteration=p.detected_iteration,
+                           detected_iteration=max(found.detected_iteration,
+                                                  p.detected_iteration + 1))
         if len(mine) >= needed:
             return None
         self.pending = None

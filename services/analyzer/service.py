@@ -292,9 +292,9 @@ class Analyzer:
                         change: str | None, open_: Sequence[Incident]) -> Recorded:
         kind, severity, culprit, summary = self._classify(det)
         suspected, confirmed = _moments(det)
-        waiting = [i for i in open_ if i.only_suspected]
-        if confirmed is not None and waiting and confirmed.iteration != suspected.iteration:
-            return await self._confirm(session, det, detail, waiting[-1], severity, confirmed)
+        waiting = _suspected_by(det, open_)
+        if confirmed is not None and det.confirms is not None and waiting is not None:
+            return await self._confirm(session, det, detail, waiting, severity, confirmed)
         if not open_:
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key=SLOW_KEY, severity=severity,
@@ -343,10 +343,9 @@ class Analyzer:
                          detail: dict[str, Any], open_: Sequence[Incident]) -> Recorded:
         """The job's level came back before its suspected slowdown held: that incident is
         over, never validated (its profiling is stopped)."""
-        waiting = [i for i in open_ if i.only_suspected]
-        if not waiting:
+        incident = _suspected_by(det, open_)
+        if incident is None:
             return Recorded()
-        incident = waiting[-1]
         await repo.add_timeline(session, incident, "resolved",
                                 {**detail, "result": "withdrawn", "by": "tracker"})
         return Recorded([self._event(det, incident, "resolved")], withdrawn=incident.id)
@@ -377,6 +376,17 @@ class Analyzer:
         return IncidentEvent(job_id=det.job_id, incident_id=incident.id, stage=stage,
                              kind=incident.kind, severity=incident.severity,
                              summary=incident.summary)
+
+
+def _suspected_by(det: DetectionEvent, open_: Sequence[Incident]) -> Incident | None:
+    """The open incident only suspected so far that ``det`` confirms or withdraws: the one its
+    suspected event opened (``confirms``), else the newest one only suspected (an incident
+    opened before the tracker named its suspicions)."""
+    waiting = [i for i in open_ if i.only_suspected]
+    named = [i for i in waiting
+             if (i.evidence.get("detection") or {}).get("event_id") == det.confirms]
+    found = named or waiting
+    return found[-1] if found else None
 
 
 def _moments(det: DetectionEvent) -> tuple[repo.Moment, repo.Moment | None]:

@@ -94,11 +94,12 @@ class JobState:
     seen_at: float = field(default_factory=time.monotonic)
     replayed: bool = False  # the stream was read back from ``seq`` (once, at the first batch)
     suspected_ns: int | None = None  # when the job's pending suspicion was raised
+    suspected_event: str | None = None  # and its event id
 
     def state_dict(self) -> dict[str, Any]:
         return {"tracker": self.tracker.state_dict(), "hangs": self.hangs.state_dict(),
                 "seq": self.seq, "pending": [e.model_dump(mode="json") for e in self.pending],
-                "suspected_ns": self.suspected_ns}
+                "suspected_ns": self.suspected_ns, "suspected_event": self.suspected_event}
 
 
 @dataclass
@@ -183,7 +184,8 @@ class Tracker:
                               seq=int(saved.get("seq", 0)),
                               pending=[DetectionEvent.model_validate(e)
                                        for e in saved.get("pending", [])],
-                              suspected_ns=saved.get("suspected_ns"))
+                              suspected_ns=saved.get("suspected_ns"),
+                              suspected_event=saved.get("suspected_event"))
             except (KeyError, TypeError, ValueError) as exc:
                 self.stats.corrupt_states += 1
                 log.error("job %s: saved state unusable, starting afresh: %s", job, describe(exc))
@@ -279,17 +281,24 @@ class Tracker:
         log.info("job %s: %s (%s%s) %.3fs -> %.3fs, healthy %.3fs (ranks %s)", job, d.kind,
                  d.change, f", {d.stage}" if d.kind == "slowdown" else "", d.before_s,
                  d.after_s, d.healthy_s, list(d.ranks)[:8])
+        event_id = detection_id(job, d)
         suspected_ns: int | None = None
+        confirms: str | None = None
         if d.kind == "slowdown":
-            # a confirmation of an earlier suspicion says when that was; one made at once,
-            # that it was now
-            suspected_ns = now if d.stage == "suspected" or st.suspected_ns is None \
-                else st.suspected_ns
-            st.suspected_ns = now if d.stage == "suspected" else None
+            # a confirmation of an earlier suspicion names it and says when it was; one made
+            # at once, that it was now
+            later = d.stage == "confirmed" and d.suspected_iteration != d.detected_iteration
+            if later and st.suspected_ns is not None:
+                suspected_ns, confirms = st.suspected_ns, st.suspected_event
+            else:
+                suspected_ns = now
+            st.suspected_ns, st.suspected_event = ((now, event_id) if d.stage == "suspected"
+                                                   else (None, None))
         elif d.change == "withdrawn":
-            st.suspected_ns = None
+            confirms = st.suspected_event  # what it withdraws
+            st.suspected_ns, st.suspected_event = None, None
         return DetectionEvent(
-            event_id=detection_id(job, d), job_id=job,
+            event_id=event_id, job_id=job, confirms=confirms,
             kind="slowdown" if d.kind == "slowdown" else "recovery",
             ranks=list(d.ranks)[:MAX_LISTED], first_iteration=max(d.first_iteration, -1),
             detected_iteration=max(d.detected_iteration, -1), before_s=_level(d.before_s),

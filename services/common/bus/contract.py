@@ -346,7 +346,9 @@ class DetectionEvent(Message):
     ``confirmed``, once it has held, or a recovery whose evidence ``change`` is ``withdrawn``
     when the level came back first. A slowdown confirmed at once is one ``confirmed`` event.
     ``suspected_iteration`` / ``suspected_ns`` say when it was first suspected; the confirmation
-    is ``detected_iteration`` / ``detected_ns`` of the confirmed event. An event without a stage
+    is ``detected_iteration`` / ``detected_ns`` of the confirmed event, and ``confirms`` names
+    the suspected event it confirms (None when confirmed at once), as a withdrawal names the one
+    it withdraws. An event without a stage
     (sent before there were two) is confirmed."""
 
     kind: DetectionKind
@@ -371,6 +373,9 @@ class DetectionEvent(Message):
         default=None, description="a slowdown's iteration when first suspected")
     suspected_ns: Nanos | None = Field(
         default=None, description="wall-clock ns when a slowdown was first suspected")
+    confirms: EventId | None = Field(
+        default=None, description=(
+            "the suspected event (its event_id) this confirms, or, for a withdrawal, withdraws"))
 
     HANG_WATCH: ClassVar[str] = "hang-watch"
 

@@ -23,20 +23,22 @@ from tests.services.analyzer.test_second_fault import _agents
 
 
 def _slowdown(job: str, stage: str, first: int, detected: int, suspected: int,
-              suspected_ns: int) -> DetectionEvent:
+              suspected_ns: int, confirms: str | None = None) -> DetectionEvent:
     return DetectionEvent(job_id=job, kind="slowdown", ranks=[0, 1, 2, 3],
                           first_iteration=first, detected_iteration=detected, before_s=0.031,
                           after_s=0.056, detected_ns=time.time_ns(),
                           evidence={"change": "onset", "healthy_s": 0.031},
                           stage="suspected" if stage == "suspected" else "confirmed",
-                          suspected_iteration=suspected, suspected_ns=suspected_ns)
+                          suspected_iteration=suspected, suspected_ns=suspected_ns,
+                          confirms=confirms)
 
 
-def _withdrawn(job: str, first: int) -> DetectionEvent:
+def _withdrawn(job: str, first: int, suspicion: str) -> DetectionEvent:
     return DetectionEvent(job_id=job, kind="recovery", ranks=[0, 1, 2, 3], first_iteration=first,
                           detected_iteration=first + 7, before_s=0.056, after_s=0.031,
                           detected_ns=time.time_ns(),
-                          evidence={"change": "withdrawn", "healthy_s": 0.031})
+                          evidence={"change": "withdrawn", "healthy_s": 0.031},
+                          confirms=suspicion)
 
 
 async def _suspicions(operator: BusClient, job: str) -> list[Suspicion]:
@@ -72,7 +74,8 @@ async def test_a_suspected_slowdown_is_localised_but_validated_only_once_confirm
     await _agents(agents, job)
     suspected_ns = time.time_ns()
     async with fed_analyzer(ctx, job) as analyzer:
-        await analyzer.handle("", _slowdown(job, "suspected", 100, 103, 103, suspected_ns))
+        seen = _slowdown(job, "suspected", 100, 103, 103, suspected_ns)
+        await analyzer.handle("", seen)
         await _settle(analyzer)
         (inc,) = await _incidents(ctx, job)
         assert inc.status == "localized" and inc.culprit["compute_ranks"] == [2]
@@ -80,7 +83,8 @@ async def test_a_suspected_slowdown_is_localised_but_validated_only_once_confirm
         assert inc.suspected_iteration == 103 and inc.only_suspected
         assert "held_suspicion" in inc.evidence
         assert await _suspicions(operator, job) == []  # no pause while only suspected
-        await analyzer.handle("", _slowdown(job, "confirmed", 100, 104, 103, suspected_ns))
+        await analyzer.handle("", _slowdown(job, "confirmed", 100, 104, 103, suspected_ns,
+                                            confirms=seen.event_id))
         (inc,) = await _incidents(ctx, job)
         assert inc.confirmed_at is not None and inc.confirmed_iteration == 104
         assert inc.suspected_at is not None
@@ -101,8 +105,9 @@ async def test_a_withdrawn_suspicion_is_resolved_never_validated_and_the_next_on
     await register_ranks(ctx, job)
     await _agents(agents, job)
     async with fed_analyzer(ctx, job) as analyzer:
-        await analyzer.handle("", _slowdown(job, "suspected", 100, 103, 103, time.time_ns()))
-        await analyzer.handle("", _withdrawn(job, 100))
+        seen = _slowdown(job, "suspected", 100, 103, 103, time.time_ns())
+        await analyzer.handle("", seen)
+        await analyzer.handle("", _withdrawn(job, 100, seen.event_id))
         await analyzer.handle("", _slowdown(job, "suspected", 300, 303, 303, time.time_ns()))
         await _settle(analyzer)
         first, second = await _incidents(ctx, job)

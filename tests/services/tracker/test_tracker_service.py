@@ -116,6 +116,7 @@ def _one_slowdown(events: list[DetectionEvent]) -> DetectionEvent:
     assert confirmed.suspected_iteration == suspected.detected_iteration
     assert confirmed.suspected_ns == suspected.detected_ns == suspected.suspected_ns
     assert confirmed.detected_iteration > suspected.detected_iteration
+    assert confirmed.confirms == suspected.event_id and suspected.confirms is None
     return confirmed
 
 
