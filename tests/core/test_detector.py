@@ -144,21 +144,17 @@ def test_sustained_slowdowns_in_real_noise_are_found_and_recover(seed, factor, w
 @pytest.mark.parametrize("seed", range(4))
 def test_fifteen_percent_in_five_percent_jitter_is_found_as_evidence_allows(seed):
     """Close to the 10% threshold in that much noise the evidence takes tens of iterations;
-    the start reported is that of the stretch that made the case. Seed 2's plateaus leave 11.5%
-    of the step in the data: its suspicion is not proved within the recent window and is
-    withdrawn, while the others (13.6-16%) are confirmed."""
+    the start reported is that of the stretch that made the case. Seed 2's plateaus leave
+    11.5% of the step in the data: it takes 20 iterations, during which the healthy level must
+    not follow it."""
     x = _real_noise(10 + seed)
     x[600:1000] *= 1.15
     dets = detect_series(x)
-    seen = _slowdowns(dets, "suspected")
+    seen, slow = _slowdowns(dets, "suspected"), _slowdowns(dets)
     assert seen and 600 <= seen[0].detected_at < 640, dets
     assert 597 <= seen[0].index <= seen[0].detected_at - 3
     assert seen[0].after_s / seen[0].before_s > 1.1
-    slow = _slowdowns(dets)
-    if seed == 2:
-        assert not slow and [d.change for d in dets if d.kind == "recovery"] == ["withdrawn"]
-    else:
-        assert slow and slow[0].index == seen[0].index and slow[0].detected_at < 640, dets
+    assert slow and slow[0].index == seen[0].index and slow[0].detected_at < 640, dets
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -220,9 +220,9 @@ def confirmed_before_validated(rows: list[dict[str, Any]]) -> bool:
     for r in rows:
         stages = [("confirmed" if e["detail"].get("stage") == "confirmed" else e["stage"])
                   for e in r["timeline"]]
-        if r["confirmed_at"] is None or "validated" in stages and (
-                stages.count("confirmed") != 1
-                or stages.index("confirmed") > stages.index("validated")):
+        if r["confirmed_at"] is None or stages.count("confirmed") != 1:
+            return False
+        if "validated" in stages and stages.index("confirmed") > stages.index("validated"):
             return False
     return True
 
