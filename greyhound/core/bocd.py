@@ -324,6 +324,7 @@ class BocdVBatch:
         self.slow = np.zeros(streams, dtype=bool)
         self.hist = c.recent + c.before
         self.ring = np.zeros((streams, self.hist))  # the last `hist` log values
+        self.levels = np.zeros((streams, self.hist))  # and the robust level at each of them
         self.expected = np.zeros((streams, self.hist), dtype=bool)
         self.bursts = RecurringBursts(streams, BurstConfig(factor=c.burst))
         self.last_index = np.full(streams, -1, dtype=np.int64)
@@ -380,6 +381,7 @@ class BocdVBatch:
         cols = (t[:, None] - self._lag) % self.hist
         level = np.median(self.ring[rr[:, None], cols], axis=1)
         self.level[sel] = level
+        self.levels[rr, t % self.hist] = level
         # The healthy level is the level itself while a healthy stream warms up, holds while
         # slow, and otherwise follows slowly (a spike's pull bounded at a threshold) the robust
         # level of `before` points ago: drift and sub-threshold plateaus are absorbed, while
@@ -389,7 +391,7 @@ class BocdVBatch:
         slow = self.slow[sel]
         settling = self.settling[sel]
         cap = math.log1p(c.rel)
-        past = np.median(self.ring[rr[:, None], (cols - c.before) % self.hist], axis=1)
+        past = self.levels[rr, (t - c.before) % self.hist]
         source = np.where(t - self.born[sel] >= c.before + c.level_points, past, level)
         h = np.where(settling & ~slow, level,
                      np.where(slow, h, h + c.healthy_rate * np.clip(source - h, -cap, cap)))
@@ -411,11 +413,13 @@ class BocdVBatch:
             idx = np.flatnonzero(cand)
             sure = bocd[idx] & (np.exp(logp[idx, : c.recent]).sum(axis=1) > c.threshold)
             idx = idx[sure | moved[idx]]
+            sigma = self._noise(rr[idx], t[idx]) if idx.size else np.zeros(0)
             if c.validate and idx.size:
-                idx = idx[self._plausible(rr[idx], t[idx], ref[idx])]
+                plausible = self._plausible(rr[idx], t[idx], ref[idx], sigma)
+                idx, sigma = idx[plausible], sigma[plausible]
             if idx.size:
                 lookback = np.where(bocd, start - c.refine, t - self.hist + 1)
-                found = self._validate(rr[idx], t[idx], lookback[idx])
+                found = self._validate(rr[idx], t[idx], lookback[idx], sigma)
                 for j, row, det in zip(idx.tolist(), rr[idx].tolist(), found, strict=True):
                     out[row] = det
                     decided[j] = det is not None
@@ -527,7 +531,7 @@ class BocdVBatch:
         self.ref[row] = math.log(state.slow_s) if state.mode == SLOW else 0.0
 
     def _plausible(self, rows: npt.NDArray[np.intp], t: npt.NDArray[np.int64],
-                   ref: FloatArray) -> Any:
+                   ref: FloatArray, sigma: FloatArray) -> Any:
         """Vectorised pre-check: the mean of the last `confirm` points is half the threshold
         (plus its noise) away from the reference (healthy level, or the slow level while slow).
 
@@ -538,11 +542,11 @@ class BocdVBatch:
         cols = (t[:, None] - self._tail) % self.hist
         tail = self.ring[rows[:, None], cols]
         tail = np.minimum(tail, ref[:, None] + math.log(c.spike))
-        gap = np.abs(tail.mean(axis=1) - ref) - self._noise(rows, t) / math.sqrt(c.confirm)
+        gap = np.abs(tail.mean(axis=1) - ref) - sigma / math.sqrt(c.confirm)
         return gap >= 0.5 * math.log1p(c.rel)
 
     def _validate(self, rows: npt.NDArray[np.intp], now: npt.NDArray[np.int64],
-                  lookback: npt.NDArray[np.int64]) -> list[Detection | None]:
+                  lookback: npt.NDArray[np.int64], sigma: FloatArray) -> list[Detection | None]:
         """Verify the candidates of `rows` together, as (m, hist) arrays over each one's ring
         (oldest point first, the newest in the last column); Python only for the decisions."""
         c = self.config
@@ -555,7 +559,6 @@ class BocdVBatch:
         y = self.ring[rows[:, None], pos % h]
         valid = (pos >= first[:, None]) & ~self.expected[rows[:, None], pos % h]
         slow = self.slow[rows]
-        sigma = self._noise(rows, now)
         enough = now - lo + 1 >= c.confirm
         # The start: a sign CUSUM over [lo, now] around a rough reference (see _split).
         rough, _ = self._reference(rows, slow, sigma, lo, first, pos, y, valid)
@@ -695,6 +698,7 @@ class BocdVBatch:
         out.ref = np.asarray(state["ref"], dtype=np.float64)
         out.slow = np.asarray(state["slow"], dtype=bool)
         out.ring = np.asarray(state["ring"], dtype=np.float64).reshape(core.streams, out.hist)
+        out.levels = _levels_of(out.ring, out.core.seen, config.level_points)
         at = np.asarray(state["expected"], dtype=np.int64).reshape(-1, 2)
         out.expected[at[:, 0], at[:, 1]] = True  # stored sparse: (stream, slot) pairs
         out.bursts = RecurringBursts.from_state(state["bursts"])
@@ -707,3 +711,17 @@ class BocdVBatch:
         out.pending = np.asarray(state.get("pending", [-1] * n), dtype=np.int64)
         out.pending_ref = np.asarray(state.get("pending_ref", [0.0] * n), dtype=np.float64)
         return out
+
+
+def _levels_of(ring: FloatArray, seen: npt.NDArray[np.int64], points: int) -> FloatArray:
+    """The robust level at each slot of a restored ring (not saved: the ring has it), as the
+    detector computed it: the median of that point and the ``points`` - 1 before it."""
+    h = ring.shape[1]
+    t = seen - 1  # the newest point's position
+    pos = t[:, None] - (h - 1) + np.arange(h)  # position of each column, oldest first
+    lag = np.arange(points)
+    cols = (pos[:, :, None] - lag) % h
+    rows = np.arange(ring.shape[0])[:, None, None]
+    out: FloatArray = np.empty_like(ring)
+    out[np.arange(ring.shape[0])[:, None], pos % h] = np.median(ring[rows, cols], axis=2)
+    return out
