@@ -75,9 +75,10 @@ class IterTimes:
     """One iteration of one rank, CLOCK_MONOTONIC ns (comparable with time.monotonic_ns()).
 
     Host: start_ns (iteration start), compute_end_ns (all device work launched: the host enters
-    its synchronisation), end_ns (the synchronisation returned). Device, from CUDA events
-    anchored at the iteration's start: gpu_arrive_ns (the GPU reached the collectives, i.e. ended
-    its compute), gpu_done_ns (the DP all-reduce completed); 0 when the events gave no time.
+    its synchronisation), end_ns (the synchronisation returned), collective_ns (the host is about
+    to launch the iteration's first collective). Device, from CUDA events anchored at the
+    iteration's start: gpu_arrive_ns (the GPU reached the collectives, i.e. ended its compute),
+    gpu_done_ns (the DP all-reduce completed); 0 when the events gave no time.
     """
 
     it: int
@@ -86,6 +87,7 @@ class IterTimes:
     end_ns: int
     gpu_arrive_ns: int = 0
     gpu_done_ns: int = 0
+    collective_ns: int = 0
 
     @property
     def comm_ms(self) -> float:
@@ -305,7 +307,7 @@ class FakeJob:
                 continue
             f = dict(kv.split("=", 1) for kv in line.split())
             out.append(IterTimes(int(f["it"]), int(f["t0"]), int(f["t1"]), int(f["t2"]),
-                                 int(f.get("ga", 0)), int(f.get("gd", 0))))
+                                 int(f.get("ga", 0)), int(f.get("gd", 0)), int(f.get("tc", 0))))
         return out
 
     def wait_iteration(self, rank: int, it: int, timeout: float) -> None:

@@ -12,6 +12,15 @@ change once, but not all in the same round; a rank's report counts towards a new
 only when its change began ``settle`` rounds after the change the last decision was about, so
 the stragglers of one change never add up to a second one.
 
+Two stages, as each rank's detector has them (greyhound.core.levels): the job's slowdown is
+*suspected* when a quorum of ranks is slow but fewer than a quorum have confirmed it, and is
+then confirmed (once a quorum has) or withdrawn (once fewer than a quorum are still slow) by a
+later decision of its own; a quorum of confirmed ranks decides a confirmed slowdown at once.
+
+Warm-up and restarts: each rank's detector decides nothing until its level has settled after the
+job's start. A rank whose iteration numbers go back has restarted (its process, with a new
+ring): its detector warms up again from that value on, keeping what it had decided.
+
 All ranks of a job advance together through one batched detector (one vectorised step per
 "round", a round taking the next pending value of every rank), which is what lets one tracker
 process absorb tens of thousands of rank-iterations per second. A rank that falls behind (paused,
@@ -26,7 +35,7 @@ pending queue stays a few rounds deep.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
 
@@ -55,6 +64,23 @@ class JobDetection:
     after_s: float
     change: str = "onset"
     healthy_s: float = 0.0
+    stage: str = "confirmed"
+    suspected_iteration: int = -1  # when it was first suspected (-1: not a slowdown)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "ranks": list(self.ranks),
+                "first_iteration": self.first_iteration,
+                "detected_iteration": self.detected_iteration, "before_s": self.before_s,
+                "after_s": self.after_s, "change": self.change, "healthy_s": self.healthy_s,
+                "stage": self.stage, "suspected_iteration": self.suspected_iteration}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> JobDetection:
+        return cls(str(raw["kind"]), tuple(int(r) for r in raw["ranks"]),
+                   int(raw["first_iteration"]), int(raw["detected_iteration"]),
+                   float(raw["before_s"]), float(raw["after_s"]), str(raw["change"]),
+                   float(raw["healthy_s"]), str(raw["stage"]),
+                   int(raw["suspected_iteration"]))
 
 
 class _Pending:
@@ -168,7 +194,10 @@ class JobTracker:
     _slow: list[bool] = field(default_factory=list)
     _last: list[Detection | None] = field(default_factory=list)
     _began: list[int] = field(default_factory=list)  # round in which each rank's change began
+    _suspected: list[str] = field(default_factory=list)  # a rank's pending suspicion ("": none)
+    _iteration: list[int] = field(default_factory=list)  # each rank's newest iteration number
     _mark: int = -(1 << 40)  # round in which the change of the last job decision began
+    pending: JobDetection | None = None  # the job's suspected slowdown, not yet confirmed
     rounds: int = 0
     updates: int = 0
 
@@ -194,6 +223,8 @@ class JobTracker:
             self._slow.append(False)
             self._last.append(None)
             self._began.append(-(1 << 40))
+            self._suspected.append("")
+            self._iteration.append(-1)
         s = len(self._slow) - 1
         cap = self._batch.streams if self._batch is not None else 0
         if s >= cap:
@@ -217,9 +248,12 @@ class JobTracker:
     def _needed(self) -> int:
         return max(1, int(self.quorum * len(self.index) + 0.999999))
 
-    def observe_many(self, ranks: npt.ArrayLike, durations: npt.ArrayLike) -> list[JobDetection]:
+    def observe_many(self, ranks: npt.ArrayLike, durations: npt.ArrayLike,
+                     iterations: npt.ArrayLike | None = None) -> list[JobDetection]:
         """Queue each rank's values (in its order) and advance every complete (or overdue) round.
 
+        ``iterations``: each value's iteration number, as the rank's agent counts them; a number
+        lower than the rank's previous one is a restart of that rank (see the module).
         Raises ValueError (TooManyRanks past ``max_ranks``) before anything is observed when a
         rank is negative or a value is not a finite positive time."""
         r = np.asarray(ranks, dtype=np.int64).reshape(-1)
@@ -231,7 +265,13 @@ class JobTracker:
             return out
         if not (np.isfinite(d).all() and (d > 0).all()):
             raise ValueError("iteration times must be finite and > 0")
+        it = None if iterations is None else np.asarray(iterations, dtype=np.int64).reshape(-1)
+        if it is not None and it.size != r.size:
+            raise ValueError(f"{r.size} ranks but {it.size} iteration numbers")
         streams = self._streams_of(r)
+        if it is not None:
+            # A restart travels with its first value through the queue: the value's sign.
+            d = np.where(self._restarts(streams, it), -d, d)
         counts = np.bincount(streams, minlength=self._queue.buf.shape[0])
         if counts.max() <= SLICE:
             self._queue.push(streams, d)
@@ -247,6 +287,24 @@ class JobTracker:
             self._advance(out)
         return out
 
+    def _restarts(self, streams: npt.NDArray[np.intp], it: npt.NDArray[np.int64]
+                  ) -> npt.NDArray[np.bool_]:
+        """Which values begin a restart: an iteration number below the one before it (in the
+        message, or the rank's newest so far); remembers each rank's newest."""
+        order = np.argsort(streams, kind="stable")
+        s, n = streams[order], it[order]
+        first = np.ones(s.size, dtype=bool)
+        first[1:] = s[1:] != s[:-1]
+        known = np.asarray(self._iteration, dtype=np.int64)
+        prev = np.where(first, known[s], np.concatenate([[0], n[:-1]]))
+        back = np.empty(s.size, dtype=bool)
+        back[order] = n < prev
+        last = np.ones(s.size, dtype=bool)
+        last[:-1] = s[:-1] != s[1:]
+        for stream, number in zip(s[last].tolist(), n[last].tolist(), strict=True):
+            self._iteration[stream] = number
+        return back
+
     def _advance(self, out: list[JobDetection]) -> list[JobDetection]:
         active = len(self.index)
         q = self._queue
@@ -256,6 +314,10 @@ class JobTracker:
                 break
             assert self._batch is not None
             vec = q.pop_round()
+            restarted = np.flatnonzero(vec < 0)
+            if restarted.size:
+                self._batch.restart(restarted)
+                vec = np.abs(vec)
             self.rounds += 1
             self.updates += int(np.count_nonzero(np.isfinite(vec)))
             found = [(s, det) for s, det in enumerate(self._batch.update_many(vec))
@@ -274,10 +336,20 @@ class JobTracker:
         """Judge the quorum after a whole round, so the decision does not depend on rank order."""
         for stream, det in found:
             self._last[stream] = det
-            self._slow[stream] = det.change != "full"
+            if det.kind == "slowdown":
+                self._slow[stream] = True
+                self._suspected[stream] = det.change if det.stage == "suspected" else ""
+            else:
+                if det.change == "withdrawn":
+                    self._slow[stream] = self._suspected[stream] == "further"
+                else:
+                    self._slow[stream] = det.change != "full"
+                self._suspected[stream] = ""
             self._began[stream] = self.rounds - (det.detected_at - det.index)
         fired = [r for r, s in self.index.items() if self._slow[s]]
         needed = self._needed()
+        if self.pending is not None:
+            return self._resolve(fired, needed)
         if not self.slow:
             if len(fired) >= needed:
                 self.slow = True
@@ -295,6 +367,31 @@ class JobTracker:
                 return self._decision(kind, change, ranks)
         return None
 
+    def _resolve(self, fired: list[int], needed: int) -> JobDetection | None:
+        """The job's suspected slowdown: confirmed once a quorum of ranks confirmed theirs,
+        withdrawn once fewer than a quorum are still slow with it."""
+        p = self.pending
+        assert p is not None
+        mine = fired if p.change == "onset" else self._latest("further", settled=False)
+        confirmed = [r for r in mine if (d := self._last[self.index[r]]) is not None
+                     and d.kind == "slowdown" and d.stage == "confirmed"]
+        if len(confirmed) >= needed:
+            self.pending = None
+            found = self._summary("slowdown", p.change, confirmed)
+            # after the suspicion (each rank's confirmation follows its own suspicion, but ranks
+            # count their points apart): the confirmation is a moment of its own
+            return replace(found, stage="confirmed", suspected_iteration=p.detected_iteration,
+                           detected_iteration=max(found.detected_iteration,
+                                                  p.detected_iteration + 1))
+        if len(mine) >= needed:
+            return None
+        self.pending = None
+        if p.change == "onset":
+            self.slow = False
+        withdrawn = [r for r, s in self.index.items()
+                     if (x := self._last[s]) is not None and x.change == "withdrawn"]
+        return self._summary("recovery", "withdrawn", withdrawn or list(p.ranks))
+
     def _latest(self, change: str, *, settled: bool = True) -> list[int]:
         """Ranks whose newest report is `change` about a change after the last decision's
         (``settled``: begun more than `settle` rounds after it)."""
@@ -304,9 +401,24 @@ class JobTracker:
                 and self._began[s] > after]
 
     def _decision(self, kind: str, change: str, ranks: list[int]) -> JobDetection:
+        """A new decision about ``ranks``; a slowdown too few of them confirmed is suspected
+        (and pending) until its own later decision."""
         streams = [self.index[r] for r in ranks]
-        dets = [d for s in streams if (d := self._last[s]) is not None]
         self._mark = min(self._began[s] for s in streams)
+        d = self._summary(kind, change, ranks)
+        if kind != "slowdown":
+            return d
+        confirmed = sum(1 for s in streams if (x := self._last[s]) is not None
+                        and x.kind == "slowdown" and x.stage == "confirmed")
+        stage = "confirmed" if confirmed >= self._needed() else "suspected"
+        out = replace(d, stage=stage, suspected_iteration=d.detected_iteration)
+        if stage == "suspected":
+            self.pending = out
+        return out
+
+    def _summary(self, kind: str, change: str, ranks: list[int]) -> JobDetection:
+        """The levels and iterations of ``ranks``' newest decisions, as one job decision."""
+        dets = [d for r in ranks if (d := self._last[self.index[r]]) is not None]
         return JobDetection(
             kind=kind, ranks=tuple(sorted(ranks)),
             first_iteration=min(d.index for d in dets),
@@ -325,6 +437,8 @@ class JobTracker:
             "pending": self._queue.lists(len(self._slow)), "stream_slow": list(self._slow),
             "last": [d.to_json() if d is not None else None for d in self._last],
             "began": list(self._began), "mark": self._mark, "rounds": self.rounds,
+            "suspected": list(self._suspected), "iteration": list(self._iteration),
+            "job_pending": self.pending.to_json() if self.pending is not None else None,
             "batch": batch_state(self.method, self._batch) if self._batch is not None else None,
         }
 
@@ -341,6 +455,12 @@ class JobTracker:
         t._began = [int(x) for x in state.get("began", [-(1 << 40)] * len(t._slow))]
         t._mark = int(state.get("mark", -(1 << 40)))
         t.rounds = int(state.get("rounds", 0))
+        n = len(t._slow)
+        # saved before two stages and restarts: nothing suspected, no iteration known
+        t._suspected = [str(x) for x in state.get("suspected", [""] * n)]
+        t._iteration = [int(x) for x in state.get("iteration", [-1] * n)]
+        raw = state.get("job_pending")
+        t.pending = JobDetection.from_json(raw) if raw is not None else None
         t._batch = batch_from_state(state["batch"]) if state["batch"] is not None else None
         rows = t._batch.streams if t._batch is not None else len(t._slow)
         t._queue = _Pending.from_lists([list(q) for q in state["pending"]], rows)

@@ -4,12 +4,19 @@ A method (BOCD+V, plain BOCD, SlidingWindow) only finds and validates level chan
 change is a slowdown, a further slowdown, a partial or a full recovery is decided here, so the
 methods cannot disagree on it. Kept apart from greyhound.core.detector (which builds the methods)
 so that the methods can use it without importing their own factory.
+
+Two stages. A slowdown raised on fewer points than ``hold`` is one a short transient can explain
+(a fail-slow lasts at least 8 iterations; contention bursts, evaluation steps and stalls of 3-5
+iterations look like one for as long as they last): it is *suspected*, and the method confirms it
+once it has held ``hold`` points from its start, or the state withdraws it when the level comes
+back first. A slowdown raised on ``hold`` points or more is confirmed at once. What a suspicion
+may cost is the consumer's to decide (profiling may start, a pause may not).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -21,7 +28,8 @@ NORMAL = 0
 SLOW = 1
 
 
-Change = Literal["onset", "further", "partial", "full"]
+Change = Literal["onset", "further", "partial", "full", "withdrawn"]
+Stage = Literal["suspected", "confirmed"]
 
 
 def iteration_batch(values: npt.ArrayLike, streams: int
@@ -40,9 +48,14 @@ class Detection:
 
     ``before_s`` is the level the change was measured against (the healthy level for an onset,
     the current slow level for a further slowdown or a recovery) and ``after_s`` the new one.
-    ``change`` says which of the four it is: ``onset`` (healthy -> slow), ``further`` (slower
-    while slow), ``partial`` (faster but still slow) or ``full`` (back within ``rel`` of the
-    healthy level, ``healthy_s``).
+    ``change`` says which it is: ``onset`` (healthy -> slow), ``further`` (slower while slow),
+    ``partial`` (faster but still slow), ``full`` (back within ``rel`` of the healthy level,
+    ``healthy_s``) or ``withdrawn`` (a suspected slowdown the level came back from before it
+    was confirmed).
+
+    A slowdown's ``stage`` is ``suspected`` or ``confirmed``; ``suspected_at`` is the iteration
+    it was first raised at, so a confirmation of an earlier suspicion (``detected_at`` later)
+    says both moments. Recoveries are confirmed as they are made.
     """
 
     index: int
@@ -52,44 +65,115 @@ class Detection:
     after_s: float
     change: Change = "onset"
     healthy_s: float = 0.0
+    stage: Stage = "confirmed"
+    suspected_at: int = -1
+
+    @property
+    def raised_at(self) -> int:
+        """When this decision was first raised: its suspicion, or itself."""
+        return self.suspected_at if self.suspected_at >= 0 else self.detected_at
 
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "detected_at": self.detected_at, "kind": self.kind,
                 "before_s": self.before_s, "after_s": self.after_s, "change": self.change,
-                "healthy_s": self.healthy_s}
+                "healthy_s": self.healthy_s, "stage": self.stage,
+                "suspected_at": self.raised_at}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Detection:
+        """Either form: one without a stage (saved before there were two) is confirmed."""
         return cls(int(raw["index"]), int(raw["detected_at"]), raw["kind"],
                    float(raw["before_s"]), float(raw["after_s"]), raw.get("change", "onset"),
-                   float(raw.get("healthy_s", 0.0)))
+                   float(raw.get("healthy_s", 0.0)), raw.get("stage", "confirmed"),
+                   int(raw.get("suspected_at", -1)))
+
+
+def stage_view(detections: Sequence[Detection], stage: Stage) -> list[Detection]:
+    """The decisions as one stage sees them, each slowdown once: ``confirmed``, at its
+    confirmation (suspicions and withdrawals left out); ``suspected``, at the moment it was
+    first raised (the later confirmation of a suspicion left out). Recoveries in both."""
+    out: list[Detection] = []
+    for d in detections:
+        if d.kind == "slowdown":
+            first = d.stage == "suspected" or d.raised_at == d.detected_at
+            if first if stage == "suspected" else d.stage == "confirmed":
+                out.append(d)
+        elif d.change != "withdrawn":
+            out.append(d)
+    return out
 
 
 @dataclass(slots=True)
 class LevelState:
-    """Per-stream memory of the healthy and the current slow level.
+    """Per-stream memory of the healthy and the current slow level, and of a pending suspicion.
 
     A slow stream stays open to further changes: a job that slows again (a second fault on top
     of the first) or recovers only partly (one of two causes ended) is reported, each with the
     level before and after, so that the analyzer looks again.
+
+    At most one suspicion is pending per stream (``pending`` is its start, -1 when none). While
+    it is, the level may move on without new reports: a further rise or a partial fall is the
+    same suspected slowdown, confirmed at whatever level it holds; a return to the level before
+    it withdraws it.
     """
 
     mode: int = NORMAL
     healthy_s: float = 0.0
     slow_s: float = 0.0
+    pending: int = -1
+    pending_at: int = -1
+    pending_before_s: float = 0.0
+    pending_change: Change = "onset"
 
     def judge(self, *, index: int, now: int, before_s: float, after_s: float, rel: float,
-              spread: float = 1.0) -> Detection | None:
+              spread: float = 1.0, hold: int = 0) -> Detection | None:
         """Turn a level change into a decision, or absorb it silently.
 
         ``before_s`` is the reference the change is measured against; ``spread`` (>= 1) is the
         factor by which the measured ratio may be off (a confidence bound): a rise counts when
-        after/before exceeds (1 + rel) * spread, a fall when before/after does.
+        after/before exceeds (1 + rel) * spread, a fall when before/after does. A slowdown
+        found on fewer than ``hold`` points since ``index`` is suspected (see the module).
 
         Normal mode: a rise is a slowdown (onset); a fall is a new baseline, left to the caller.
         Slow mode: back within rel of the healthy level (by at least rel/2) is a full recovery;
         a rise is a further slowdown, a fall short of the healthy level a partial recovery.
+        While a suspicion is pending, every change is absorbed into it: the stream stays slow
+        at the new level until the method confirms or withdraws it.
         """
+        pending = self.pending >= 0
+        det = self._level(index, now, before_s, after_s, rel, spread)
+        if det is None:
+            return None
+        if pending:
+            self.mode, self.slow_s = SLOW, after_s
+            return None
+        if det.kind == "slowdown" and now - index + 1 < hold:
+            self.pending, self.pending_at = index, now
+            self.pending_before_s, self.pending_change = before_s, det.change
+            return replace(det, stage="suspected", suspected_at=now)
+        return replace(det, suspected_at=now) if det.kind == "slowdown" else det
+
+    def confirm(self, now: int, after_s: float) -> Detection:
+        """The pending suspicion has held: its confirmation at ``now``, at level ``after_s``."""
+        det = Detection(self.pending, now, "slowdown", self.pending_before_s, after_s,
+                        self.pending_change, self.healthy_s, "confirmed", self.pending_at)
+        self.pending, self.pending_at = -1, -1
+        return det
+
+    def withdraw(self, now: int, after_s: float) -> Detection:
+        """The level came back before the pending suspicion held: the stream is where it was
+        before it (healthy, or slow at the earlier level), and the suspicion is withdrawn."""
+        det = Detection(self.pending, now, "recovery", self.slow_s, after_s, "withdrawn",
+                        self.healthy_s)
+        if self.pending_change == "onset":
+            self.mode, self.slow_s = NORMAL, 0.0
+        else:
+            self.slow_s = self.pending_before_s
+        self.pending, self.pending_at = -1, -1
+        return det
+
+    def _level(self, index: int, now: int, before_s: float, after_s: float, rel: float,
+               spread: float) -> Detection | None:
         up = after_s > before_s * (1.0 + rel) * spread
         if self.mode == NORMAL:
             if up:
@@ -109,8 +193,16 @@ class LevelState:
         return None
 
     def to_json(self) -> list[float]:
-        return [float(self.mode), self.healthy_s, self.slow_s]
+        return [float(self.mode), self.healthy_s, self.slow_s, float(self.pending),
+                float(self.pending_at), self.pending_before_s,
+                float(self.pending_change == "further")]
 
     @classmethod
     def from_json(cls, raw: Sequence[float]) -> LevelState:
-        return cls(int(raw[0]), float(raw[1]), float(raw[2]))
+        """Either form: three numbers (saved before suspicions) or seven."""
+        out = cls(int(raw[0]), float(raw[1]), float(raw[2]))
+        if len(raw) >= 7:
+            out.pending, out.pending_at = int(raw[3]), int(raw[4])
+            out.pending_before_s = float(raw[5])
+            out.pending_change = "further" if raw[6] else "onset"
+        return out

@@ -36,11 +36,30 @@ def lag_agreement(keys: IntArray, lag: int, blocks: int = 16) -> float:
     return float(np.median([part.mean() for part in np.array_split(eq, b)]))
 
 
+def whole_periods(keys: IntArray, lag: int) -> bool:
+    """True when every key occurs equally often in each `lag`-call span of `keys`, counted over
+    the longest whole number of spans that ends with the newest call.
+
+    A sub-period passes the agreement test when one op is rare: a pipeline stage's send/recv
+    pairs repeat per micro-batch and its one data-parallel all-reduce per iteration spoils two
+    comparisons in each iteration's worth, which the block median skips. That op then occurs in
+    some spans of the sub-period and not in others, which a true period cannot show over any
+    whole number of its spans. (Before the rare op has been seen at all, nothing can tell.)
+    """
+    spans = keys.shape[0] // lag if lag > 0 else 0
+    if spans == 0:
+        return False
+    _, counts = np.unique(keys[-lag * spans:], return_counts=True)
+    return bool((counts % spans == 0).all())
+
+
 def find_period(keys: npt.ArrayLike, *, threshold: float = 0.95,
-                max_lag: int | None = None, probes: int = 8) -> int | None:
+                max_lag: int | None = None, probes: int = 8, whole: bool = False) -> int | None:
     """Smallest lag whose block-median agreement exceeds `threshold` (None: no period yet).
 
     Needs several periods of calls: lags above len(keys) // 4 are not considered by default.
+    With ``whole`` the lag must also hold every op equally often in each of its spans
+    (`whole_periods`), so a sub-period of a stream with a rare op is passed over.
     """
     k = np.asarray(keys, dtype=np.int64).reshape(-1)
     n = k.shape[0]
@@ -55,7 +74,7 @@ def find_period(keys: npt.ArrayLike, *, threshold: float = 0.95,
                 votes[lag] = votes.get(lag, 0) + 1
     need = max(1, min(probes, n) // 2)
     for lag in sorted(lag for lag, v in votes.items() if v >= need):
-        if lag_agreement(k, lag) > threshold:
+        if lag_agreement(k, lag) > threshold and (not whole or whole_periods(k, lag)):
             return lag
     return None
 
@@ -85,6 +104,7 @@ class IterationSegmenter:
         self._buf_keys: list[int] = []
         self._buf_t: list[int] = []
         self._last_seen: dict[int, int] = {}
+        self._counts: dict[int, int] = {}  # each other anchor's calls since the last primary
         self._gaps: dict[int, int] = {}
         self._since_primary = 0
         self._misses = 0
@@ -115,7 +135,7 @@ class IterationSegmenter:
     def _try_lock(self) -> Iterator[Iteration]:
         keys = np.asarray(self._buf_keys, dtype=np.int64)
         period = find_period(keys, threshold=self.threshold,
-                             max_lag=len(keys) // self.min_periods)
+                             max_lag=len(keys) // self.min_periods, whole=True)
         if period is None:
             return
         recent = keys[-period * self.min_periods:]
@@ -131,8 +151,12 @@ class IterationSegmenter:
         self.period = period
         buf_k, buf_t = self._buf_keys, self._buf_t
         self._buf_keys, self._buf_t = [], []
-        # Replay the buffered calls so the first iterations are not lost.
-        for key, ts in zip(buf_k, buf_t, strict=True):
+        # Replay the buffered calls so the first iterations are not lost; should the pattern
+        # change within them (the period is lost again), the rest waits for the next lock.
+        for i, (key, ts) in enumerate(zip(buf_k, buf_t, strict=True)):
+            if self.period is None:
+                self._buf_keys, self._buf_t = buf_k[i:], buf_t[i:]
+                return
             yield from self._step(key, ts)
 
     def _step(self, key: int, ts: int) -> Iterator[Iteration]:
@@ -143,11 +167,13 @@ class IterationSegmenter:
             if prev is not None:
                 self._gaps[key] = ts - prev
             self._last_seen[key] = ts
+            self._counts[key] = self._counts.get(key, 0) + 1
         if key == self.anchors[0]:
             if self._last_primary_ns is not None:
                 yield from self._close(ts)
             self._last_primary_ns = ts
             self._since_primary = 0
+            self._counts.clear()
         elif self._since_primary > 3 * self.period:
             self._relearn()
 
@@ -155,26 +181,38 @@ class IterationSegmenter:
         assert self.period is not None and self._last_primary_ns is not None
         primary_gap = ts - self._last_primary_ns
         calls = self._since_primary
-        if not 0.5 * self.period <= calls <= 2.5 * self.period:
+        gaps = [g for g in self._gaps.values() if g > 0]
+        typical = float(np.median(gaps)) if gaps else float(primary_gap)
+        # A missing primary call makes its gap span two iterations: split it between them.
+        steps = max(1, round(primary_gap / typical)) if typical > 0 else 1
+        if not (0.5 * self.period <= calls <= 2.5 * self.period and self._anchors_agree(steps)):
             self._misses += 1
             if self._misses >= 3:
                 self._relearn()
             return
         self._misses = 0
-        gaps = [g for g in self._gaps.values() if g > 0]
-        typical = float(np.median(gaps)) if gaps else float(primary_gap)
-        # A missing primary call makes its gap span two iterations: split it between them.
-        steps = max(1, round(primary_gap / typical)) if typical > 0 else 1
         for s in range(steps):
             self._index += 1
             end = self._last_primary_ns + round((s + 1) * primary_gap / steps)
             yield Iteration(self._index - 1, end, primary_gap / steps / 1e9)
+
+    def _anchors_agree(self, steps: int) -> bool:
+        """The other anchors came once per iteration since the last primary, bar one glitch in
+        three. When the pattern changes so that the primary recurs within an iteration (a
+        micro-batch plan gives a pipeline stage more micro-batches again: its per-micro-batch
+        receive was once per iteration), the calls between primaries may still number about a
+        period while the other anchors are missing from most gaps: such gaps are no iteration.
+        """
+        others = self.anchors[1:]
+        wrong = sum(self._counts.get(a, 0) != steps for a in others)
+        return wrong <= max(0, len(others) - 1) // 2
 
     def _relearn(self) -> None:
         """The call pattern changed (new phase, new parallel layout): find the period again."""
         self.period = None
         self.anchors = ()
         self._last_seen.clear()
+        self._counts.clear()
         self._gaps.clear()
         self._since_primary = 0
         self._misses = 0

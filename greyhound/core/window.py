@@ -71,6 +71,13 @@ class WindowBatch:
                                    after_s=float(recent[j]), rel=c.rel)
         return out
 
+    def restart(self, rows: npt.ArrayLike) -> None:
+        """Streams whose source started over: their window fills again before they decide
+        (what they decided stays)."""
+        r = np.asarray(rows, dtype=np.intp).reshape(-1)
+        self.buf[r] = np.nan
+        self.seen[r] = 0
+
     def state_dict(self) -> dict[str, Any]:
         c = self.config
         return {"config": {"window": c.window, "confirm": c.confirm, "rel": c.rel},

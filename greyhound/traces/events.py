@@ -6,6 +6,8 @@ file. An episode is found when a slowdown has its ``index`` in ``[start - tolera
 and was raised by ``start + 15``; latency is ``detected_at - start`` (0 when earlier). A slowdown
 whose index lies outside every episode (widened by the tolerance before and 5 iterations after)
 and every ignored stretch is a false alarm; the rate is per 10,000 iterations outside those.
+Job level, as the recorded traces' scorer counts it: a trace with episodes is a true positive
+when one of them is found, a trace without one a false positive when it has a false alarm.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class EventScores:
     false_alarms: int
     healthy_iterations: int
     fa_per_10k: float
+    accuracy: float = float("nan")
+    fpr: float = 0.0
+    fnr: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,10 +83,16 @@ def score_events(traces: Sequence[Trace],
     alarms = sum(len(o.false_alarms) for o in outcomes)
     healthy = sum(o.healthy_iterations for o in outcomes)
     arr = np.asarray(lat, dtype=np.float64)
+    pos = [o for o in outcomes if o.latencies]
+    neg = [o for o in outcomes if not o.latencies]
+    fn = sum(all(x is None for x in o.latencies) for o in pos)
+    fp = sum(bool(o.false_alarms) for o in neg)
     return EventScores(
         traces=len(traces), episodes=episodes, found=len(lat),
         recall=len(lat) / episodes if episodes else float("nan"),
         median_latency=float(np.median(arr)) if arr.size else float("nan"),
         p90_latency=float(np.percentile(arr, 90)) if arr.size else float("nan"),
         false_alarms=alarms, healthy_iterations=healthy,
-        fa_per_10k=alarms / max(1, healthy) * 1e4)
+        fa_per_10k=alarms / max(1, healthy) * 1e4,
+        accuracy=(len(outcomes) - fn - fp) / len(outcomes) if outcomes else float("nan"),
+        fpr=fp / len(neg) if neg else 0.0, fnr=fn / len(pos) if pos else 0.0)

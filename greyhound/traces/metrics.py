@@ -6,7 +6,7 @@ positives. Per episode: an episode is recalled when a slowdown is raised while i
 onset to its end plus `grace` iterations, since a short episode may end before the confirming
 points are in); latency = detected_at - onset, where onset is the first iteration at least 10%
 slow (the start, for an abrupt fail-slow). A slowdown raised outside every episode is a false
-alarm, counted in positive jobs too.
+alarm, counted in positive jobs too; their rate is per 10,000 iterations outside every episode.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class Scores:
     false_alarms: int
     median_latency: float
     p90_latency: float
+    healthy_iterations: int = 0
+    fa_per_10k: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,7 +45,7 @@ def score(traces: Sequence[Trace], detections: Sequence[Sequence[Detection]], *,
     if len(traces) != len(detections):
         raise ValueError("one detection list per trace")
     tp = fp = tn = fn = 0
-    recalled = total = false_alarms = 0
+    recalled = total = false_alarms = healthy = 0
     latencies: list[int] = []
     for trace, dets in zip(traces, detections, strict=True):
         slow = [d for d in dets if d.kind == "slowdown"]
@@ -66,6 +68,11 @@ def score(traces: Sequence[Trace], detections: Sequence[Sequence[Detection]], *,
         inside = {i for i, d in enumerate(slow)
                   for ep in trace.episodes if ep.start <= d.detected_at < ep.end + grace}
         false_alarms += len(set(range(len(slow))) - used - inside)
+        n = len(trace.times)
+        outside = np.ones(n, dtype=bool)
+        for ep in trace.episodes:
+            outside[ep.start:min(n, ep.end + grace)] = False
+        healthy += int(outside.sum())
     jobs = len(traces)
     positives = tp + fn
     lat = np.asarray(latencies, dtype=np.float64)
@@ -78,4 +85,5 @@ def score(traces: Sequence[Trace], detections: Sequence[Sequence[Detection]], *,
         false_alarms=false_alarms,
         median_latency=float(np.median(lat)) if lat.size else float("nan"),
         p90_latency=float(np.percentile(lat, 90)) if lat.size else float("nan"),
+        healthy_iterations=healthy, fa_per_10k=false_alarms / max(1, healthy) * 1e4,
     )

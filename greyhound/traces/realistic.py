@@ -190,7 +190,9 @@ def generate_realistic(rng: np.random.Generator, name: str, *, positive: bool,
                 logf[end:tail] += np.log(a)
                 noise.append(NoiseEvent("dip", end, tail, float(a)))
                 end = tail
-            cursor = end + int(rng.integers(50, 800))
+            # the next one may begin soon after (the labels keep two apart from 30 on), while
+            # the level is still noisy from this one
+            cursor = end + int(rng.integers(30, 800))
     t0 = log_uniform(rng, 0.01, 2.0)
     times = t0 * np.exp(logf)
     episodes, ignore = label_by_hindsight(times, t0, warmup=w)

@@ -324,14 +324,18 @@ static int run(const struct cfg *c) {
     host_due = fk_now_ns();
     if ((r = compute(c)) != ncclSuccess) return fail("compute launch", r);
     if (c->verbose) gpu_mark(&g, 1); /* the device reaches the collectives */
+    /* tc: the host is about to launch the iteration's first collective (just before it) */
+    int64_t tc = c->pp > 1 ? fk_now_ns() : 0;
     if (c->pp > 1 && (r = pipeline_step(c, &m, buf, count, it)) != ncclSuccess) return fail("pipeline send/recv", r);
     host_launch_cost(c, nccl_launch_us(c));
     int64_t stamp = gh_watchdog_stamp();
+    if (c->tp > 1 && tc == 0) tc = fk_now_ns();
     if (c->tp > 1 && (r = ncclAllReduce(buf, buf, count, ncclFloat32, ncclSum, m.tp, NULL)) != ncclSuccess)
       return fail("tp all-reduce", r);
     if (c->tp > 1) gh_watchdog_issued(stamp, "tp all_reduce", it);
     size_t extra = fk_fault_find(FK_MISMATCH, c->rank, it, NULL) ? 1 : 0; /* H2 */
     host_launch_cost(c, nccl_launch_us(c));
+    if (tc == 0) tc = fk_now_ns();
     if ((r = dp_step(c, &m, buf, count, extra, it)) != ncclSuccess) return fail("dp all-reduce", r);
     if (c->verbose) gpu_mark(&g, 2);
     int64_t t1 = fk_now_ns();
@@ -345,8 +349,9 @@ static int run(const struct cfg *c) {
     if (c->verbose) {
       long mem = 0;
       fakeCudaMemStats(NULL, &mem, NULL);
-      printf("it=%d t0=%lld t1=%lld t2=%lld ga=%lld gd=%lld mem=%ld\n", it, (long long)t0, (long long)t1,
-             (long long)t2, (long long)gpu_at(&g, 1), (long long)gpu_at(&g, 2), mem);
+      printf("it=%d t0=%lld t1=%lld t2=%lld tc=%lld ga=%lld gd=%lld mem=%ld\n", it, (long long)t0,
+             (long long)t1, (long long)t2, (long long)tc, (long long)gpu_at(&g, 1), (long long)gpu_at(&g, 2),
+             mem);
       fflush(stdout);
     }
     if (c->ckpt_every > 0 && (it + 1) % c->ckpt_every == 0) fk_sleep_ns((int64_t)(c->ckpt_ms * 1e6));

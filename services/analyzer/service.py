@@ -10,6 +10,14 @@ collectives consumer, so detections keep flowing while a job is profiled. A loca
 its process did not live to record is started again when the analyzer starts (``resume``): an
 incident still ``detected``, open, with no localisation result.
 
+Two stages (greyhound.core.levels): a slowdown a short transient could explain comes first as
+a *suspected* detection. It opens its incident (``suspected_at``) and starts the localisation,
+since profiling costs the job little, but the validator's suspicion, which pauses the job, is
+held back (kept on the incident) until the tracker's confirmation (``confirmed_at``) and sent
+then. A withdrawn suspicion (the level came back first) resolves its incident and stops its
+profiling; a slowdown suspected meanwhile waits for that profiling to end rather than be
+dropped as a repeat.
+
 A second fault while the first is open is its own incident. When the tracker reports a further
 slowdown of a job that is already slow, a new incident opens (the open ones get a timeline entry
 that points to it) and the job is profiled again; the localisation names only what the open
@@ -29,6 +37,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -45,7 +54,13 @@ from services.analyzer.settings import AnalyzerSettings
 from services.analyzer.slow import SlowLocalizer
 from services.common.bus.bounds import MAX_SECONDS
 from services.common.bus.client import Consumer
-from services.common.bus.contract import DetectionEvent, IncidentEvent, IncidentStage, Subjects
+from services.common.bus.contract import (
+    DetectionEvent,
+    IncidentEvent,
+    IncidentStage,
+    Subjects,
+    Suspicion,
+)
 from services.common.bus.streams import ANALYZER
 from services.common.db import repository as repo
 from services.common.db.documents import Culprit, Detection, Evidence, OtherHang
@@ -67,6 +82,8 @@ class Recorded:
     events: list[IncidentEvent] = field(default_factory=list)
     localize: str | None = None
     second: bool = False
+    suspicions: list[Suspicion] = field(default_factory=list)  # held back until confirmed
+    withdrawn: str | None = None  # the incident whose suspicion was withdrawn
 
 
 class Analyzer:
@@ -76,6 +93,7 @@ class Analyzer:
         self.work = work
         self.localizer = localizer
         self._chains: dict[str, asyncio.Task[None]] = {}
+        self._chained: dict[str, str] = {}  # job -> incident of its newest localisation
         # what the consumer calls: handle, in a unit of work of its own per detection
         self.consume = work.per_message(self.handle, claim=ANALYZER.durable)
 
@@ -89,6 +107,16 @@ class Analyzer:
         done = await self._record(uow.session, det, gpus)
         for event in done.events:
             await uow.stage(Subjects.incident(det.job_id), event)
+        for held in done.suspicions:
+            await uow.stage(Subjects.suspicion(det.job_id), held)
+        withdrawn = done.withdrawn
+        if withdrawn is not None and self.localizer is not None:
+            localizer = self.localizer
+
+            async def cancel() -> None:
+                localizer.cancel(det.job_id, withdrawn)
+
+            uow.after_commit(cancel)
         incident_id = done.localize
         if incident_id is not None and self.localizer is not None:
             async def localize() -> None:
@@ -119,33 +147,43 @@ class Analyzer:
         return started
 
     def _localize(self, incident_id: str, det: DetectionEvent, *, second: bool) -> None:
-        """Queue a localisation behind the job's running one; a repeat of the first one is
-        dropped while one is running or queued, a second fault's always waits its turn."""
+        """Queue a localisation behind the job's running one; a repeat of the same incident is
+        dropped while one is running or queued, another incident's (a second fault's, or a
+        new slowdown's while a withdrawn or closed one is still profiled) waits its turn."""
         assert self.localizer is not None
         localizer = self.localizer
         job = det.job_id
         before = self._chains.get(job) or localizer.tasks.get(job)
         if not second:
-            if before is None and localizer.start(incident_id, det):
-                self._chain(job, localizer.tasks[job])
-            return
+            if before is None:
+                if localizer.start(incident_id, det):
+                    self._chain(job, localizer.tasks[job], incident_id)
+                return
+            if self._chained.get(job) == incident_id:
+                return
 
         async def run() -> None:
             if before is not None:
                 await asyncio.gather(before, return_exceptions=True)
-            known = await self._known(job, incident_id)
+            known = await self._known(job, incident_id) if second else None
             running = localizer.tasks.get(job)
             if running is not None:
                 await asyncio.gather(running, return_exceptions=True)
             if localizer.start(incident_id, det, known=known):
                 await asyncio.gather(localizer.tasks[job], return_exceptions=True)
 
-        self._chain(job, asyncio.create_task(run(), name=f"localize-chain-{job}"))
+        self._chain(job, asyncio.create_task(run(), name=f"localize-chain-{job}"), incident_id)
 
-    def _chain(self, job: str, task: asyncio.Task[None]) -> None:
+    def _chain(self, job: str, task: asyncio.Task[None], incident_id: str) -> None:
         self._chains[job] = task
-        task.add_done_callback(
-            lambda t: self._chains.pop(job, None) if self._chains.get(job) is t else None)
+        self._chained[job] = incident_id
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._chains.get(job) is t:
+                self._chains.pop(job, None)
+                self._chained.pop(job, None)
+
+        task.add_done_callback(done)
 
     async def _known(self, job: str, exclude: str) -> KnownCauses:
         """What the job's other open slowdown incidents name, read when the localisation runs
@@ -195,12 +233,17 @@ class Analyzer:
         if change is not None:
             detail = detail.model_copy(update={"change": change,
                                                "healthy_s": det.evidence.get("healthy_s")})
+        if det.kind == "slowdown":
+            detail = detail.model_copy(update={"stage": det.stage,
+                                               "suspected_iteration": det.suspected_iteration})
         await repo.touch_job(session, det.job_id)
         if det.kind == "hang":
             return await self._hang(session, det, detail, gpus or [])
         if det.hang_over:
             return await self._hang_over(session, det, detail)
         open_ = await repo.open_incidents(session, det.job_id, SLOW_KEY)
+        if det.withdrawn:
+            return await self._withdrawn(session, det, detail, open_)
         if det.kind == "recovery":
             return await self._recovery(session, det, detail, change, open_)
         return await self._slowdown(session, det, detail, change, open_)
@@ -244,11 +287,15 @@ class Analyzer:
     async def _slowdown(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                         change: str | None, open_: Sequence[Incident]) -> Recorded:
         kind, severity, culprit, summary = self._classify(det)
+        suspected, confirmed = _moments(det)
+        waiting = _suspected_by(det, open_)
+        if confirmed is not None and det.confirms is not None and waiting is not None:
+            return await self._confirm(session, det, detail, waiting, severity, confirmed)
         if not open_:
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key=SLOW_KEY, severity=severity,
                 summary=summary, culprit=culprit, evidence=Evidence(detection=detail),
-                stage_detail=detail)
+                stage_detail=detail, suspected=suspected, confirmed=confirmed)
             return Recorded([self._event(det, incident, "detected")], incident.id)
         if change != "further":
             # The same slowdown again (a tracker restart, a re-detection): the oldest one.
@@ -264,11 +311,40 @@ class Analyzer:
             session, job_id=det.job_id, kind=kind,
             dedup_key=f"{SLOW_KEY}+{det.first_iteration}:{det.event_id[:8]}",
             severity=severity, summary=summary, culprit=culprit,
-            evidence=Evidence(detection=detail, while_open=others), stage_detail=detail)
+            evidence=Evidence(detection=detail, while_open=others), stage_detail=detail,
+            suspected=suspected, confirmed=confirmed)
         for other in open_:
             await repo.add_timeline(session, other, "detected",
                                     detail.model_copy(update={"further": incident.id}))
         return Recorded([self._event(det, incident, "detected")], incident.id, second=True)
+
+    async def _confirm(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
+                       incident: Incident, severity: float, confirmed: repo.Moment) -> Recorded:
+        """The suspected slowdown held: its incident is confirmed, and the validator's
+        suspicion, if its localisation has already made one, is sent now."""
+        repo.confirm_incident(incident, confirmed)
+        incident.severity = max(incident.severity, severity)
+        await repo.add_timeline(session, incident, "detected", detail)
+        done = Recorded([self._event(det, incident, "detected")])
+        held = incident.evidence.held_suspicion
+        if held is not None and incident.status != "resolved":
+            done.suspicions.append(held)
+            log.info("incident %s confirmed: its suspicion goes to the validator", incident.id)
+        if held is not None:
+            incident.evidence = incident.evidence.model_copy(update={"held_suspicion": None})
+        return done
+
+    async def _withdrawn(self, session: AsyncSession, det: DetectionEvent,
+                         detail: Detection, open_: Sequence[Incident]) -> Recorded:
+        """The job's level came back before its suspected slowdown held: that incident is
+        over, never validated (its profiling is stopped)."""
+        incident = _suspected_by(det, open_)
+        if incident is None:
+            return Recorded()
+        await repo.add_timeline(session, incident, "resolved",
+                                detail.model_copy(update={"result": "withdrawn",
+                                                          "by": "tracker"}))
+        return Recorded([self._event(det, incident, "resolved")], withdrawn=incident.id)
 
     async def _recovery(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                         change: str | None, open_: Sequence[Incident]) -> Recorded:
@@ -295,6 +371,30 @@ class Analyzer:
         return IncidentEvent(job_id=det.job_id, incident_id=incident.id, stage=stage,
                              kind=incident.kind, severity=incident.severity,
                              summary=incident.summary)
+
+
+def _suspected_by(det: DetectionEvent, open_: Sequence[Incident]) -> Incident | None:
+    """The open incident only suspected so far that ``det`` confirms or withdraws: the one its
+    suspected event opened (``confirms``), else the newest one only suspected (an incident
+    opened before the tracker named its suspicions)."""
+    waiting = [i for i in open_ if i.only_suspected]
+    named = [i for i in waiting
+             if i.evidence.detection is not None
+             and i.evidence.detection.event_id == det.confirms]
+    found = named or waiting
+    return found[-1] if found else None
+
+
+def _moments(det: DetectionEvent) -> tuple[repo.Moment, repo.Moment | None]:
+    """A slowdown's suspicion and, when it is confirmed, its confirmation."""
+    at = datetime.fromtimestamp(det.detected_ns / 1e9, UTC)
+    suspected = repo.Moment(
+        datetime.fromtimestamp(det.suspected_ns / 1e9, UTC) if det.suspected_ns else at,
+        det.suspected_iteration if det.suspected_iteration is not None
+        else det.detected_iteration)
+    if det.stage == "suspected":
+        return suspected, None
+    return suspected, repo.Moment(at, det.detected_iteration)
 
 
 def _detection_of(inc: Incident) -> DetectionEvent | None:

@@ -63,6 +63,7 @@ class SlowLocalizer:
         self.record_patience_s = record_patience_s
         self.buffers: dict[str, ProfileBuffer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.incidents: dict[str, str] = {}  # job -> the incident its running task localises
 
     def start(self, incident_id: str, det: DetectionEvent, *,
               known: KnownCauses | None = None) -> bool:
@@ -75,8 +76,22 @@ class SlowLocalizer:
             return False
         task = asyncio.create_task(self._run(incident_id, det, known), name=f"localize-{job}")
         self.tasks[job] = task
-        task.add_done_callback(lambda _t: self.tasks.pop(job, None))
+        self.incidents[job] = incident_id
+
+        def done(_t: asyncio.Task[None]) -> None:
+            self.tasks.pop(job, None)
+            self.incidents.pop(job, None)
+
+        task.add_done_callback(done)
         return True
+
+    def cancel(self, job: str, incident_id: str) -> None:
+        """Stop localising ``incident_id`` (its suspicion was withdrawn): the job goes back to
+        monitor mode now rather than at the end of the window."""
+        task = self.tasks.get(job)
+        if task is not None and self.incidents.get(job) == incident_id:
+            log.info("incident %s withdrawn: its profiling stops", incident_id)
+            task.cancel()
 
     async def stop(self) -> None:
         for task in list(self.tasks.values()):
@@ -209,12 +224,20 @@ class SlowLocalizer:
         log.info("incident %s localized: %s", incident.id, incident.summary)
         out: list[tuple[str, Message]] = []
         if not resolved:
-            out.append((Subjects.suspicion(det.job_id), Suspicion(
+            suspicion = Suspicion(
                 job_id=det.job_id, incident_id=incident.id, kind=loc.kind,
                 ranks=loc.compute_ranks, comm_ids=[unsigned64(c) for c in loc.comm_ids],
                 slow_groups=[unsigned64(c) for c in loc.slow_groups],
                 evidence={"nodes": loc.nodes, "links": [list(p) for p in loc.links],
-                          **evidence.as_json()})))
+                          **evidence.as_json()})
+            if incident.only_suspected:
+                # a validation pauses the job: not before the slowdown is confirmed (the
+                # analyzer sends this then, or never if it is withdrawn)
+                incident.evidence = incident.evidence.merged(Evidence(held_suspicion=suspicion))
+                log.info("incident %s localized while only suspected: the validation waits "
+                         "for its confirmation", incident.id)
+            else:
+                out.append((Subjects.suspicion(det.job_id), suspicion))
         out.append((Subjects.incident(det.job_id), IncidentEvent(
             job_id=det.job_id, incident_id=incident.id, stage="localized", kind=loc.kind,
             severity=incident.severity, summary=incident.summary)))

@@ -88,6 +88,13 @@ class IncidentOut(BaseModel):
     resolved_at: datetime | None
     acknowledged_at: datetime | None = None
     acknowledged_by: str | None = None
+    suspected_at: datetime | None = Field(default=None, description=(
+        "a slowdown's first suspicion; it may be profiled from then on"))
+    confirmed_at: datetime | None = Field(default=None, description=(
+        "when it was confirmed (it had held): only then may it be validated, which pauses the "
+        "job; null while only suspected, and on incidents from before there were two stages"))
+    suspected_iteration: int | None = None
+    confirmed_iteration: int | None = None
     timeline: list[TimelineEntry]
     cost: CostOut | None = None
     explanation: str | None = Field(default=None, examples=[

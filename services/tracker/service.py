@@ -76,7 +76,7 @@ HOUSEKEEPING_S = 1.0
 
 def detection_id(job: str, d: JobDetection) -> str:
     """Same decision, same id: a detection replayed after a crash is de-duplicated."""
-    key = f"{job}|{d.kind}|{d.change}|{d.first_iteration}|{d.detected_iteration}"
+    key = f"{job}|{d.kind}|{d.change}|{d.stage}|{d.first_iteration}|{d.detected_iteration}"
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -103,10 +103,13 @@ class JobState:
     pending: list[DetectionEvent] = field(default_factory=list)  # not yet handed on
     seen_at: float = field(default_factory=time.monotonic)
     replayed: bool = False  # the stream was read back from ``seq`` (once, at the first batch)
+    suspected_ns: int | None = None  # when the job's pending suspicion was raised
+    suspected_event: str | None = None  # and its event id
 
     def state_dict(self) -> dict[str, Any]:
         return {"tracker": self.tracker.state_dict(), "hangs": self.hangs.state_dict(),
-                "seq": self.seq, "pending": [e.model_dump(mode="json") for e in self.pending]}
+                "seq": self.seq, "pending": [e.model_dump(mode="json") for e in self.pending],
+                "suspected_ns": self.suspected_ns, "suspected_event": self.suspected_event}
 
 
 @dataclass
@@ -190,7 +193,9 @@ class Tracker:
                 st = JobState(tracker, JobHangMonitor.from_state(saved["hangs"]),
                               seq=int(saved.get("seq", 0)),
                               pending=[DetectionEvent.model_validate(e)
-                                       for e in saved.get("pending", [])])
+                                       for e in saved.get("pending", [])],
+                              suspected_ns=saved.get("suspected_ns"),
+                              suspected_event=saved.get("suspected_event"))
             except (KeyError, TypeError, ValueError) as exc:
                 self.stats.corrupt_states += 1
                 log.error("job %s: saved state unusable, starting afresh: %s", job, describe(exc))
@@ -281,27 +286,52 @@ class Tracker:
             return False
         # A message holds tens of values: sorting the list beats numpy's median call overhead.
         st.hangs.observe_iteration(median(msg.duration_s))
-        # The agent keeps each rank's iterations in order within and across batches.
-        decisions = st.tracker.observe_many(msg.rank, np.asarray(msg.duration_s, dtype=np.float64))
+        # The agent keeps each rank's iterations in order within and across batches, and counts
+        # them: a rank whose numbers go back restarted (the tracker warms it up again).
+        decisions = st.tracker.observe_many(msg.rank, np.asarray(msg.duration_s, dtype=np.float64),
+                                            msg.iteration)
         for d in decisions:
-            st.pending.append(self._detection(msg.job_id, d, st.hangs))
+            st.pending.append(self._detection(msg.job_id, st, d))
         return bool(decisions)
 
-    def _detection(self, job: str, d: JobDetection, mon: JobHangMonitor) -> DetectionEvent:
+    def _detection(self, job: str, st: JobState, d: JobDetection) -> DetectionEvent:
         """``before_s``/``after_s`` are the levels either side of this change; the evidence says
         which change it is (``onset``, ``further`` slowdown while slow, ``partial`` or ``full``
-        recovery) and the job's healthy level, so a second fault reads as one."""
+        recovery, ``withdrawn`` suspicion) and the job's healthy level, so a second fault reads
+        as one. A slowdown says its stage and when it was first suspected."""
         self.detections += 1
-        log.info("job %s: %s (%s) %.3fs -> %.3fs, healthy %.3fs (ranks %s)", job, d.kind,
-                 d.change, d.before_s, d.after_s, d.healthy_s, list(d.ranks)[:8])
+        now = time.time_ns()
+        log.info("job %s: %s (%s%s) %.3fs -> %.3fs, healthy %.3fs (ranks %s)", job, d.kind,
+                 d.change, f", {d.stage}" if d.kind == "slowdown" else "", d.before_s,
+                 d.after_s, d.healthy_s, list(d.ranks)[:8])
+        event_id = detection_id(job, d)
+        suspected_ns: int | None = None
+        confirms: str | None = None
+        if d.kind == "slowdown":
+            # a confirmation of an earlier suspicion names it and says when it was; one made
+            # at once, that it was now
+            later = d.stage == "confirmed" and d.suspected_iteration != d.detected_iteration
+            if later and st.suspected_ns is not None:
+                suspected_ns, confirms = st.suspected_ns, st.suspected_event
+            else:
+                suspected_ns = now
+            st.suspected_ns, st.suspected_event = ((now, event_id) if d.stage == "suspected"
+                                                   else (None, None))
+        elif d.change == "withdrawn":
+            confirms = st.suspected_event  # what it withdraws
+            st.suspected_ns, st.suspected_event = None, None
         return DetectionEvent(
-            event_id=detection_id(job, d), job_id=job,
+            event_id=event_id, job_id=job, confirms=confirms,
             kind="slowdown" if d.kind == "slowdown" else "recovery",
             ranks=list(d.ranks)[:MAX_LISTED], first_iteration=max(d.first_iteration, -1),
             detected_iteration=max(d.detected_iteration, -1), before_s=_level(d.before_s),
-            after_s=_level(d.after_s), detected_ns=time.time_ns(), method=self.method,
+            after_s=_level(d.after_s), detected_ns=now, method=self.method,
             evidence={"change": d.change, "healthy_s": _level(d.healthy_s),
-                      "ranks_total": len(d.ranks), "slow_links": _slow_links(mon)})
+                      "ranks_total": len(d.ranks), "slow_links": _slow_links(st.hangs)},
+            stage="suspected" if d.stage == "suspected" else "confirmed",
+            suspected_iteration=(max(d.suspected_iteration, -1) if d.kind == "slowdown"
+                                 else None),
+            suspected_ns=suspected_ns)
 
     # ---- hangs --------------------------------------------------------------------------------
 

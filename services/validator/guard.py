@@ -1,9 +1,11 @@
-"""Which suspicions may pause a job: only one an open, localised incident of that job stands behind.
+"""Which suspicions may pause a job: only one an open, localised, confirmed incident of that job
+stands behind.
 
 A validation parks every rank of a job, so the validator must not act on a Suspicion just
 because it arrived: a forged one, a replay under a new event id, one for an incident that
-recovered, or one naming nothing (which would check every GPU) is refused before any agent is
-asked anything. What the suspicion names must be what the analyzer localised: its ranks among
+recovered, one for a slowdown only suspected so far (a short transient could still explain it),
+or one naming nothing (which would check every GPU) is refused before any agent is asked
+anything. What the suspicion names must be what the analyzer localised: its ranks among
 the incident's ``compute_ranks`` and its communicators among the incident's ``comm_ids``, both
 committed by the analyzer before it published the suspicion. Pure: values in, a reason out.
 """
@@ -44,6 +46,9 @@ def refusal(s: Suspicion, incident: Incident | None, job_ranks: Collection[int])
         return f"no incident {s.incident_id}"
     if incident.job_id != s.job_id:
         return f"incident {incident.id} is job {incident.job_id}'s, not {s.job_id}'s"
+    if incident.only_suspected:
+        return (f"incident {incident.id} is only suspected (a short transient could explain "
+                f"it): no pause before it is confirmed")
     if incident.status not in VALIDATABLE:
         what = {"detected": "not localised", "resolved": "resolved"}.get(incident.status,
                                                                          incident.status)

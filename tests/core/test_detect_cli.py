@@ -25,9 +25,29 @@ def test_prints_one_json_line_per_file(tmp_path, capsys):
     assert kinds == ["slowdown", "recovery"]
     slow = first["detections"][0]
     assert set(slow) == {"index", "detected_at", "kind", "before_s", "after_s", "change",
-                         "healthy_s"}
+                         "healthy_s", "stage", "suspected_at"}
     assert slow["change"] == "onset" and first["detections"][1]["change"] == "full"
-    assert 250 <= slow["detected_at"] <= 253 and abs(slow["index"] - 250) <= 2
+    # printed at its confirmation, five points from its start, and it says when it was suspected
+    assert slow["stage"] == "confirmed" and 250 <= slow["suspected_at"] <= 253
+    assert slow["detected_at"] == slow["index"] + 4 and abs(slow["index"] - 250) <= 2
+
+
+def test_each_stage_prints_each_slowdown_once(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    x = 0.2 * np.exp(rng.normal(0, 0.02, 400))
+    x[200:204] *= 2.0   # a four-iteration burst: suspected, then withdrawn
+    x[300:] *= 1.6      # a fail-slow: suspected, then confirmed
+    p = _write(tmp_path / "t.txt", x)
+    got = {}
+    for stage in ("confirmed", "suspected", "all"):
+        assert main(["--stage", stage, p]) == 0
+        got[stage] = [(d["kind"], d["change"], d["stage"], d["index"])
+                      for d in json.loads(capsys.readouterr().out)["detections"]]
+    assert [g[:2] for g in got["confirmed"]] == [("slowdown", "onset")]
+    assert [g[:3] for g in got["suspected"]] == [("slowdown", "onset", "suspected")] * 2
+    assert [g[:3] for g in got["all"]] == [
+        ("slowdown", "onset", "suspected"), ("recovery", "withdrawn", "confirmed"),
+        ("slowdown", "onset", "suspected"), ("slowdown", "onset", "confirmed")]
 
 
 def test_method_choice(tmp_path, capsys):

@@ -6,11 +6,17 @@ import pytest
 
 from greyhound.core.detector import (
     METHODS,
+    Detection,
     detect_many,
     detect_series,
     detector_from_state,
     make_detector,
 )
+from greyhound.core.levels import Stage, stage_view
+
+
+def _slowdowns(dets: list[Detection], stage: Stage = "confirmed") -> list[Detection]:
+    return [d for d in stage_view(dets, stage) if d.kind == "slowdown"]
 
 
 def _trace(seed: int, n: int = 600, sigma: float = 0.02) -> np.ndarray:
@@ -19,15 +25,18 @@ def _trace(seed: int, n: int = 600, sigma: float = 0.02) -> np.ndarray:
 
 
 @pytest.mark.parametrize("factor", [1.12, 1.3, 2.0, 3.0])
-def test_bocdv_catches_a_fail_slow_within_three_iterations(factor):
+def test_bocdv_suspects_a_fail_slow_within_three_iterations_and_confirms_it_once_it_held(factor):
     x = _trace(10)
     x[300:420] *= factor
     dets = detect_series(x)
-    slow = [d for d in dets if d.kind == "slowdown"]
-    assert len(slow) == 1
-    assert 300 <= slow[0].detected_at <= 303 + (3 if factor < 1.2 else 0)
-    assert abs(slow[0].index - 300) <= 2
-    assert slow[0].after_s / slow[0].before_s == pytest.approx(factor, rel=0.05)
+    (seen,) = _slowdowns(dets, "suspected")
+    (slow,) = _slowdowns(dets)
+    assert 300 <= seen.detected_at <= 303 + (3 if factor < 1.2 else 0)
+    # confirmed once it held five points from its start (at once when seen on that many)
+    assert slow.detected_at == max(seen.detected_at, slow.index + 4)
+    assert slow.suspected_at == seen.detected_at and slow.index == seen.index
+    assert abs(slow.index - 300) <= 2
+    assert slow.after_s / slow.before_s == pytest.approx(factor, rel=0.05)
     rec = [d for d in dets if d.kind == "recovery"]
     assert len(rec) == 1 and 420 <= rec[0].detected_at <= 426
 
@@ -122,9 +131,10 @@ def test_sustained_slowdowns_in_real_noise_are_found_and_recover(seed, factor, w
     x = _real_noise(10 + seed)
     x[600:1000] *= factor
     dets = detect_series(x)
-    slow = [d for d in dets if d.kind == "slowdown"]
-    assert len(slow) == 1, dets
-    assert slow[0].change == "onset" and 600 <= slow[0].detected_at < 600 + within, slow
+    slow = _slowdowns(dets)
+    assert len(slow) == 1 and len(_slowdowns(dets, "suspected")) == 1, dets
+    assert 600 <= _slowdowns(dets, "suspected")[0].detected_at < 600 + within
+    assert slow[0].change == "onset" and 600 <= slow[0].detected_at < 600 + max(within, 6), slow
     assert abs(slow[0].index - 600) <= 3
     assert slow[0].after_s / slow[0].before_s == pytest.approx(factor, rel=0.06)
     rec = [d for d in dets if d.kind == "recovery"]
@@ -134,13 +144,17 @@ def test_sustained_slowdowns_in_real_noise_are_found_and_recover(seed, factor, w
 @pytest.mark.parametrize("seed", range(4))
 def test_fifteen_percent_in_five_percent_jitter_is_found_as_evidence_allows(seed):
     """Close to the 10% threshold in that much noise the evidence takes tens of iterations;
-    the start reported is that of the stretch that made the case."""
+    the start reported is that of the stretch that made the case. Seed 2's plateaus leave
+    11.5% of the step in the data: it takes 20 iterations, during which the healthy level must
+    not follow it."""
     x = _real_noise(10 + seed)
     x[600:1000] *= 1.15
-    slow = [d for d in detect_series(x) if d.kind == "slowdown"]
-    assert slow and 600 <= slow[0].detected_at < 640, slow
-    assert 597 <= slow[0].index <= slow[0].detected_at - 3
-    assert slow[0].after_s / slow[0].before_s > 1.1
+    dets = detect_series(x)
+    seen, slow = _slowdowns(dets, "suspected"), _slowdowns(dets)
+    assert seen and 600 <= seen[0].detected_at < 640, dets
+    assert 597 <= seen[0].index <= seen[0].detected_at - 3
+    assert seen[0].after_s / seen[0].before_s > 1.1
+    assert slow and slow[0].index == seen[0].index and slow[0].detected_at < 640, dets
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -148,20 +162,20 @@ def test_a_ten_percent_step_in_quiet_noise_is_found(seed):
     rng = np.random.default_rng(20 + seed)
     x = 0.1 * np.exp(rng.normal(0.0, 0.01, 800))
     x[400:] *= 1.12
-    slow = [d for d in detect_series(x) if d.kind == "slowdown"]
-    assert len(slow) == 1 and 400 <= slow[0].detected_at <= 406, slow
+    slow = _slowdowns(detect_series(x))
+    assert len(slow) == 1 and 404 <= slow[0].detected_at <= 406, slow
 
 
 def test_slow_stream_reports_a_further_slowdown_and_a_partial_recovery():
     x = _real_noise(30, n=2000, plateaus=False)
     x[500:1500] *= 1.5   # the first fault
     x[900:1200] *= 1.3   # a second one on top of it, which ends first
-    dets = detect_series(x)
+    dets = stage_view(detect_series(x), "confirmed")
     got = [(d.kind, d.change) for d in dets]
     assert got == [("slowdown", "onset"), ("slowdown", "further"), ("recovery", "partial"),
                    ("recovery", "full")], dets
     onset, further, partial, full = dets
-    assert 900 <= further.detected_at <= 905 and 1200 <= partial.detected_at <= 1206
+    assert 904 <= further.detected_at <= 906 and 1200 <= partial.detected_at <= 1206
     assert further.after_s / further.before_s == pytest.approx(1.3, rel=0.06)
     assert further.healthy_s == pytest.approx(onset.before_s)
     assert partial.after_s == pytest.approx(onset.after_s, rel=0.1)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from greyhound.core.period import IterationSegmenter, find_period, lag_agreement
+from greyhound.core.period import IterationSegmenter, find_period, lag_agreement, whole_periods
 
 PATTERN = np.array([5, 5, 5, 7, 9, 5, 5, 11, 13, 13, 2], dtype=np.int64)
 
@@ -73,3 +73,43 @@ def test_segmenter_relearns_when_the_pattern_changes():
     out = seg.feed(k2, t2, t2)
     assert seg.period == len(other)
     assert out and abs(out[-1].duration_s - 0.1) < 0.03
+
+
+# A later pipeline stage: a receive and a send per micro-batch, one all-reduce per iteration.
+STAGE = np.array([1, 2] * 8 + [0], dtype=np.int64)
+
+
+def _segment(k: np.ndarray, t: np.ndarray) -> tuple[IterationSegmenter, np.ndarray]:
+    seg = IterationSegmenter()
+    out = []
+    for a in range(0, k.size, 37):
+        out += seg.feed(k[a:a + 37], t[a:a + 37], t[a:a + 37])
+    return seg, np.array([it.duration_s for it in out])
+
+
+def test_a_sub_period_that_a_rare_op_spoils_is_not_the_period():
+    """[1, 2] agrees with itself at lag 2 on 15 of 17 calls, and the block median skips the
+    two: without the whole-period check the segmenter cut each iteration into micro-batches."""
+    k, t, dur = _stream(7, pattern=STAGE)
+    assert not whole_periods(k[:40], 2) and whole_periods(k, len(STAGE))
+    seg, est = _segment(k, t)
+    assert seg.period == len(STAGE)
+    assert est.size >= len(dur) - 3
+    assert np.median(np.abs(est - np.median(dur)) / np.median(dur)) < 0.05
+
+
+def test_a_micro_batch_plan_and_its_revert_keep_whole_iterations():
+    """One micro-batch makes the per-micro-batch receive an op of each iteration; when the plan
+    is reverted it recurs eight times an iteration with about a period's calls between: the
+    other anchors, missing from those gaps, say they are no iterations."""
+    one = np.array([1, 2, 0], dtype=np.int64)
+    ks, ts, t0 = [], [], 0.0
+    for i, pattern in enumerate([STAGE, one, STAGE]):
+        k, t, _ = _stream(20 + i, iters=100, pattern=pattern, t0=t0)
+        ks.append(k)
+        ts.append(t)
+        t0 = t[-1] / 1e9 + 0.1
+    seg, est = _segment(np.concatenate(ks), np.concatenate(ts))
+    assert seg.period == len(STAGE)
+    assert est.min() > 0.05  # the iterations are ~0.1 s; a micro-batch piece would be ~0.01 s
+    assert est.size >= 280

@@ -8,6 +8,7 @@ import json
 import numpy as np
 
 from greyhound.core.detector import detect_series, detector_from_state, make_detector
+from greyhound.core.levels import stage_view
 from greyhound.core.recurring import RecurringBursts
 
 
@@ -95,9 +96,10 @@ def test_a_slowdown_between_or_at_evaluations_is_still_found() -> None:
     x = _evals(4)
     x[1650:1800] *= 1.4   # between two evaluations, with one (1700) inside it
     x[2600:2800] *= 1.3   # starting together with the evaluation at 2600
-    slow = [d for d in detect_series(x) if d.kind == "slowdown" and d.index >= 900]
+    slow = [d for d in stage_view(detect_series(x), "confirmed")
+            if d.kind == "slowdown" and d.index >= 900]
     assert [(d.change, d.index) for d in slow] == [("onset", 1650), ("onset", slow[1].index)]
-    assert 1650 <= slow[0].detected_at <= 1654
+    assert 1650 <= slow[0].suspected_at <= 1654 and slow[0].detected_at == 1654
     assert slow[1].index >= 2600 and slow[1].detected_at <= 2600 + 6 + 5
 
 

@@ -204,9 +204,27 @@ def play(rig: Rig, job: str, faults: Callable[[Director], list[Step]]) -> list[d
 
 
 def summary(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Each incident's kind, status, culprit and stages. The slowdown is suspected first and
+    confirmed a few iterations later (two stages): the confirmation is a note whose place among
+    the stages depends on how the localisation's window and the confirmation race (and a
+    tracker killed in between delays it), so it is checked apart (`confirmed_before_validated`)
+    and left out here."""
     return sorted((r["kind"], r["status"], tuple(r["culprit"].get("ranks", [])),
                    tuple(g["rank"] for g in r["culprit"].get("gpus", [])),
-                   tuple(e["stage"] for e in r["timeline"])) for r in rows)
+                   tuple(e["stage"] for e in r["timeline"]
+                         if e["detail"].get("stage") != "confirmed")) for r in rows)
+
+
+def confirmed_before_validated(rows: list[dict[str, Any]]) -> bool:
+    """Every incident was confirmed (once) before anything paused its job to validate it."""
+    for r in rows:
+        stages = [("confirmed" if e["detail"].get("stage") == "confirmed" else e["stage"])
+                  for e in r["timeline"]]
+        if r["confirmed_at"] is None or stages.count("confirmed") != 1:
+            return False
+        if "validated" in stages and stages.index("confirmed") > stages.index("validated"):
+            return False
+    return True
 
 
 EXPECTED = [("compute_slow", "resolved", (SLOW_GPU,), (SLOW_GPU,), tuple(STAGES))]
@@ -215,6 +233,7 @@ EXPECTED = [("compute_slow", "resolved", (SLOW_GPU,), (SLOW_GPU,), tuple(STAGES)
 @pytest.fixture(scope="module")
 def undisturbed(rig: Rig) -> list[tuple[Any, ...]]:
     rows = play(rig, f"calm-{uuid.uuid4().hex[:6]}", lambda d: [])
+    assert confirmed_before_validated(rows), rows
     return summary(rows)
 
 
@@ -242,7 +261,7 @@ def test_kill9_of_each_service_mid_run_loses_and_repeats_nothing(
 
     job = f"kill-{uuid.uuid4().hex[:6]}"
     rows = play(rig, job, faults)
-    assert summary(rows) == undisturbed, rows
+    assert summary(rows) == undisturbed and confirmed_before_validated(rows), rows
     # each kill hit a step in flight, and the restarted service took it up
     logs = {name: _log(rig, name) for name in ("tracker", "analyzer", "validator")}
     assert f"job {job}: resumed detector state" in logs["tracker"]
@@ -292,7 +311,7 @@ def test_nats_restart_and_postgres_away_30s_lose_and_repeat_nothing(
 
     rows = play(rig, f"outage-{uuid.uuid4().hex[:6]}", faults)
     outage[0].join(timeout=60)
-    assert summary(rows) == undisturbed, rows
+    assert summary(rows) == undisturbed and confirmed_before_validated(rows), rows
     codes = {(path, code) for path, code, _ in answers}
     assert codes == {("/v1/incidents", 503), ("/readyz", 503), ("/healthz", 200)}, answers
     assert all(ct.startswith("application/problem+json") for p, c, ct in answers

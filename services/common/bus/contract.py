@@ -444,8 +444,21 @@ class CounterBatch(Columnar):
 DetectionKind = Literal["slowdown", "recovery", "hang"]
 
 
+DetectionStage = Literal["suspected", "confirmed"]
+
+
 class DetectionEvent(Message):
-    """The tracker's verdict that a job changed: it got slower, recovered, or a communicator hangs."""
+    """The tracker's verdict that a job changed: it got slower, recovered, or a communicator hangs.
+
+    A slowdown comes in two stages (greyhound.core.levels): ``suspected`` when a short transient
+    could still explain it (consumers may profile, never pause the job), then a second event,
+    ``confirmed``, once it has held, or a recovery whose evidence ``change`` is ``withdrawn``
+    when the level came back first. A slowdown confirmed at once is one ``confirmed`` event.
+    ``suspected_iteration`` / ``suspected_ns`` say when it was first suspected; the confirmation
+    is ``detected_iteration`` / ``detected_ns`` of the confirmed event, and ``confirms`` names
+    the suspected event it confirms (None when confirmed at once), as a withdrawal names the one
+    it withdraws. An event without a stage
+    (sent before there were two) is confirmed."""
 
     kind: DetectionKind
     ranks: list[Rank] = Field(max_length=MAX_LISTED, description=(
@@ -464,12 +477,25 @@ class DetectionEvent(Message):
     evidence: Evidence = Field(
         default_factory=dict,
         description="what the tracker saw: for hangs, the communicator's latest counter rows")
+    stage: DetectionStage = "confirmed"
+    suspected_iteration: Iteration | None = Field(
+        default=None, description="a slowdown's iteration when first suspected")
+    suspected_ns: Nanos | None = Field(
+        default=None, description="wall-clock ns when a slowdown was first suspected")
+    confirms: EventId | None = Field(
+        default=None, description=(
+            "the suspected event (its event_id) this confirms, or, for a withdrawal, withdraws"))
 
     HANG_WATCH: ClassVar[str] = "hang-watch"
 
     @property
     def slowdown(self) -> float:
         return self.after_s / self.before_s
+
+    @property
+    def withdrawn(self) -> bool:
+        """A suspected slowdown the job's level came back from before it was confirmed."""
+        return self.kind == "recovery" and self.evidence.get("change") == "withdrawn"
 
     @property
     def hang_over(self) -> bool:

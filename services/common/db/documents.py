@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 
-from services.common.bus.contract import JobLayout
+from services.common.bus.contract import JobLayout, Suspicion
 
 NodeLabel = int | str  # a node number where the job's placement gives one, else the host name
 Facts = dict[str, JsonValue]  # an algorithm's own record, for people to read
@@ -110,7 +110,10 @@ class Detection(Document):
     """The tracker's detection as the analyzer recorded it (``change``: onset, further,
     partial or full; ``healthy_s``: the job's healthy level then), in the evidence and on the
     timeline. There, ``further`` names a second fault's own incident on the open ones, and the
-    end of a hang says which communicators moved again (``by`` the hang watch)."""
+    end of a hang says which communicators moved again (``by`` the hang watch). A slowdown's
+    says its ``stage`` (suspected or confirmed) and the iteration it was first suspected at; a
+    suspicion the job's level took back is resolved with ``result`` "withdrawn" (``by`` the
+    tracker)."""
 
     event_id: str
     ranks: list[int]
@@ -125,6 +128,9 @@ class Detection(Document):
     comm_id: int | None = None
     by: str | None = None
     moved_comms: list[int] | None = None
+    stage: str | None = None
+    suspected_iteration: int | None = None
+    result: str | None = None
 
 
 class ProfileWindow(Document):
@@ -262,7 +268,8 @@ class Evidence(Document):
     """Why an incident says what it says, one section per step. A hang's also holds the tracker's
     view of it: the stalled communicators' counter rows (columnar), the communicators, whether
     the waits are on the GPU or the host, the members without completion marks, and whether
-    they are in a set-up call."""
+    they are in a set-up call. A slowdown localised while only suspected holds its validation
+    request until the confirmation."""
 
     detection: Detection | None = None
     while_open: list[str] | None = None  # a second fault: the incidents open when it began
@@ -275,6 +282,9 @@ class Evidence(Document):
     wait_basis: str | None = None
     marks_off_ranks: list[int] | None = None
     in_setup: bool | None = None
+    # a localisation made while the slowdown was only suspected: its validation request, sent
+    # once the slowdown is confirmed (never if it is withdrawn)
+    held_suspicion: Suspicion | None = None
 
 
 # ---- the timeline -------------------------------------------------------------------------------

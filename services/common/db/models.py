@@ -119,6 +119,18 @@ class Incident(Base):
     resolved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     acknowledged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     acknowledged_by: Mapped[str | None] = mapped_column(String(255))
+    # A slowdown's two moments (greyhound.core.levels): suspected, then confirmed once it held.
+    # Only suspected (confirmed_at NULL): it may be profiled, never validated (a pause).
+    suspected_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    confirmed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    suspected_iteration: Mapped[int | None] = mapped_column(BigInteger)
+    confirmed_iteration: Mapped[int | None] = mapped_column(BigInteger)
+
+    @property
+    def only_suspected(self) -> bool:
+        """A slowdown suspected and not (yet) confirmed; rows from before there were two stages
+        have neither moment and count as confirmed."""
+        return self.suspected_at is not None and self.confirmed_at is None
 
     # one transaction's entries share ``at`` (the transaction's now()): the id keeps their order
     timeline: Mapped[list[IncidentEvent]] = relationship(

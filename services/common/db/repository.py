@@ -5,6 +5,7 @@ then sends what it staged, then the message is acked."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -128,15 +129,35 @@ async def open_incidents(session: AsyncSession, job_id: str,
         .order_by(Incident.opened_at, Incident.id).with_for_update())).all()
 
 
+@dataclass(frozen=True, slots=True)
+class Moment:
+    """When a slowdown reached a stage, by the wall clock and by the job's iterations."""
+
+    at: datetime
+    iteration: int
+
+
 async def open_incident(session: AsyncSession, *, job_id: str, kind: str, dedup_key: str,
                         severity: float, summary: str, culprit: Culprit, evidence: Evidence,
-                        stage_detail: Note) -> Incident:
+                        stage_detail: Note, suspected: Moment | None = None,
+                        confirmed: Moment | None = None) -> Incident:
+    """A new incident; a slowdown's says when it was suspected and, if it is already, when it
+    was confirmed (greyhound.core.levels)."""
     incident = Incident(job_id=job_id, kind=kind, dedup_key=dedup_key, severity=severity,
                         summary=summary, culprit=culprit, evidence=evidence, status=lifecycle.OPENED)
+    if suspected is not None:
+        incident.suspected_at, incident.suspected_iteration = suspected.at, suspected.iteration
+    if confirmed is not None:
+        confirm_incident(incident, confirmed)
     session.add(incident)
     await session.flush()
     await add_timeline(session, incident, lifecycle.OPENED, stage_detail)
     return incident
+
+
+def confirm_incident(incident: Incident, confirmed: Moment) -> None:
+    """The incident's slowdown held: it may now be validated."""
+    incident.confirmed_at, incident.confirmed_iteration = confirmed.at, confirmed.iteration
 
 
 async def add_timeline(session: AsyncSession, incident: Incident, stage: str,

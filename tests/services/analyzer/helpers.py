@@ -4,9 +4,11 @@ and a slow localizer fed from the telemetry stream as the analyzer process feeds
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection
+from contextlib import asynccontextmanager
 
 from services.analyzer.profiling import CollectiveFeed, WindowRule
+from services.analyzer.service import Analyzer
 from services.analyzer.slow import SlowLocalizer
 from services.common.bus.contract import AgentHello, RankInfo, Subjects
 from services.common.runtime import ServiceContext
@@ -37,3 +39,17 @@ def fed_localizer(ctx: ServiceContext, job: str
     localizer = SlowLocalizer(ctx, ctx.work("analyzer"), rule=WindowRule(min_rows=16, max_wall_s=8.0))
     feed = CollectiveFeed(ctx.js, localizer.buffers)
     return localizer, feed, asyncio.create_task(feed.run())
+
+
+@asynccontextmanager
+async def fed_analyzer(ctx: ServiceContext, job: str) -> AsyncIterator[Analyzer]:
+    """An analyzer over `fed_localizer`, its feed, localisations and tasks stopped at the end."""
+    localizer, feed, feeding = fed_localizer(ctx, job)
+    analyzer = Analyzer(ctx, localizer.work, localizer)
+    try:
+        yield analyzer
+    finally:
+        feed.stop()
+        await feeding
+        await analyzer.stop()
+        await localizer.stop()

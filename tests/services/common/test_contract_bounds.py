@@ -41,6 +41,25 @@ def test_a_valid_batch_and_detection_decode() -> None:
     assert det.slowdown == pytest.approx(1.5)
 
 
+def test_a_detection_without_a_stage_is_confirmed_and_stages_are_checked() -> None:
+    """An event from a tracker before two stages parses as a confirmed slowdown; a stage is one
+    of two, a suspected iteration an iteration, and a withdrawal is a recovery that says so."""
+    old = DetectionEvent.model_validate_json(json.dumps(detection()))
+    assert (old.stage, old.suspected_iteration, old.confirms, old.withdrawn) == (
+        "confirmed", None, None, False)
+    seen = DetectionEvent.model_validate(detection(stage="suspected", suspected_iteration=5,
+                                                   suspected_ns=1))
+    later = DetectionEvent.model_validate(detection(detected_iteration=7, suspected_iteration=5,
+                                                    confirms=seen.event_id))
+    assert seen.stage == "suspected" and later.confirms == seen.event_id
+    back = DetectionEvent.model_validate(detection(kind="recovery",
+                                                   evidence={"change": "withdrawn"}))
+    assert back.withdrawn
+    for bad in ({"stage": "probable"}, {"suspected_iteration": -2}, {"suspected_ns": -1}):
+        with pytest.raises(ValidationError):
+            DetectionEvent.model_validate(detection(**bad))
+
+
 @pytest.mark.parametrize("rank", [-1, MAX_RANK, 2**31 - 1, 2**63])
 def test_ranks_out_of_range_are_refused(rank: int) -> None:
     with pytest.raises(ValidationError, match="rank"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -75,3 +76,16 @@ def test_a_full_culprit_list_is_not_held_against_a_suspicion() -> None:
     full = _incident(compute_ranks=list(range(CULPRIT_CAP)))
     assert refusal(_suspect(ranks=[CULPRIT_CAP + 5]), full, big) is None
     assert refusal(_suspect(ranks=[len(big) + 1]), full, big) is not None
+
+
+def test_a_slowdown_only_suspected_may_not_pause_until_confirmed() -> None:
+    """Localised while a short transient could still explain it: refused; once the tracker
+    confirmed it, the same suspicion may pause. An incident from before there were two stages
+    (neither moment) counts as confirmed."""
+    inc = _incident()
+    inc.suspected_at = datetime.now(UTC)
+    why = refusal(_suspect(), inc, RANKS)
+    assert why is not None and "only suspected" in why
+    inc.confirmed_at = datetime.now(UTC)
+    assert refusal(_suspect(), inc, RANKS) is None
+    assert refusal(_suspect(), _incident(), RANKS) is None
