@@ -98,11 +98,14 @@ static void poll_once(void) {
     struct slot *s = &pool[i % POOL];
     uint32_t st = __atomic_load_n(&s->state, __ATOMIC_ACQUIRE);
     if (st == S_FREE) continue;
+    /* A slot only just claimed may not have its stream yet: read atomically, a stale stream
+     * (the slot's previous call's) blocks the wrong stream for this one pass, nothing worse. */
+    cudaStream_t stream = __atomic_load_n(&s->stream, __ATOMIC_RELAXED);
     int is_blocked = 0;
-    for (int b = 0; b < nblocked; b++) is_blocked |= blocked[b] == s->stream;
+    for (int b = 0; b < nblocked; b++) is_blocked |= blocked[b] == stream;
     if (is_blocked) continue;
     if ((st & (S_ENDED | S_ATTACHED)) != (S_ENDED | S_ATTACHED)) {
-      if (nblocked < 32) blocked[nblocked++] = s->stream;
+      if (nblocked < 32) blocked[nblocked++] = stream;
       continue;
     }
     if (st & S_FAILED) { /* an event was not recorded: its time is an earlier call's */
@@ -112,7 +115,7 @@ static void poll_once(void) {
     int q = gh_cu.ev_query(s->end);
     if (q == 0) complete(s, 0);
     else if (st & S_GONE) complete(s, GH_F_ABORTED | GH_F_GPU_LOST);
-    else if (q == CUDA_NOT_READY && nblocked < 32) blocked[nblocked++] = s->stream;
+    else if (q == CUDA_NOT_READY && nblocked < 32) blocked[nblocked++] = stream;
     else if (q != CUDA_NOT_READY) complete(s, GH_F_GPU_LOST);
   }
   while (poll_next < end && __atomic_load_n(&pool[poll_next % POOL].state, __ATOMIC_ACQUIRE) == S_FREE)
@@ -177,7 +180,7 @@ int gh_profile_enter(cudaStream_t stream) {
     if (gh_hdr != NULL) __atomic_fetch_add(&gh_hdr->gpu_dropped, 1, __ATOMIC_RELAXED);
     goto out;
   }
-  s->stream = stream;
+  __atomic_store_n(&s->stream, stream, __ATOMIC_RELAXED);
   s->record = UINT64_MAX;
   s->entry = NULL;
   s->anchor_gen = __atomic_load_n(&anchor_gen, __ATOMIC_ACQUIRE);

@@ -266,10 +266,10 @@ class Validation(Document):
 
 class Evidence(Document):
     """Why an incident says what it says, one section per step. A hang's also holds the tracker's
-    view of it: the stalled communicators' counter rows (columnar), the communicators, whether
-    the waits are on the GPU or the host, the members without completion marks, and whether
-    they are in a set-up call. A slowdown localised while only suspected holds its validation
-    request until the confirmation."""
+    view of it: the stalled communicators' counter and progress rows (columnar), the
+    communicators, whether the waits are on the GPU or the host, the members without completion
+    marks, and whether they are in a set-up call. A slowdown localised while only suspected
+    holds its validation request until the confirmation."""
 
     detection: Detection | None = None
     while_open: list[str] | None = None  # a second fault: the incidents open when it began
@@ -278,6 +278,9 @@ class Evidence(Document):
     gpu_health: GpuHealth | None = None
     explanation: str | None = None
     counters: dict[str, list[JsonValue]] | None = None
+    # the profiler plugin's rows of the stalled communicators (greyhound.core.progress, columnar;
+    # empty lists where no plugin runs): where inside its collective each member stopped
+    progress: dict[str, list[JsonValue]] | None = None
     stalled_comms: list[int] | None = None
     wait_basis: str | None = None
     marks_off_ranks: list[int] | None = None

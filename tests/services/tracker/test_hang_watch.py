@@ -13,6 +13,7 @@ import pytest
 
 from services.common.bus.contract import CounterBatch, DetectionEvent, ProgressRows, Subjects
 from services.common.bus.streams import EVENTS
+from services.common.db.documents import Evidence
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
 from services.tracker.service import Tracker
@@ -115,3 +116,7 @@ async def test_a_hang_event_carries_the_plugins_rows_of_the_stalled_communicator
     prog = event.evidence["progress"]
     assert prog["rank"] == [1, 2] and prog["done"] == [12, 12] and prog["channel"] == [1, 1]
     assert event.evidence["counters"]["gpu_pending_peer"] == [0] * 4
+    # the analyzer keeps the tracker's view as the incident's evidence: every key a typed field
+    stored = Evidence.model_validate(event.evidence)
+    assert stored.progress is not None and stored.progress["done"] == [12, 12]
+    assert stored.stalled_comms == [(1 << 64) - 7] and stored.wait_basis == "gpu"
