@@ -42,6 +42,8 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
+import socket
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -122,7 +124,13 @@ class LeaseTiming:
                 "tcp_keepalives_idle": str(idle), "tcp_keepalives_interval": str(idle),
                 "tcp_keepalives_count": str(count), "tcp_user_timeout": str(release_ms),
                 "statement_timeout": str(int(self.valid_for_s * 1000)),
-                "application_name": "greyhound-lease"}
+                "application_name": application_name()}
+
+
+def application_name() -> str:
+    """The lease connection's name in pg_stat_activity: which host and process owns what
+    (``pg_locks`` joined on ``pid``)."""
+    return f"greyhound-lease {socket.gethostname()}:{os.getpid()}"[:63]
 
 
 def in_turn(partitions: int, given: int | None) -> list[int]:
@@ -164,22 +172,33 @@ class Lease:
     def expired(self, now: float) -> bool:
         return now - self.confirmed_at > self.valid_for_s
 
-    def lose(self, reason: str) -> None:
+    def lose(self, reason: str, *, released: bool = False) -> None:
         if not self.lost.is_set():
             self.reason = reason
             self.lost.set()
-            log.warning("lease %s lost: %s", self.key, reason)
+            if released:
+                log.info("lease %s given up", self.key)
+            else:
+                log.warning("lease %s lost: %s", self.key, reason)
 
-    async def watch(self) -> None:
-        """Return never while held; raise LeaseLost when the lease is lost, or when it was not
-        confirmed within its validity (the heartbeat itself held up)."""
+    async def watch(self, until: asyncio.Event | None = None) -> None:
+        """Raise LeaseLost when the lease is lost, or when it was not confirmed within its
+        validity (the heartbeat itself held up); return once ``until`` is set while held."""
         while not self.lost.is_set():
+            if until is not None and until.is_set():
+                return
             left = self.confirmed_at + self.valid_for_s - time.monotonic()
             if left <= 0:
                 self.lose(f"not confirmed for {self.valid_for_s:.1f}s")
                 break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.lost.wait(), left)
+            waits = [asyncio.ensure_future(self.lost.wait())]
+            if until is not None:
+                waits.append(asyncio.ensure_future(until.wait()))
+            try:
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
         raise LeaseLost(f"lease {self.key}: {self.reason}")
 
 
@@ -223,9 +242,9 @@ class Leases:
         if conn is self._conn:
             self._lose_all("the lease connection closed")
 
-    def _lose_all(self, reason: str) -> None:
+    def _lose_all(self, reason: str, *, released: bool = False) -> None:
         for lease in self._held.values():
-            lease.lose(reason)
+            lease.lose(reason, released=released)
         self._held.clear()
 
     def _drop_connection(self, reason: str) -> None:
@@ -283,7 +302,7 @@ class Leases:
         """Give the lease up (its work stopped and saved first)."""
         if self._held.pop(lease.key, None) is None:
             return
-        lease.lose("released")
+        lease.lose("released", released=True)
         try:
             async with self._io:
                 if self._conn is not None and not self._conn.is_closed():
@@ -328,7 +347,7 @@ class Leases:
 
     async def close(self) -> None:
         """Release everything: the session ends, and its locks with it."""
-        self._lose_all("released")
+        self._lose_all("released", released=True)
         conn, self._conn = self._conn, None
         if conn is not None and not conn.is_closed():
             try:
