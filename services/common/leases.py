@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 
 _HELD = ("SELECT classid::int8, objid::int8 FROM pg_locks WHERE locktype = 'advisory' "
          "AND pid = pg_backend_pid() AND objsubid = 2 AND granted")
+_OWNERS = ("SELECT l.objid::int8, a.application_name FROM pg_locks l JOIN pg_stat_activity a "
+           "USING (pid) WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted "
+           "AND l.classid::int8 = $1")
+APP_PREFIX = "greyhound-lease "
 
 
 # ---- the pure part: keys, timing, choices --------------------------------------------------
@@ -130,7 +134,15 @@ class LeaseTiming:
 def application_name() -> str:
     """The lease connection's name in pg_stat_activity: which host and process owns what
     (``pg_locks`` joined on ``pid``)."""
-    return f"greyhound-lease {socket.gethostname()}:{os.getpid()}"[:63]
+    return f"{APP_PREFIX}{socket.gethostname()}:{os.getpid()}"[:63]
+
+
+def owner_pid(name: str) -> int | None:
+    """The process id in a lease connection's application name (None: not one)."""
+    if not name.startswith(APP_PREFIX):
+        return None
+    tail = name.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else None
 
 
 def in_turn(partitions: int, given: int | None) -> list[int]:
@@ -200,6 +212,17 @@ class Lease:
                 for w in waits:
                     w.cancel()
         raise LeaseLost(f"lease {self.key}: {self.reason}")
+
+
+async def owners(database_url: str, service: str) -> dict[int, str]:
+    """Which connection holds each of ``service``'s partitions now: partition -> its
+    application name (``greyhound-lease <host>:<pid>``), as Postgres sees it."""
+    conn = await asyncpg.connect(dsn(database_url))
+    try:
+        rows = await conn.fetch(_OWNERS, namespace(service))
+    finally:
+        await conn.close()
+    return {int(r[0]): str(r[1]) for r in rows}
 
 
 def dsn(database_url: str) -> str:

@@ -22,13 +22,14 @@ from nats.js import JetStreamContext
 from services.common.bus.auth import agent_user
 from services.common.bus.contract import Subjects
 from services.common.bus.streams import TELEMETRY
-from services.common.leases import dsn, namespace
+from services.common.leases import dsn, owner_pid, owners
 from services.common.runtime import start_service
 from services.common.settings import Settings
 from services.tracker.ownership import LEASE_SERVICE, own_partitions
 from services.tracker.service import Tracker
 from services.tracker.settings import TrackerSettings
 from services.tracker.state_store import TrackerStateStore
+from stack.up import end_processes
 from tests.conftest import Bus, new_bus
 from tests.services.tracker.test_tracker_service import (
     _detections,
@@ -41,9 +42,6 @@ ROOT = Path(__file__).resolve().parents[3]
 # Generous on a loaded 2-core machine: three interpreters starting at once, migrations run.
 STARTED_WITHIN_S = 25.0
 TAKEOVER_WITHIN_S = 10.0  # the target: a dead owner's partition consumed again within this
-LOCKS = ("SELECT l.objid::int8, a.application_name FROM pg_locks l JOIN pg_stat_activity a "
-         "USING (pid) WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted "
-         "AND l.classid::int8 = $1")
 
 
 class Trackers:
@@ -58,13 +56,15 @@ class Trackers:
                     "GREYHOUND_TRACKER_PERSIST_EVERY_S": "0.5", "GREYHOUND_LOG_LEVEL": "INFO"}
         self.env.pop("GREYHOUND_TRACKER_PARTITION", None)
         self.db = dsn(db_url)
+        self.db_url = db_url
         self.tmp = tmp
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> subprocess.Popen[bytes]:
         with (self.tmp / f"tracker-{len(self.procs)}.log").open("ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "tracker"], cwd=ROOT,
-                                    env=self.env, stdout=out, stderr=out)
+                                    env=self.env, stdout=out, stderr=out,
+                                    start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -73,12 +73,8 @@ class Trackers:
 
     async def owners(self) -> dict[int, int]:
         """Partition -> the pid of the process holding its lease."""
-        conn = await asyncpg.connect(self.db)
-        try:
-            rows = await conn.fetch(LOCKS, namespace(LEASE_SERVICE))
-        finally:
-            await conn.close()
-        return {int(r[0]): int(r[1].rsplit(":", 1)[1]) for r in rows}
+        return {p: owner_pid(name) or 0
+                for p, name in (await owners(self.db_url, LEASE_SERVICE)).items()}
 
     async def until_owned(self, partitions: set[int], timeout_s: float,
                           but: int | None = None) -> dict[int, int]:
@@ -91,15 +87,7 @@ class Trackers:
             await asyncio.sleep(0.1)
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        end_processes(self.procs)
 
 
 @contextlib.contextmanager
