@@ -322,7 +322,8 @@ class Leases:
         return None
 
     async def release(self, lease: Lease) -> None:
-        """Give the lease up (its work stopped and saved first)."""
+        """Give the lease up (its work stopped and saved first), or one found lost whose lock
+        this session may still have (its confirmation late, the connection alive)."""
         if self._held.pop(lease.key, None) is None:
             return
         lease.lose("released", released=True)

@@ -106,5 +106,5 @@ async def own_partitions(tracker: Tracker, ctx: ServiceContext, settings: Tracke
             except LeaseLost as exc:
                 log.warning("tracker stopped consuming partition %d: %s; asking for a partition "
                             "again", p, exc)
-                continue
+            # what this session may still lock (a confirmation late, not refused) is freed
             await leases.release(lease)

@@ -142,6 +142,20 @@ async def test_a_dropped_connection_is_surfaced_to_the_owner(fresh_db_url: str) 
         assert again is not None
 
 
+async def test_a_lease_not_confirmed_in_time_is_lost_and_freed_on_release(fresh_db_url: str
+                                                                          ) -> None:
+    """No heartbeat (the owner's loop held up): its owner must stop at the validity, and the
+    lock its live session still has is freed by the release that follows."""
+    async with Leases(fresh_db_url, timing=FAST) as owner, _leases(fresh_db_url) as other:
+        lease = await owner.try_acquire(KEY)
+        assert lease is not None
+        with pytest.raises(LeaseLost):
+            await asyncio.wait_for(lease.watch(), FAST.valid_for_s + 2.0)
+        assert await other.try_acquire(KEY) is None  # still locked: stopped, not yet freed
+        await owner.release(lease)
+        assert await other.try_acquire(KEY) is not None
+
+
 class FreezingProxy(PgProxy):
     """The proxy, able to stop carrying bytes while keeping every connection open: a network
     partition, where neither side sees the other close."""
