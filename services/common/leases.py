@@ -134,15 +134,15 @@ class LeaseTiming:
 def application_name() -> str:
     """The lease connection's name in pg_stat_activity: which host and process owns what
     (``pg_locks`` joined on ``pid``)."""
-    return f"{APP_PREFIX}{socket.gethostname()}:{os.getpid()}"[:63]
+    return f"{APP_PREFIX}{os.getpid()}@{socket.gethostname()}"[:63]  # Postgres keeps 63 bytes
 
 
 def owner_pid(name: str) -> int | None:
     """The process id in a lease connection's application name (None: not one)."""
     if not name.startswith(APP_PREFIX):
         return None
-    tail = name.rsplit(":", 1)[-1]
-    return int(tail) if tail.isdigit() else None
+    pid = name[len(APP_PREFIX):].partition("@")[0]
+    return int(pid) if pid.isdigit() else None
 
 
 def in_turn(partitions: int, given: int | None) -> list[int]:
@@ -216,7 +216,7 @@ class Lease:
 
 async def owners(database_url: str, service: str) -> dict[int, str]:
     """Which connection holds each of ``service``'s partitions now: partition -> its
-    application name (``greyhound-lease <host>:<pid>``), as Postgres sees it."""
+    application name (``greyhound-lease <pid>@<host>``), as Postgres sees it."""
     conn = await asyncpg.connect(dsn(database_url))
     try:
         rows = await conn.fetch(_OWNERS, namespace(service))

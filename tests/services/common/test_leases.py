@@ -22,9 +22,11 @@ from services.common.leases import (
     LeaseLost,
     Leases,
     LeaseTiming,
+    application_name,
     dsn,
     in_turn,
     namespace,
+    owner_pid,
     still_held,
 )
 from tests.services.common.pg_proxy import PgProxy
@@ -48,6 +50,9 @@ def test_keys_are_namespaced_and_stable() -> None:
         LeaseTiming(heartbeat_s=1, valid_for_s=3, server_release_s=3.5)
     a, b = LeaseKey("tracker", 0), LeaseKey("tracker", 1)
     assert still_held({a, b}, [a.lock, (namespace("analyzer"), 1)]) == {a}
+    assert owner_pid(application_name()) == os.getpid()
+    assert owner_pid("psql") is None
+    assert LeaseTiming.for_validity(1.0, 1.0).server_release_s == 2.0
 
 
 @contextlib.asynccontextmanager
