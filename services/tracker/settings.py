@@ -45,7 +45,7 @@ class TrackerSettings(BaseSettings):
             "after a restart, at most this many of a job's telemetry messages between its saved "
             "state and the first one delivered are replayed"))
     tracker_lease_valid_s: float = Field(
-        default=3.0, ge=1.0, le=60, description=(
+        default=10.0, ge=1.0, le=60, description=(
             "a partition's owner stops consuming once its lease was not confirmed for this long; "
             "Postgres frees the lease of an owner silent for twice this"))
     tracker_lease_retry_s: float = Field(
