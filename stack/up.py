@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,25 @@ from services.registry import BY_NAME, UP
 from stack.lifeline import Lifeline
 
 log = logging.getLogger(__name__)
+
+
+def end_processes(procs: Iterable[subprocess.Popen[bytes]], timeout_s: float = 15.0) -> None:
+    """SIGTERM every live one (a service saves its state and exits), wait up to ``timeout_s``
+    in all, then kill the process group of those still there (each started in a session of its
+    own)."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 @dataclass
@@ -133,18 +153,7 @@ class Stack:
         return "\n".join(record[:20])
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        end_processes(self.procs.values(), timeout_s)
         self.procs.clear()
         if self.backends is not None:
             self.backends.stop()

@@ -59,9 +59,10 @@ from services.common.bus.contract import (
     Subjects,
 )
 from services.common.bus.errors import describe, is_transient
-from services.common.bus.streams import ConsumerSpec, tracker_spec
+from services.common.bus.streams import ConsumerSpec
 from services.common.db import repository as repo
 from services.common.runtime import ServiceContext, supervise
+from services.tracker.ownership import own_partitions
 from services.tracker.replay import STREAM_SEQ, SequencedConsumer, replay
 from services.tracker.settings import TrackerSettings
 from services.tracker.state_store import TrackerStateStore
@@ -100,6 +101,7 @@ class JobState:
     tracker: JobTracker
     hangs: JobHangMonitor
     seq: int = 0  # stream sequence of the newest iteration batch observed
+    batches: int = 0  # iteration batches observed, over the job's life
     pending: list[DetectionEvent] = field(default_factory=list)  # not yet handed on
     seen_at: float = field(default_factory=time.monotonic)
     replayed: bool = False  # the stream was read back from ``seq`` (once, at the first batch)
@@ -108,7 +110,8 @@ class JobState:
 
     def state_dict(self) -> dict[str, Any]:
         return {"tracker": self.tracker.state_dict(), "hangs": self.hangs.state_dict(),
-                "seq": self.seq, "pending": [e.model_dump(mode="json") for e in self.pending],
+                "seq": self.seq, "batches": self.batches,
+                "pending": [e.model_dump(mode="json") for e in self.pending],
                 "suspected_ns": self.suspected_ns, "suspected_event": self.suspected_event}
 
 
@@ -192,6 +195,7 @@ class Tracker:
                 tracker.max_ranks = self.settings.tracker_max_ranks
                 st = JobState(tracker, JobHangMonitor.from_state(saved["hangs"]),
                               seq=int(saved.get("seq", 0)),
+                              batches=int(saved.get("batches", 0)),
                               pending=[DetectionEvent.model_validate(e)
                                        for e in saved.get("pending", [])],
                               suspected_ns=saved.get("suspected_ns"),
@@ -281,6 +285,7 @@ class Tracker:
         """One batch into the job's detectors; True when it made a detection."""
         if seq is not None:
             st.seq = max(st.seq, seq)
+        st.batches += 1
         self._dirty.add(msg.job_id)
         if not msg.duration_s:
             return False
@@ -463,6 +468,12 @@ class Tracker:
         if jobs is None:
             self._saved_at = time.monotonic()
 
+    def forget(self) -> None:
+        """Drop every job from memory, unsaved: the partition's lease was lost, and its next
+        owner resumes each job from its saved state and the stream."""
+        self.state.clear()
+        self._dirty.clear()
+
     async def close(self) -> None:
         """On shutdown: hand on what is pending (best effort) and save every changed job."""
         for job, st in list(self.state.items()):
@@ -472,22 +483,14 @@ class Tracker:
 
 
 async def run_tracker(ctx: ServiceContext, stop: asyncio.Event) -> None:
-    """The service; raises when its consumer or its outbox relay cannot go on (the process exits
-    for its supervisor to restart it)."""
+    """The service: the partition whose lease it holds (services.tracker.ownership); raises when
+    its consumer or its outbox relay cannot go on (the process exits for its supervisor to
+    restart it)."""
     settings = TrackerSettings()
     store = await TrackerStateStore(ctx.js, ttl_s=settings.tracker_state_ttl_s,
                                     max_bytes=settings.tracker_state_max_bytes).open()
     tracker = Tracker(ctx, method=settings.detector, store=store, settings=settings)
-    consumer = tracker.consumer(tracker_spec(ctx.settings))
-
-    async def stopper() -> None:
-        await stop.wait()
-        consumer.stop()
-
-    tasks = [consumer.run(idle=tracker.tick), stopper()]
+    tasks = [own_partitions(tracker, ctx, settings, stop)]
     if tracker.work is not None:
         tasks.append(tracker.work.relay(stop))
-    try:
-        await supervise(*tasks)
-    finally:
-        await tracker.close()
+    await supervise(*tasks)

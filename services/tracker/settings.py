@@ -4,7 +4,8 @@ bounds on what it keeps.
 The variables keep the names they had when every process read them (``GREYHOUND_DETECTOR``,
 ``GREYHOUND_HANG_FLOOR_S``, ``GREYHOUND_HANG_MULTIPLE``); the newer ones are
 ``GREYHOUND_TRACKER_<FIELD>``. The partition settings stay shared (services.common.settings):
-the telemetry stream's subjects depend on them.
+the telemetry stream's subjects depend on them. Which partition a process consumes is the one
+whose lease it holds (services.tracker.ownership).
 """
 
 from __future__ import annotations
@@ -43,3 +44,11 @@ class TrackerSettings(BaseSettings):
         default=20_000, ge=0, description=(
             "after a restart, at most this many of a job's telemetry messages between its saved "
             "state and the first one delivered are replayed"))
+    tracker_lease_valid_s: float = Field(
+        default=10.0, ge=1.0, le=60, description=(
+            "a partition's owner stops consuming once its lease was not confirmed for this long; "
+            "Postgres frees the lease of an owner silent for twice this"))
+    tracker_lease_retry_s: float = Field(
+        default=1.0, gt=0, le=60, description=(
+            "how often a tracker without a partition asks for a free one (a killed owner's "
+            "partition is taken over within about this)"))
