@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from services.common.bus.client import BusClient, Consumer, connect
+from services.common.bus.client import BusClient, Consumer, connect, shown
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.bus.streams import TELEMETRY, ConsumerSpec, StreamMismatch
 from services.common.embedded import nats_server_binary
 from services.common.runtime import Backends, apply_streams, start_service
-from services.common.settings import Settings
+from services.common.settings import Settings, nats_servers
 from tests.services.notifier.receiver import free_port
 
 NODES = 3
@@ -183,3 +184,14 @@ async def test_a_service_keeps_consuming_when_its_node_is_killed() -> None:
             await asyncio.wait_for(runner, 20)
             await publisher.close()
             await ctx.close()
+
+
+def test_the_url_list_is_checked_server_by_server_and_shown_without_passwords() -> None:
+    url = "nats://u:secret1@a:4222, tls://b:4222,,nats://u:secret2@c:4222"
+    assert nats_servers(Settings(nats_url=url).nats_url or "") == [
+        "nats://u:secret1@a:4222", "tls://b:4222", "nats://u:secret2@c:4222"]
+    assert "secret" not in shown(url) and shown(url).count("nats://") == 2
+    with pytest.raises(ValidationError, match="each URL of GREYHOUND_NATS_URL"):
+        Settings(nats_url="nats://a:4222,http://b:4222")
+    with pytest.raises(ValidationError, match="names no server"):
+        Settings(nats_url=" , ")
