@@ -1,8 +1,8 @@
 """The ``greyhound`` command.
 
 One subcommand per service of the registry (services.registry), ``up`` (all of them), ``db``,
-``dlq`` (the dead letters), ``demo``, ``run`` (a training command with the hook and a plan
-client), and the library's offline ``detect``, ``sim`` and ``plan``. The services and the
+``streams``, ``dlq`` (the dead letters), ``demo``, ``run`` (a training command with the hook and
+a plan client), and the library's offline ``detect``, ``sim`` and ``plan``. The services and the
 registry are imported only by the subcommands that need them: ``token`` (made while a plan
 waits for an operator) and the offline commands load neither the bus nor the services.
 """
@@ -57,16 +57,18 @@ async def _serve(service: Service, options: dict[str, Any]) -> None:
 
 def cmd_service(args: argparse.Namespace) -> int:
     """Any service of the registry: connect as it needs, then run its entry point. A bus that
-    refuses this process (its credentials, or a grant its code needs) is said in one message,
-    not a traceback: it is a setting to fix, not a crash."""
+    refuses this process (its credentials, or a grant its code needs), or a stream configured
+    otherwise than its settings say, is said in one message, not a traceback: it is a setting
+    to fix, not a crash."""
     from services.api.tokens import MissingTokenKey
     from services.common.bus.auth import BusAuthError
+    from services.common.bus.streams import StreamMismatch
 
     service: Service = args.service
     try:
         asyncio.run(_serve(service, {o.dest: getattr(args, o.dest)
                                      for o in service.cli_options()}))
-    except (BusAuthError, MissingTokenKey) as exc:
+    except (BusAuthError, MissingTokenKey, StreamMismatch) as exc:
         logging.getLogger("greyhound").error("%s", exc)
         return 2
     return 0
@@ -82,6 +84,23 @@ def cmd_db_upgrade(_: argparse.Namespace) -> int:
     finally:
         backends.stop()
     print("database schema is at the newest revision")
+    return 0
+
+
+def cmd_streams_apply(_: argparse.Namespace) -> int:
+    """Create the streams, or bring them to this process's settings: once per deployment and
+    after changing GREYHOUND_STREAM_REPLICAS, GREYHOUND_TRACKER_PARTITIONS or a stream limit
+    (the services only check, and refuse to start on a stream configured otherwise)."""
+    from services.common.bus.auth import BusAuthError
+    from services.common.runtime import apply_streams
+
+    try:
+        done = asyncio.run(apply_streams(get_settings()))
+    except BusAuthError as exc:
+        logging.getLogger("greyhound").error("%s", exc)
+        return 2
+    for name, what in done.items():
+        print(f"stream {name}: {what}")
     return 0
 
 
@@ -179,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     dbsub = db.add_subparsers(dest="db_command", required=True)
     dbsub.add_parser("upgrade", help="migrate the schema to the newest revision").set_defaults(
         func=cmd_db_upgrade)
+
+    streams = sub.add_parser("streams", help="the bus's JetStream streams")
+    ssub = streams.add_subparsers(dest="streams_command", required=True)
+    ssub.add_parser("apply", help="create the streams or bring them to these settings (the "
+                    "services only check them)").set_defaults(func=cmd_streams_apply)
 
     from services.api.token_cli import add_parser as add_token_parser
 

@@ -12,6 +12,7 @@ settings go to every child unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -29,7 +30,7 @@ from pydantic_settings import BaseSettings
 from services.common.data_keys import with_data_dir_keys
 from services.common.db.migrate import upgrade
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
-from services.common.runtime import Backends, resolve_backends
+from services.common.runtime import Backends, apply_streams, resolve_backends
 from services.common.settings import Settings, as_env
 from services.registry import BY_NAME, UP
 from stack.lifeline import Lifeline
@@ -109,6 +110,9 @@ class Stack:
             elif isinstance(server, EmbeddedPostgres):
                 self.lifeline.watch_postgres(server.pgdata)
         upgrade(self.backends.database_url)  # once here, so services start against a ready schema
+        # and the streams as these settings say (a reused data directory's brought to them):
+        # the services only check them
+        asyncio.run(apply_streams(self.settings, self.backends))
         for name in self.services:
             self.spawn(name)
         log.info("started %s; logs in %s", ", ".join(self.services), self.log_path("").parent)

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from services.common.bus.auth import Credentials, agent_of_user
 from services.common.private_file import write_private
@@ -323,7 +324,24 @@ class EmbeddedPostgres:
 
 
 def asyncpg_url(url: str) -> str:
-    """SQLAlchemy needs the asyncpg driver named in the URL; operators write plain postgresql://."""
+    """SQLAlchemy needs the asyncpg driver named in the URL; operators write plain postgresql://.
+
+    A URL of several hosts as libpq writes it (``postgresql://u:p@h1:5432,h2:5432/db?
+    target_session_attrs=read-write``: asyncpg tries them in turn and keeps the one that
+    qualifies; a host without a port gets 5432) has its hosts moved to ``host`` query
+    parameters, the one form of several hosts SQLAlchemy parses (it reads a comma in the host
+    part as a bad port)."""
     if url.startswith("postgresql://"):
-        return url.replace("postgresql://", "postgresql+asyncpg://", 1)
-    return url
+        url = url.replace("postgresql://", "postgresql+asyncpg://", 1)
+    scheme, sep, rest = url.partition("://")
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not sep or "," not in hosts:
+        return url
+    path, _, query = tail.partition("?")
+    # asyncpg wants every host's port once there are several: libpq's default where none is
+    params = [f"host={quote(h if ':' in h.rpartition(']')[2] else f'{h}:5432', safe='')}"
+              for h in hosts.split(",") if h]
+    query = "&".join(params + ([query] if query else []))
+    return f"{scheme}://{userinfo}{at}{path or '/'}?{query}"

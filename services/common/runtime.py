@@ -15,14 +15,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from services.common.bus import preflight
 from services.common.bus.auth import Credentials, tls_context
-from services.common.bus.client import connect, ensure_streams
+from services.common.bus.client import check_streams, connect, ensure_streams, shown
 from services.common.bus.grants import GRANTS
 from services.common.bus.grants import bus_user as grants_user
 from services.common.db.migrate import upgrade_async
 from services.common.db.session import make_engine, make_sessionmaker
 from services.common.embedded import EmbeddedNats, EmbeddedPostgres
 from services.common.outbox import Outbox
-from services.common.redact import redact
 from services.common.settings import Settings
 from services.common.unit_of_work import Work
 
@@ -112,13 +111,15 @@ class ServiceContext:
 async def start_service(name: str, settings: Settings, *, need_db: bool = True,
                         backends: Backends | None = None,
                         bus_user: str | None = None) -> ServiceContext:
-    """Connect to (or start) NATS and Postgres, create streams and run migrations.
+    """Connect to (or start) NATS and Postgres, check the streams and run migrations.
 
     ``name`` is a service (services.common.bus.grants has its entry) or a test's own name; its
     bus user is ``bus_user``, by default the service's. A service first checks that its bus
     user may do what its grants say (services.common.bus.preflight: raises MissingGrants, a
-    BusAuthError, naming what the server refuses) and declares the streams unless its grants
-    say otherwise (the agent may only publish telemetry)."""
+    BusAuthError, naming what the server refuses) and checks the streams unless its grants
+    say otherwise (the agent may only publish telemetry): a missing one is created, one
+    configured otherwise than ``settings`` say raises StreamMismatch and is left as it is
+    (``greyhound streams apply`` changes streams; services.common.bus.client.check_stream)."""
     access = GRANTS.get(name)
     if bus_user is None and access is not None:
         bus_user = grants_user(name)
@@ -131,19 +132,51 @@ async def start_service(name: str, settings: Settings, *, need_db: bool = True,
         if access is not None:  # what its grants say its code does, streams declared
             await preflight.check(nc, js, name, access, settings)
         else:
-            await ensure_streams(js, settings)
+            await check_streams(js, settings)
         engine = sessions = None
         if need_db:
             await upgrade_async(backends.database_url)
-            engine = make_engine(backends.database_url)
+            engine = make_engine(backends.database_url, pool_size=settings.database_pool_size,
+                                 max_overflow=settings.database_max_overflow)
             sessions = make_sessionmaker(engine)
     except BaseException:
         with contextlib.suppress(Exception):
             await nc.close()
         raise
     user = backends.nats_credentials.user if backends.nats_credentials else "no user"
-    log.info("%s connected (nats %s as %s)", name, redact(backends.nats_url), user)
+    log.info("%s connected (nats %s as %s)", name, shown(backends.nats_url), user)
     return ServiceContext(settings, backends, nc, js, engine, sessions)
+
+
+# Who declares the streams where the settings name no bus user: any central service's user may
+# (services.common.bus.grants); the tracker's, whose partitions shape the telemetry stream.
+STREAMS_USER = "tracker"
+
+
+async def apply_streams(settings: Settings, backends: Backends | None = None) -> dict[str, str]:
+    """``greyhound streams apply``: create every stream, or bring it to ``settings`` (its
+    replicas, the tracker partitions' subject transform, its limits), once and on purpose,
+    before the services start; they only check (services.common.bus.client.check_stream) and
+    refuse to start on a stream configured otherwise. What was done to each stream, by name.
+
+    As the settings' bus user, else as STREAMS_USER of the embedded NATS (``backends``, or
+    the data directory's, started for the while if it is not running)."""
+    own = backends is None
+    backends = backends or resolve_backends(settings, need_db=False, bus_user=STREAMS_USER)
+    creds = backends.nats_credentials or settings_credentials(settings)
+    if creds is None and backends.embedded_nats is not None and backends.embedded_nats.auth:
+        creds = backends.embedded_nats.credentials(STREAMS_USER)
+    try:
+        nc = await connect(backends.nats_url, name="greyhound-streams", credentials=creds,
+                           tls=tls_context(settings.nats_tls_ca, settings.nats_tls_cert,
+                                           settings.nats_tls_key))
+        try:
+            return await ensure_streams(nc.jetstream(), settings)
+        finally:
+            await nc.drain()
+    finally:
+        if own:
+            backends.stop()
 
 
 class SupervisedTaskCancelled(RuntimeError):

@@ -41,7 +41,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GREYHOUND_", extra="forbid",
                                       hide_input_in_errors=True)
 
-    nats_url: str | None = None
+    nats_url: str | None = Field(
+        default=None, description="the bus: one URL, or a comma-separated list of a cluster's "
+        "servers (nats://a:4222,nats://b:4222,...): the client connects to any and fails over")
     # Who this process is on the bus (docs/security.md): its NATS user and password, and TLS.
     # Unset with an embedded NATS: the process reads its own from the data directory.
     nats_user: str | None = None
@@ -58,12 +60,22 @@ class Settings(BaseSettings):
     database_password: SecretStr | None = Field(
         default=None, description="the password for GREYHOUND_DATABASE_URL (replaces any the "
         "URL holds), so that the URL itself is no secret")
+    database_pool_size: int = Field(
+        default=4, ge=1, le=100, description="connections each process keeps open to Postgres "
+        "(services x instances x (this + GREYHOUND_DATABASE_MAX_OVERFLOW) must stay under the "
+        "server's max_connections; docs/scaling.md)")
+    database_max_overflow: int = Field(
+        default=2, ge=0, le=100, description="connections a process may open beyond the pool "
+        "while busy, closed again when returned")
     data_dir: Path = Path(".greyhound")
     shm_dir: Path = Path("/dev/shm/greyhound")
     telemetry_max_age_s: float = Field(default=3600.0, gt=0)
     telemetry_max_bytes: int = Field(default=2 * 1024**3, gt=0)
     events_max_age_s: float = Field(default=30 * 24 * 3600.0, gt=0)
     log_level: str = "INFO"
+    stream_replicas: int = Field(
+        default=1, ge=1, le=5, description="copies of each stream on a NATS cluster (3 on a "
+        "3-node cluster: any one node may be lost); 1 on a single server")
     # The telemetry stream's subjects depend on the partition count, and every process declares
     # the streams, so both stay here rather than with the tracker.
     tracker_partitions: int = Field(
@@ -144,9 +156,15 @@ class Settings(BaseSettings):
     @field_validator("nats_url")
     @classmethod
     def _nats_scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ValueError(f"GREYHOUND_NATS_URL must start with nats:// or tls://, got "
-                             f"{redact(v)!r}")
+        if v is None:
+            return v
+        servers = nats_servers(v)
+        if not servers:
+            raise ValueError("GREYHOUND_NATS_URL names no server")
+        for url in servers:
+            if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError(f"each URL of GREYHOUND_NATS_URL must start with nats:// or "
+                                 f"tls://, got {redact(url)!r}")
         return v
 
     @field_validator("database_url")
@@ -156,6 +174,11 @@ class Settings(BaseSettings):
             raise ValueError(f"GREYHOUND_DATABASE_URL must be a postgresql:// URL, got "
                              f"{redact(v)!r}")
         return v
+
+
+def nats_servers(url: str) -> list[str]:
+    """The servers of a GREYHOUND_NATS_URL: one URL, or several separated by commas."""
+    return [u.strip() for u in url.split(",") if u.strip()]
 
 
 def as_env(settings: BaseSettings) -> dict[str, str]:

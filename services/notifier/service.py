@@ -7,6 +7,13 @@ rows already there (unique per webhook and key). The sender claims due deliverie
 SKIP LOCKED, so replicas share the work), signs and posts them, and logs every attempt; a
 failure is retried with exponential back-off and jitter until ``webhook_max_attempts``
 (services.notifier.settings).
+
+A send has one deadline, ``webhook_timeout_s``, for everything (resolving, connecting, TLS,
+sending, the reply's status line; services.common.webhooks.sender), and its lease lasts
+``lease_margin_s`` longer, so another notifier sends a delivery again only when its sender
+died or stalled. What the sender writes after a send is written only while it still holds
+that lease (repository.record_leased_attempt): once another notifier has claimed the delivery,
+the late result is logged and dropped, never written over the new holder's.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class SenderStats:
     failed: int = 0
     retried: int = 0
     attempts: int = 0
+    lease_lost: int = 0  # attempts whose result came after another notifier claimed them
 
 
 @dataclass
@@ -103,11 +111,11 @@ class Notifier:
             hooks = {h.id: h for h in await repo.list_webhooks(uow.session)}
         if not due:
             return 0
-        await asyncio.gather(*(self._send_one(d, hooks.get(d.webhook_id)) for d in due))
+        await asyncio.gather(*(self._send_one(d, hooks.get(d.webhook_id), lease) for d in due))
         return len(due)
 
-    async def _send_one(self, d: WebhookDelivery,
-                        hook: Webhook | None) -> None:
+    async def _send_one(self, d: WebhookDelivery, hook: Webhook | None,
+                        lease: datetime) -> None:
         s = self.settings
         number = d.attempts + 1
         if hook is None or not hook.enabled:
@@ -124,31 +132,42 @@ class Notifier:
                 result = await attempt(hook.url, secret, body, key=d.event_id, event=d.event,
                                        number=number, timeout_s=s.webhook_timeout_s,
                                        allow=s.webhook_allow())
-        await self._record(d, number, result)
+        await self._record(d, number, result, lease)
 
-    async def _record(self, d: WebhookDelivery, number: int, result: Attempt) -> None:
+    async def _record(self, d: WebhookDelivery, number: int, result: Attempt,
+                      lease: datetime) -> None:
         c = self.config
         now = datetime.now(UTC)
         self.stats.attempts += 1
         next_at: datetime | None = None
         if result.outcome == "delivered":
             status = "delivered"
-            self.stats.delivered += 1
         elif result.retryable and number < c.webhook_max_attempts:
             status = "pending"
             delay = retry_delay_s(number, base_s=c.webhook_backoff_base_s,
                                   max_s=c.webhook_backoff_max_s, rng=self.rng,
                                   retry_after_s=result.retry_after_s)
             next_at = now + timedelta(seconds=delay)
-            self.stats.retried += 1
         else:
             status = "failed"
-            self.stats.failed += 1
         async with self.work.unit() as uow:
-            await repo.record_attempt(uow.session, d.id, outcome=result.outcome,
-                                      status_code=result.status_code, error=result.error,
-                                      duration_ms=result.duration_ms, final_status=status,
-                                      next_attempt_at=next_at, at=now)
+            held = await repo.record_leased_attempt(
+                uow.session, d.id, lease_until=lease, outcome=result.outcome,
+                status_code=result.status_code, error=result.error,
+                duration_ms=result.duration_ms, final_status=status, next_attempt_at=next_at,
+                at=now)
+        if not held:
+            self.stats.lease_lost += 1
+            log.warning("delivery %s (%s) attempt %d: %s, not recorded: its lease ended and "
+                        "another notifier holds it now", d.event_id, d.event, number,
+                        result.outcome)
+            return
+        if status == "delivered":
+            self.stats.delivered += 1
+        elif status == "pending":
+            self.stats.retried += 1
+        else:
+            self.stats.failed += 1
         level = logging.INFO if status != "failed" else logging.WARNING
         log.log(level, "delivery %s (%s) attempt %d: %s%s", d.event_id, d.event, number,
                 result.outcome, f" ({result.error})" if result.error else "")

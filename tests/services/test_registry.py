@@ -15,7 +15,7 @@ from services.registry import BY_NAME, SERVICES, UP, Option, Service
 from stack.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
-INFRASTRUCTURE = {"init", "nats", "postgres", "migrate"}  # run by compose, not Greyhound services
+INFRASTRUCTURE = {"init", "nats", "postgres", "migrate", "streams"}  # run by compose, not Greyhound services
 
 
 def compose() -> dict[str, Any]:

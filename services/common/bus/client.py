@@ -26,13 +26,18 @@ from services.common.bus.dead_letters import encode_dead_letter
 from services.common.bus.errors import PermanentError, TransientError, classify, describe
 from services.common.bus.holds import Holds
 from services.common.bus.refusals import PermissionDenied, Refusal, Refusals
-from services.common.bus.streams import ConsumerSpec, stream_configs
+from services.common.bus.streams import (
+    ConsumerSpec,
+    StreamMismatch,
+    stream_configs,
+    stream_mismatches,
+)
 from services.common.redact import redact
-from services.common.settings import Settings
+from services.common.settings import Settings, nats_servers
 
 __all__ = ["BusAuthError", "BusClient", "Consumer", "ConsumerLost", "ConsumerStats",
-           "PermanentError", "PermissionDenied", "TransientError", "connect", "ensure_streams",
-           "publish"]
+           "PermanentError", "PermissionDenied", "StreamMismatch", "TransientError",
+           "check_streams", "connect", "ensure_streams", "publish", "shown"]
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +96,18 @@ class BusClient(NATS):
             raise PermissionDenied(refused, self.bus_user) from exc
 
 
+def shown(url: str) -> str:
+    """A GREYHOUND_NATS_URL (one URL or a list) as a log line may show it: no passwords."""
+    return ",".join(redact(u) for u in nats_servers(url))
+
+
 async def connect(url: str, *, name: str, credentials: Credentials | None = None,
                   tls: ssl.SSLContext | None = None) -> BusClient:
     """Connect with endless reconnects: a bus restart must not kill a service or an agent.
+
+    ``url`` is one server or a comma-separated list of a cluster's (nats-py's ``servers``):
+    the client connects to one of them, learns the cluster's other servers from it, and moves
+    to another when its server goes away.
 
     A server that refuses the credentials on the first connect (none given where it needs
     some, a wrong password), or a TLS handshake that fails (an untrusted certificate, no client
@@ -110,11 +124,11 @@ async def connect(url: str, *, name: str, credentials: Credentials | None = None
 
     async def on_error(exc: Exception) -> None:
         if not connected and _auth_failure(exc):
-            raise BusAuthError(f"NATS at {redact(url)} refused {who} ({name}): {exc}. Set "
+            raise BusAuthError(f"NATS at {shown(url)} refused {who} ({name}): {exc}. Set "
                                "GREYHOUND_NATS_USER and GREYHOUND_NATS_PASSWORD to this "
                                "process's bus user (see docs/security.md)") from exc
         if not connected and isinstance(exc, ssl.SSLError):
-            raise BusAuthError(f"TLS with NATS at {redact(url)} failed ({name}): {exc}. Check "
+            raise BusAuthError(f"TLS with NATS at {shown(url)} failed ({name}): {exc}. Check "
                                "GREYHOUND_NATS_TLS_CA (and _CERT/_KEY when the server verifies "
                                "clients); see docs/security.md") from exc
         text = str(exc)
@@ -135,7 +149,7 @@ async def connect(url: str, *, name: str, credentials: Credentials | None = None
     if tls is not None:
         options["tls"] = tls
     try:
-        await nc.connect(url, name=name, allow_reconnect=True, connect_timeout=5,
+        await nc.connect(servers=nats_servers(url), name=name, allow_reconnect=True, connect_timeout=5,
                          error_cb=on_error, **options)
     except BaseException:
         with contextlib.suppress(Exception):  # a half-done TLS handshake can hang close()
@@ -145,18 +159,58 @@ async def connect(url: str, *, name: str, credentials: Credentials | None = None
     return nc
 
 
-async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
-    """Create the stream, or update it to ``cfg`` where it exists with another configuration."""
+def _named(cfg: StreamConfig) -> str:
+    if not cfg.name:
+        raise ValueError("a stream configuration without a name")
+    return cfg.name
+
+
+async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> str:
+    """Create the stream, or update it to ``cfg`` where it exists with another configuration;
+    what was done ("created", "updated", "unchanged"). ``greyhound streams apply`` does this,
+    once, on purpose; a service only checks (check_stream)."""
+    name = _named(cfg)
     try:
-        await js.add_stream(cfg)
-    except BadRequestError:
-        await js.update_stream(cfg)
+        await js.stream_info(name)
+    except NotFoundError:
+        try:
+            await js.add_stream(cfg)
+            return "created"
+        except BadRequestError:  # made meanwhile
+            pass
+    have = (await js.stream_info(name)).config
+    if not stream_mismatches(cfg, have):
+        return "unchanged"
+    await js.update_stream(cfg)
+    return "updated"
 
 
-async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
-    """Create or update every stream; idempotent, so every service may call it on start."""
+async def ensure_streams(js: JetStreamContext, settings: Settings) -> dict[str, str]:
+    """Create or update every stream (ensure_stream): what was done to each, by name."""
+    return {_named(cfg): await ensure_stream(js, cfg) for cfg in stream_configs(settings)}
+
+
+async def check_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Create the stream where there is none; raise StreamMismatch where it exists otherwise
+    than ``cfg`` says, never changing it (what a service does on start)."""
+    name = _named(cfg)
+    try:
+        have = (await js.stream_info(name)).config
+    except NotFoundError:
+        try:
+            await js.add_stream(cfg)  # the same config made meanwhile is no error
+            return
+        except BadRequestError:  # made meanwhile, otherwise: compared below
+            have = (await js.stream_info(name)).config
+    differences = stream_mismatches(cfg, have)
+    if differences:
+        raise StreamMismatch(name, differences)
+
+
+async def check_streams(js: JetStreamContext, settings: Settings) -> None:
+    """check_stream for every stream."""
     for cfg in stream_configs(settings):
-        await ensure_stream(js, cfg)
+        await check_stream(js, cfg)
 
 
 async def publish(js: JetStreamContext, subject: str, msg: Message) -> None:

@@ -4,7 +4,8 @@ A grant the server lacks does not fail a call: the server drops the message and 
 request times out (services.common.bus.refusals). Met at run time, deep in a handler, that looks
 like a slow bus and wedges the service (a tracker that cannot read its saved state back did so
 on every restart). So each service asks first, for everything its grants say it does
-(services.common.bus.grants): it declares the streams (for real, as it would anyway) and sends
+(services.common.bus.grants): it checks the streams (for real, as it would anyway: creating a
+missing one, refusing a different one, services.common.bus.client.check_stream) and sends
 one harmless request or publish per other JetStream API subject and contract subject its code
 uses, exactly as nats-py sends them, and refuses to start with a message naming every refused
 grant and what it is for.
@@ -36,7 +37,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
 from services.common.bus.auth import BusAuthError, agent_of_user
-from services.common.bus.client import BusClient, ensure_stream
+from services.common.bus.client import BusClient, check_stream
 from services.common.bus.contract import Subjects
 from services.common.bus.grants import BusAccess, Consume
 from services.common.bus.permissions import bind_agent
@@ -150,16 +151,17 @@ def _object_store(bucket: str) -> list[Need]:
 
 
 def needs(access: BusAccess, settings: Settings, agent_id: str | None = None) -> list[Need]:
-    """Everything a service with these grants does on the bus, but declaring the
+    """Everything a service with these grants does on the bus, but checking the
     streams (done for real by ``check``); a per-agent line's subjects end in ``agent_id``."""
     out: list[Need] = []
     publish, serve = access.publish, access.serve
     if access.per_agent and agent_id is not None:
         publish = tuple(bind_agent(p, agent_id) for p in publish)
         serve = tuple(bind_agent(p, agent_id) for p in serve)
-    if access.declare_streams:
-        out += [Need("request", f"{API}.STREAM.UPDATE.{s}", f"update stream {s} to its "
-                     "configuration", NOT_JSON) for s in STREAMS]
+    if access.declare_streams:  # the service only checks; ``greyhound streams apply`` updates
+        out += [Need("request", f"{API}.STREAM.UPDATE.{s}", f"bring stream {s} to its "
+                     "configuration (greyhound streams apply, as this user)", NOT_JSON)
+                for s in STREAMS]
     for c in access.consume:
         out += _consumer(c.stream, _durable(c, settings))
     for stream in access.read:
@@ -211,11 +213,12 @@ async def _try(nc: BusClient, need: Need) -> bool | None:
 
 
 async def _declare(js: JetStreamContext, cfg: StreamConfig) -> Need | None:
-    """Declare one stream for real (the service would anyway); what was refused, if it was."""
+    """Check one stream for real (the service would anyway); what was refused, if it was.
+    A stream configured otherwise raises StreamMismatch."""
     try:
-        await ensure_stream(js, cfg)
+        await check_stream(js, cfg)
     except PermissionDenied as exc:
-        subject = next((x for x in (f"{API}.STREAM.{op}.{cfg.name}" for op in ("CREATE", "UPDATE"))
+        subject = next((x for x in (f"{API}.STREAM.{op}.{cfg.name}" for op in ("INFO", "CREATE"))
                         if exc.refusal.covers(x)), exc.refusal.subject)
         return Need("request", subject, f"declare stream {cfg.name}")
     return None
@@ -223,10 +226,10 @@ async def _declare(js: JetStreamContext, cfg: StreamConfig) -> Need | None:
 
 async def check(nc: BusClient, js: JetStreamContext, service: str, access: BusAccess,
                 settings: Settings) -> None:
-    """Declare the streams (if the line does) and try everything else the line's code does;
-    raise MissingGrants naming each refusal. An unanswered probe is logged, not held against
-    the service (the bus may be slow); the code meets it again, as a PermissionDenied if it
-    was a refusal after all."""
+    """Check the streams (if the line does; StreamMismatch where one differs) and try
+    everything else the line's code does; raise MissingGrants naming each refusal. An
+    unanswered probe is logged, not held against the service (the bus may be slow); the code
+    meets it again, as a PermissionDenied if it was a refusal after all."""
     missing: list[Need] = []
     if access.declare_streams:
         missing += [n for n in await asyncio.gather(*(_declare(js, c)

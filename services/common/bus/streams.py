@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from nats.js.api import (
     AckPolicy,
@@ -31,6 +31,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
 
     With several tracker partitions, telemetry is stored under partitioned subjects (see
     Subjects.telemetry_partitioning) so each tracker's consumer filters only its own jobs.
+    Each stream has ``stream_replicas`` copies (3 on a 3-node cluster).
     """
     transform = None
     if settings.tracker_partitions > 1:
@@ -43,6 +44,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
                       Subjects.ALL_COLLECTIVES, Subjects.ALL_GPU_HEALTH],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
+            num_replicas=settings.stream_replicas,
             discard=DiscardPolicy.OLD,
             max_age=settings.telemetry_max_age_s,
             max_bytes=settings.telemetry_max_bytes,
@@ -56,6 +58,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
                       Subjects.ALL_PLAN_REPORTS],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
+            num_replicas=settings.stream_replicas,
             discard=DiscardPolicy.OLD,
             max_age=settings.events_max_age_s,
             max_bytes=1024**3,
@@ -69,6 +72,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
             subjects=[Subjects.ALL_PLANS],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
+            num_replicas=settings.stream_replicas,
             discard=DiscardPolicy.OLD,
             max_msgs_per_subject=1,
             max_age=settings.events_max_age_s,
@@ -81,12 +85,65 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
             subjects=[Subjects.ALL_DEAD_LETTERS],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
+            num_replicas=settings.stream_replicas,
             discard=DiscardPolicy.OLD,
             max_age=settings.events_max_age_s,
             max_bytes=256 * 1024**2,
             max_msg_size=9 * 1024 * 1024,
         ),
     ]
+
+
+class StreamMismatch(RuntimeError):
+    """A stream on the server is configured otherwise than this process's settings say.
+
+    A service refuses to start on it rather than rewrite the stream, which would change it
+    under every other process (a tracker started with another GREYHOUND_TRACKER_PARTITIONS
+    removing the partition transform silences every partitioned tracker): the settings or the
+    stream are fixed, the latter with ``greyhound streams apply``, once, on purpose."""
+
+    def __init__(self, stream: str, differences: list[str]) -> None:
+        super().__init__(
+            f"stream {stream} on the server differs from this process's settings: "
+            f"{'; '.join(differences)}. Give every process the same settings, or bring the "
+            f"stream to these with `greyhound streams apply` (docs/scaling.md)")
+        self.stream = stream
+        self.differences = differences
+
+
+# The server fills these in when a process leaves them at nats-py's default: "no opinion".
+_DEFAULTED = ("retention", "storage", "discard", "max_age", "max_bytes", "max_msg_size",
+              "max_msgs_per_subject", "duplicate_window")
+_SETTING = {"num_replicas": "GREYHOUND_STREAM_REPLICAS",
+            "max_age": "GREYHOUND_TELEMETRY_MAX_AGE_S or GREYHOUND_EVENTS_MAX_AGE_S",
+            "max_bytes": "GREYHOUND_TELEMETRY_MAX_BYTES",
+            "subject_transform": "GREYHOUND_TRACKER_PARTITIONS"}
+
+
+_UNSET = {f.name: f.default for f in fields(StreamConfig) if f.name in _DEFAULTED}
+
+
+def _transform(cfg: StreamConfig) -> tuple[str, str] | None:
+    t = cfg.subject_transform
+    return None if t is None else (t.src, t.dest)
+
+
+def stream_mismatches(want: StreamConfig, have: StreamConfig) -> list[str]:
+    """How the stream the server ``have``s differs from ``want`` (this process's), one line
+    per field, naming the setting that decides it; empty when they agree."""
+    pairs: list[tuple[str, object, object]] = [
+        ("subjects", sorted(want.subjects or []), sorted(have.subjects or [])),
+        ("subject_transform", _transform(want), _transform(have)),
+        ("num_replicas", want.num_replicas or 1, have.num_replicas or 1),
+    ]
+    pairs += [(f, getattr(want, f), getattr(have, f)) for f in _DEFAULTED
+              if getattr(want, f) != _UNSET[f]]
+    out = []
+    for name, mine, theirs in pairs:
+        if mine != theirs:
+            why = f" (set by {_SETTING[name]})" if name in _SETTING else ""
+            out.append(f"{name} is {theirs!r} there, {mine!r} here{why}")
+    return out
 
 
 @dataclass(frozen=True)

@@ -555,7 +555,12 @@ async def enqueue_delivery(session: AsyncSession, *, webhook_id: str, event_id: 
 async def claim_due_deliveries(session: AsyncSession, now: datetime, lease_until: datetime,
                                limit: int) -> Sequence[WebhookDelivery]:
     """Deliveries due now, leased to this caller until ``lease_until`` (SKIP LOCKED, so several
-    notifiers share the work): one that is not finished by then (its sender died) is due again."""
+    notifiers share the work): one that is not finished by then (its sender died) is due again.
+
+    The lease is the row's ``next_attempt_at`` while it is ``sending``, and that value is the
+    holder's token (record_leased_attempt writes only under it): a row is claimed only once its
+    lease has ended (``next_attempt_at <= now``) and the new lease ends after ``now``, so each
+    claim of a row leaves a value that no earlier claim of it held."""
     rows = (await session.scalars(
         select(WebhookDelivery)
         .where(WebhookDelivery.status.in_(("pending", "sending")),
@@ -568,19 +573,47 @@ async def claim_due_deliveries(session: AsyncSession, now: datetime, lease_until
     return rows
 
 
-async def record_attempt(session: AsyncSession, delivery_id: int, *, outcome: str,
-                         status_code: int | None, error: str | None, duration_ms: float,
-                         final_status: str, next_attempt_at: datetime | None,
-                         at: datetime) -> None:
-    """One attempt of a delivery, and where the delivery stands after it."""
-    session.add(WebhookAttempt(delivery_id=delivery_id, outcome=outcome, status_code=status_code,
-                               error=error, duration_ms=duration_ms, at=at))
+def _after_attempt(error: str | None, final_status: str, next_attempt_at: datetime | None,
+                   at: datetime) -> dict[str, Any]:
     values: dict[str, Any] = {"status": final_status, "attempts": WebhookDelivery.attempts + 1,
                               "last_error": error, "next_attempt_at": next_attempt_at}
     if final_status == "delivered":
         values["delivered_at"] = at
+    return values
+
+
+async def record_attempt(session: AsyncSession, delivery_id: int, *, outcome: str,
+                         status_code: int | None, error: str | None, duration_ms: float,
+                         final_status: str, next_attempt_at: datetime | None,
+                         at: datetime) -> None:
+    """One attempt of a delivery nobody else can see yet (the API's test delivery, made and
+    sent in one transaction), and where the delivery stands after it."""
+    session.add(WebhookAttempt(delivery_id=delivery_id, outcome=outcome, status_code=status_code,
+                               error=error, duration_ms=duration_ms, at=at))
     await session.execute(update(WebhookDelivery).where(WebhookDelivery.id == delivery_id)
-                          .values(**values))
+                          .values(**_after_attempt(error, final_status, next_attempt_at, at)))
+
+
+async def record_leased_attempt(session: AsyncSession, delivery_id: int, *,
+                                lease_until: datetime, outcome: str, status_code: int | None,
+                                error: str | None, duration_ms: float, final_status: str,
+                                next_attempt_at: datetime | None, at: datetime) -> bool:
+    """A notifier's attempt of a delivery it claimed with the lease ``lease_until``
+    (claim_due_deliveries), written only while that lease is still the delivery's: False, and
+    nothing written, when another notifier has claimed the delivery since, so a late writer
+    cannot turn the new holder's "delivered" back into "pending" (nor log an attempt the
+    delivery's count would not include)."""
+    held = (await session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.id == delivery_id, WebhookDelivery.status == "sending",
+               WebhookDelivery.next_attempt_at == lease_until)
+        .values(**_after_attempt(error, final_status, next_attempt_at, at))
+        .returning(WebhookDelivery.id))).first()
+    if held is None:
+        return False
+    session.add(WebhookAttempt(delivery_id=delivery_id, outcome=outcome, status_code=status_code,
+                               error=error, duration_ms=duration_ms, at=at))
+    return True
 
 
 async def list_deliveries(session: AsyncSession, webhook_id: str, *, limit: int = 50,

@@ -143,3 +143,34 @@ async def test_one_attempt_ends_at_its_timeout_whatever_the_receiver_does() -> N
         server.close()
     assert got.outcome == "timeout" and got.retryable
     assert took < 5.0, f"the attempt took {took:.1f}s against its 1 s timeout"
+
+
+async def test_a_reply_of_endless_headers_is_cut_off_not_read() -> None:
+    """The reply is capped: its body is never read, and a status line followed by megabytes of
+    header (sent as fast as the socket takes them) ends the attempt after the first 100 KiB
+    (httpcore's limit), well before its deadline, as a failure to retry."""
+    port = free_port()
+    sent = 0
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await reader.read(1024)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
+        try:
+            while sent < 64 * 1024**2:
+                writer.write(b"a" * 65536)
+                await writer.drain()
+                sent += 65536
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(flood, "127.0.0.1", port)
+    try:
+        got = await asyncio.wait_for(attempt(
+            f"http://127.0.0.1:{port}/hook", SECRET, b"{}", key="k", event="e", number=1,
+            timeout_s=10.0, allow=LOOPBACK), 30)
+    finally:
+        server.close()
+    assert got.outcome == "connection_error" and got.retryable and got.status_code is None
+    assert got.duration_ms < 10_000 and sent < 64 * 1024**2
