@@ -488,6 +488,7 @@ async def run_tracker(ctx: ServiceContext, stop: asyncio.Event) -> None:
     restart it)."""
     settings = TrackerSettings()
     store = await TrackerStateStore(ctx.js, ttl_s=settings.tracker_state_ttl_s,
+                                    replicas=ctx.settings.stream_replicas,
                                     max_bytes=settings.tracker_state_max_bytes).open()
     tracker = Tracker(ctx, method=settings.detector, store=store, settings=settings)
     tasks = [own_partitions(tracker, ctx, settings, stop)]

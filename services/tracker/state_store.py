@@ -30,8 +30,10 @@ DEFAULT_MAX_BYTES = 1 << 30
 
 class TrackerStateStore:
     def __init__(self, js: JetStreamContext, bucket: str = BUCKET, *,
-                 ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
+                 replicas: int = 1) -> None:
         self._js = js
+        self.replicas = replicas  # the streams' count (GREYHOUND_STREAM_REPLICAS): 3 on a cluster
         self.bucket = bucket
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
@@ -44,19 +46,21 @@ class TrackerStateStore:
             self._store = await self._js.create_object_store(
                 self.bucket, config=ObjectStoreConfig(
                     bucket=self.bucket, storage=StorageType.FILE, ttl=self.ttl_s,
-                    max_bytes=self.max_bytes,
+                    max_bytes=self.max_bytes, replicas=self.replicas,
                     description="per-job tracker detector state, for restarts"))
             return self
         await self._limit()
         return self
 
     async def _limit(self) -> None:
-        """A bucket made before it had limits (or with others) gets this store's."""
+        """A bucket made before it had limits (or with others, or another replica count) gets
+        this store's: the bucket is the trackers' own, all started with the same settings."""
         info = await self._js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=self.bucket))
         cfg = info.config
-        if cfg.max_age == self.ttl_s and cfg.max_bytes == self.max_bytes:
+        if (cfg.max_age, cfg.max_bytes, cfg.num_replicas) == (self.ttl_s, self.max_bytes,
+                                                               self.replicas):
             return
-        cfg.max_age, cfg.max_bytes = self.ttl_s, self.max_bytes
+        cfg.max_age, cfg.max_bytes, cfg.num_replicas = self.ttl_s, self.max_bytes, self.replicas
         await self._js.update_stream(cfg)
 
     def _obs(self) -> ObjectStore:

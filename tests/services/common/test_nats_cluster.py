@@ -26,6 +26,7 @@ from services.common.bus.streams import TELEMETRY, ConsumerSpec, StreamMismatch
 from services.common.embedded import nats_server_binary
 from services.common.runtime import Backends, apply_streams, start_service
 from services.common.settings import Settings, nats_servers
+from services.tracker.state_store import TrackerStateStore
 from tests.services.notifier.receiver import free_port
 
 NODES = 3
@@ -128,6 +129,10 @@ async def test_a_service_keeps_consuming_when_its_node_is_killed() -> None:
         info = await ctx.js.stream_info(TELEMETRY)
         assert info.config.num_replicas == 3 and info.cluster is not None
         assert len(info.cluster.replicas or []) == NODES - 1
+        # the tracker's saved states survive a node too
+        store = await TrackerStateStore(ctx.js, replicas=settings.stream_replicas).open()
+        state = await ctx.js.stream_info(f"OBJ_{store.bucket}")
+        assert state.config.num_replicas == 3
 
         job = f"cl{uuid.uuid4().hex[:8]}"
         subject = Subjects.iterations(job, "a1")
