@@ -26,7 +26,9 @@ planners share one database without two of them touching a job at once. Like the
 
 from __future__ import annotations
 
-from sqlalchemy import delete, func, literal, select, update
+from datetime import datetime
+
+from sqlalchemy import ColumnElement, delete, func, literal, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -35,7 +37,8 @@ from services.common.db.models import OPEN_PLAN_STATUSES, Job, JobValidation, Pl
 OPEN_INCIDENT_INDEX = "uq_incidents_open_dedup"
 
 
-def _lease(lease_s: float) -> object:
+def _lease(lease_s: float) -> ColumnElement[datetime]:
+    """``lease_s`` seconds from now, by the database's clock."""
     return func.now() + func.make_interval(0, 0, 0, 0, 0, 0, literal(lease_s))
 
 
