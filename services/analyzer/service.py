@@ -62,6 +62,7 @@ from services.common.bus.contract import (
     Suspicion,
 )
 from services.common.bus.streams import ANALYZER
+from services.common.db import exclusion
 from services.common.db import repository as repo
 from services.common.db.documents import Culprit, Detection, Evidence, OtherHang
 from services.common.db.models import Incident
@@ -94,8 +95,11 @@ class Analyzer:
         self.localizer = localizer
         self._chains: dict[str, asyncio.Task[None]] = {}
         self._chained: dict[str, str] = {}  # job -> incident of its newest localisation
-        # what the consumer calls: handle, in a unit of work of its own per detection
-        self.consume = work.per_message(self.handle, claim=ANALYZER.durable)
+        # what the consumer calls: handle, in a unit of work of its own per detection; one
+        # that lost the race to open a job's incident (another detection of the job, in another
+        # analyzer, opened it first) runs again and adds to that incident
+        self.consume = work.per_message(self.handle, claim=ANALYZER.durable,
+                                        race=exclusion.open_incident_taken)
 
     async def handle(self, uow: UnitOfWork, subject: str, det: DetectionEvent) -> None:
         """One detection, claimed by the consumer's unit of work; a database failure

@@ -13,6 +13,16 @@ is stored once by JetStream within its duplicate window, and consumers claim eve
 Messages go out in commit order (the table's sequence); a transient failure stops a pass so a
 later message never overtakes an earlier one. A message the server refuses for good (over its
 size limit, a bad subject) is marked failed and kept for reading, not retried forever.
+
+Several processes of one service each run a relay, and each locks the rows it sends (SKIP
+LOCKED), so across processes commit order alone does not hold. Where that matters, a stream
+keeping one message per subject (the plans: each job's newest version), the kinds named
+``latest_only`` are sent one relay at a time per subject (a transaction advisory lock on the
+subject, taken without waiting: a relay that finds it taken stops its pass and comes back), and
+a row is not sent once a later row of its subject has been (it is marked sent, superseded): the
+stream only ever moves to a later message of the subject. Later means a higher sequence, which
+is the producer's order for a subject whose rows are made under one lock (a job's plan versions:
+services.common.db.exclusion.next_plan_version).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ class OutboxStats:
     duplicates: int = 0  # the server already had it (sent before, not marked)
     failed_sends: int = 0  # publishes that raised (retried by the relay unless final)
     refused: int = 0  # publishes no retry can fix: marked failed
+    superseded: int = 0  # latest-only rows not sent: a later one of their subject went first
     flush_failures: int = 0  # a post-commit flush that could not run (the database away)
     relay_failures: int = 0
 
@@ -58,12 +69,15 @@ class Outbox:
     the ones just committed. A stream that keeps each subject's last message (the planner's
     plans) needs it: a version whose first send failed must not be overtaken by the next one,
     which a send of only the newest ids would do while the relay waits out its grace period.
-    Without a bus (``js`` None: an API process serving the database alone) nothing is sent:
-    the messages wait in the table for a relay that has one."""
+    ``latest_only``: the message kinds whose stream keeps one message per subject, never sent
+    after a later one of their subject (see the module docstring). Without a bus (``js`` None:
+    an API process serving the database alone) nothing is sent: the messages wait in the table
+    for a relay that has one."""
 
     def __init__(self, sessions: async_sessionmaker[AsyncSession], js: JetStreamContext | None,
                  *, producer: str, poll_s: float = 2.0, grace_s: float = 5.0,
-                 batch: int = 256, ordered: bool = False) -> None:
+                 batch: int = 256, ordered: bool = False,
+                 latest_only: frozenset[str] = frozenset()) -> None:
         self._work = Work(sessions)
         self._js = js
         self.producer = producer
@@ -71,6 +85,7 @@ class Outbox:
         self.grace_s = grace_s
         self.batch = batch
         self.ordered = ordered
+        self.latest_only = latest_only
         self.stats = OutboxStats()
         self._lock = asyncio.Lock()  # one send pass at a time in this process keeps the order
 
@@ -161,6 +176,14 @@ class Outbox:
             done: list[int] = []
             stopped = False
             for row in rows:
+                if row.kind in self.latest_only:
+                    if not await repo.try_lock_name(session, row.subject):
+                        stopped = True  # another relay sends this subject now: come back
+                        break
+                    if await repo.sent_later(session, row.subject, row.seq):
+                        done.append(row.seq)
+                        self.stats.superseded += 1
+                        continue
                 try:
                     dup = await send(self._js, row.subject, row.payload.encode(), row.event_id)
                 except Exception as exc:

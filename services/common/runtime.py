@@ -91,12 +91,14 @@ class ServiceContext:
             raise RuntimeError("this service was started without a database")
         return self.sessions
 
-    def work(self, producer: str, *, ordered: bool = False) -> Work:
+    def work(self, producer: str, *, ordered: bool = False,
+             latest_only: frozenset[str] = frozenset()) -> Work:
         """The service's units of work, announcing through its outbox as ``producer`` (one per
         process: the outbox orders its sends, and its relay runs as one of the tasks)."""
         s = self.settings
         return Work(self.db(), Outbox(self.db(), self.js, producer=producer, ordered=ordered,
-                                      poll_s=s.outbox_poll_s, grace_s=s.outbox_grace_s))
+                                      poll_s=s.outbox_poll_s, grace_s=s.outbox_grace_s,
+                                      latest_only=latest_only))
 
     async def close(self) -> None:
         try:

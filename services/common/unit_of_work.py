@@ -40,6 +40,8 @@ class Outbox(Protocol):
     async def run(self, stop: asyncio.Event) -> None: ...
 AfterCommit = Callable[[], Awaitable[None]]
 
+RACE_RETRIES = 3  # a unit run again after losing a race to another unit's commit (per_message)
+
 
 @dataclass
 class UnitOfWork:
@@ -131,20 +133,33 @@ class Work:
 
     def per_message(self, handler: Callable[[UnitOfWork, str, M], Awaitable[None]], *,
                     claim: str | None = None,
-                    claims: Callable[[M], bool] = lambda _m: True
+                    claims: Callable[[M], bool] = lambda _m: True,
+                    race: Callable[[BaseException], bool] | None = None
                     ) -> Callable[[str, M], Awaitable[None]]:
         """A consumer's handler that gives ``handler`` one unit of work per message; the
         consumer acks after it returned, i.e. after the commit and the sends.
 
         With ``claim`` (the consumer's name in the processed-events ledger), each message for
         which ``claims`` holds is claimed by its event id first, and one handled before is
-        skipped: a redelivery does nothing twice."""
+        skipped: a redelivery does nothing twice. With ``race``: a failure it recognises is a
+        conflict with a unit another process committed meanwhile (two of them opened the same
+        row; a unique index refused the second), so the unit, rolled back, runs again at once
+        (up to RACE_RETRIES times) and finds the other's row, instead of failing the message."""
 
-        async def each(subject: str, msg: M) -> None:
+        async def once(subject: str, msg: M) -> None:
             async with self.unit() as uow:
                 if claim is not None and claims(msg) and not await repo.claim_event(
                         uow.session, claim, msg.event_id):
                     return
                 await handler(uow, subject, msg)
+
+        async def each(subject: str, msg: M) -> None:
+            for attempt in range(RACE_RETRIES + 1):
+                try:
+                    await once(subject, msg)
+                    return
+                except Exception as exc:
+                    if race is None or attempt == RACE_RETRIES or not race(exc):
+                        raise
 
         return each

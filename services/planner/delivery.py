@@ -1,11 +1,12 @@
 """Putting a plan in force and taking it back, in the caller's unit of work.
 
-Each delivery is the job's next version: the state it must run from now (micro-batches per DP
-group, rank -> GPU map), absolute so that a job that missed one still ends up right, plus the GPU
-swaps from the previous version. The row is written with the plan's move (greyhound.core
-.plan_lifecycle), its timeline note and its webhook event, all in one commit; the caller stages the
-returned message in that commit too (the transactional outbox) and sends it after (a job also
-reads the newest row over REST).
+Each delivery is the job's next version (handed out by the database, so a job's versions rise
+whichever planner delivers: services.common.db.exclusion): the state it must run from now
+(micro-batches per DP group, rank -> GPU map), absolute so that a job that missed one still
+ends up right, plus the GPU swaps from the previous version. The row is written with the plan's
+move (greyhound.core.plan_lifecycle), its timeline note and its webhook event, all in one
+commit; the caller stages the returned message in that commit too (the transactional outbox)
+and sends it after (a job also reads the newest row over REST).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from greyhound.core.plan_build import JobState, Layout, next_state, undo_swaps
 from greyhound.core.plans import even_split
 from services.common.bus.contract import PlanMessage
+from services.common.db import exclusion
 from services.common.db import repository as repo
 from services.common.db.documents import (
     ConsolidateParams,
@@ -48,11 +50,11 @@ async def job_state(session: AsyncSession, job_id: str) -> tuple[JobState, int]:
 async def _deliver(session: AsyncSession, plan: Plan, layout: Layout, action: str, *,
                    microbatches: tuple[int, ...] | None, gpu_of_rank: tuple[int, ...] | None,
                    cost_s: float | None, summary: str) -> PlanMessage:
-    await repo.lock_job(session, plan.job_id)
-    state, version = await job_state(session, plan.job_id)
+    version = await exclusion.next_plan_version(session, plan.job_id)  # the job locked
+    state, _ = await job_state(session, plan.job_id)
     new, swaps = next_state(state, layout, microbatches=microbatches, gpu_of_rank=gpu_of_rank)
     msg = PlanMessage.model_validate({
-        "job_id": plan.job_id, "version": version + 1, "plan_id": plan.id,
+        "job_id": plan.job_id, "version": version, "plan_id": plan.id,
         "incident_id": plan.incident_id, "strategy": plan.strategy, "action": action,
         "microbatches": None if new.microbatches is None else list(new.microbatches),
         "gpu_of_rank": None if new.gpu_of_rank is None else list(new.gpu_of_rank),

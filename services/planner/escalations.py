@@ -17,6 +17,7 @@ from greyhound.core.escalation import Apply, Escalation
 from greyhound.core.plan_build import NAMES, STRATEGIES, Culprit, JobState, Layout
 from greyhound.core.tracked_incident import KINDS, Tracked
 from services.common.bus.contract import Subjects
+from services.common.db import exclusion
 from services.common.db import repository as repo
 from services.common.db.documents import Validation, plan_params
 from services.common.db.models import Incident, Plan
@@ -142,6 +143,10 @@ async def propose(st: PlannerState, t: Tracked, d: Apply) -> None:
             t.esc.failed(d.strategy)
             uow.discard()
             return
+        proposed = await exclusion.open_plan(session, t.incident_id, name)
+        if proposed is not None:
+            await already_proposed(session, t, d, proposed)
+            return
         state, _ = await job_state(session, t.job_id)
         proposal = build.propose(d.strategy, layout, in_layout(t, state, layout), state,
                                  c.plan_costs())
@@ -161,6 +166,10 @@ async def propose(st: PlannerState, t: Tracked, d: Apply) -> None:
             policy=policy, expected_gain=proposal.expected_gain,
             expires_at=None if policy == "automatic" else now + timedelta(
                 seconds=c.proposal_ttl_s))
+        if plan is None:  # proposed meanwhile by another planner (the index admits one)
+            await already_proposed(session, t, d,
+                                   await exclusion.open_plan(session, t.incident_id, name))
+            return
         t.pending_plan = plan.id
         await note(session, incident, "plan_proposed", plan, summary=proposal.summary,
                    loss_s=round(d.loss_s, 6), overhead_s=round(d.overhead_s, 6),
@@ -181,6 +190,20 @@ async def propose(st: PlannerState, t: Tracked, d: Apply) -> None:
             await uow.stage(Subjects.plan(t.job_id), msg)
         await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
         t.dirty = False
+
+
+async def already_proposed(session: AsyncSession, t: Tracked, d: Apply,
+                           existing: Plan | None) -> None:
+    """Another planner proposed this strategy for the incident (one open plan per incident and
+    strategy): nothing is proposed, announced or delivered again; the escalation waits on
+    ``existing`` as on its own plan (or moves past, should it be final already)."""
+    if existing is None:
+        t.esc.failed(d.strategy)
+    t.pending_plan = None if existing is None else existing.id
+    log.info("incident %s: %s already proposed (plan %s): not proposed again",
+             t.incident_id, NAMES[d.strategy], t.pending_plan)
+    await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
+    t.dirty = False
 
 
 async def end(st: PlannerState, uow: UnitOfWork, t: Tracked | None, incident: Incident,

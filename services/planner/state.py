@@ -6,7 +6,8 @@ all change a job's escalations).
 
 Its units of work announce through an ordered outbox: the plans stream keeps each job's last
 message, so a version whose first send failed (or that a killed process left) must go out
-before the next one.
+before the next one, and no planner's relay sends a version after a later one of the job went
+(plan messages are latest-only: services.common.outbox).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from greyhound.core import plan_build as build
 from greyhound.core.escalation import Strategy
 from greyhound.core.plan_build import STRATEGIES, Layout
 from greyhound.core.tracked_incident import Tracked
+from services.common.bus.contract import PlanMessage
 from services.common.db import repository as repo
 from services.common.runtime import ServiceContext
 from services.common.unit_of_work import Work
@@ -44,7 +46,8 @@ class PlannerState:
     def of(cls, ctx: ServiceContext, config: PlannerSettings, on_times: OnTimes
            ) -> PlannerState:
         """On a started service's connections; each watch feeds ``on_times``."""
-        return cls(ctx, config, ctx.work("planner", ordered=True), Watches(ctx.js, on_times))
+        work = ctx.work("planner", ordered=True, latest_only=frozenset({PlanMessage.__name__}))
+        return cls(ctx, config, work, Watches(ctx.js, on_times))
 
     def of_job(self, job: str) -> list[Tracked]:
         return [t for t in self.tracked.values() if t.job_id == job]

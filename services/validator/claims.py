@@ -7,6 +7,16 @@ produced no result (and the hook releases a paused job when its lease ends), so 
 validated again, by whichever validator finds it first, up to ``max_attempts`` times in all;
 past that it is recorded as abandoned on the incident. What a dead validator left, and
 suspicions no validator ever claimed (their bus copy was lost), are found here too.
+
+One validation per *job* at a time, across every validator: before it pauses a job, a validator
+takes the job (a row per job, services.common.db.exclusion: a claim with a lease, not an
+advisory lock, as argued there), waits while another validation holds it, renews it with the
+suspicion's claim and gives it back as soon as the job is resumed. Its lease (``job_lease_s``)
+outlasts any pause its holder made: a pause ends by itself at the hooks' lease, at most
+``pause_budget_s`` after it began, and it begins within ``status_timeout_s`` of taking the job
+or within a third of ``claim_lease_s`` of a renewal. So a second validator can never pause a job
+the first still holds paused, nor can the first's resume end the second's pause; a holder that
+died frees the job within ``job_lease_s``.
 """
 
 from __future__ import annotations
@@ -18,13 +28,16 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.common.bus.contract import Suspicion
-from services.common.bus.errors import describe
+from services.common.bus.errors import TransientError, describe
+from services.common.db import exclusion
 from services.common.db import repository as repo
 from services.common.db.documents import Evidence, Validation
 from services.common.unit_of_work import Work
 from services.validator.settings import ValidatorSettings
 
 log = logging.getLogger(__name__)
+
+JOB_POLL_S = 0.5  # how often a validation waiting for its job asks again
 
 
 class Claims:
@@ -47,15 +60,55 @@ class Claims:
                 job_id=s.job_id, suspicion=s.model_dump_json(), holder=self.holder, now=now,
                 lease_until=until, max_attempts=self.config.max_attempts)
 
-    async def keep_lease(self, suspicion_id: str) -> None:
-        """Renew the claim while the validation runs; a renewal the database misses is retried
-        at the next beat (the lease is three beats long)."""
+    @property
+    def job_lease_s(self) -> float:
+        """How long a job stays taken unless renewed (see the module docstring)."""
+        c = self.config
+        return c.pause_budget_s + c.status_timeout_s + c.claim_lease_s
+
+    async def take_job(self, s: Suspicion) -> bool:
+        """Take ``s``'s job for its validation; False while another validation holds it."""
+        async with self.work.unit() as uow:
+            return await exclusion.take_job_validation(
+                uow.session, job_id=s.job_id, holder=self.holder, suspicion_id=s.event_id,
+                lease_s=self.job_lease_s)
+
+    async def wait_for_job(self, s: Suspicion) -> None:
+        """Take ``s``'s job, waiting while other validations hold it; after twice the job's
+        lease (a dead holder's would have lapsed: others kept taking it first) a
+        TransientError, so the suspicion comes again later."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 2 * self.job_lease_s
+        while not await self.take_job(s):
+            if loop.time() > give_up:
+                raise TransientError(f"job {s.job_id} stayed under other validations for "
+                                     f"{2 * self.job_lease_s:g} s")
+            await asyncio.sleep(JOB_POLL_S)
+
+    async def release_job(self, s: Suspicion) -> None:
+        """Give ``s``'s job back (it is resumed); a release the database misses leaves the
+        claim to lapse."""
+        try:
+            async with self.work.unit() as uow:
+                await exclusion.release_job_validation(
+                    uow.session, job_id=s.job_id, holder=self.holder, suspicion_id=s.event_id)
+        except Exception as exc:
+            log.warning("could not give job %s back (its claim lapses within %g s): %s",
+                        s.job_id, self.job_lease_s, describe(exc))
+
+    async def keep_lease(self, s: Suspicion) -> None:
+        """Renew the claim on ``s`` and on its job while the validation runs; a renewal the
+        database misses is retried at the next beat (a lease is three beats long or more)."""
+        suspicion_id = s.event_id
         while True:
             await asyncio.sleep(self.config.claim_lease_s / 3)
             try:
                 async with self.work.unit() as uow:
                     mine = await repo.renew_claim(uow.session, suspicion_id, self.holder,
                                                   self.lease_until()[1])
+                    await exclusion.renew_job_validation(
+                        uow.session, job_id=s.job_id, holder=self.holder,
+                        suspicion_id=suspicion_id, lease_s=self.job_lease_s)
             except Exception as exc:
                 log.warning("could not renew the claim on suspicion %s: %s", suspicion_id,
                             describe(exc))

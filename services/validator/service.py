@@ -3,7 +3,8 @@
 A small orchestrator over three collaborators: the guard (services.validator.guard: only a
 suspicion an open, localised incident of its job stands behind may pause the job), the claims
 (services.validator.claims: one validation per suspicion, however often it is delivered, taken
-over when its validator died) and the hold on the job (services.validator.hold: pause at one
+over when its validator died; one validation per job at a time, whichever validator runs it)
+and the hold on the job (services.validator.hold: pause at one
 iteration boundary, GEMM and P2P benchmarks on the GPUs, resume always, judge with the pure
 verdict core). The result is recorded on the incident (services.validator.record) with the
 claim's end and its announcement in one unit of work (the announcement through the
@@ -54,7 +55,6 @@ class Validator:
         self.hold = Hold(ctx.nc, settings)
         self.runs: deque[Run] = deque(maxlen=RUNS_KEPT)
         self.refused = 0  # suspicions refused by the guard (no pause)
-        self._jobs: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # job -> (lock, [users])
 
     @property
     def holder(self) -> str:
@@ -84,17 +84,13 @@ class Validator:
 
     async def validate_once(self, s: Suspicion) -> None:
         """Validate ``s`` unless it is claimed by a live validator or finished. One validation
-        of a job at a time in this process (the consumer and the resume loop may both bring
-        one); the job's lock is forgotten when nobody uses it."""
-        lock, users = self._jobs.setdefault(s.job_id, (asyncio.Lock(), [0]))
-        users[0] += 1
+        of a job at a time across every validator: the job is taken first (waiting while
+        another validation holds it) and given back once resumed (services.validator.claims)."""
+        await self.claims.wait_for_job(s)
         try:
-            async with lock:
-                await self._validate_claimed(s)
+            await self._validate_claimed(s)
         finally:
-            users[0] -= 1
-            if not users[0]:
-                self._jobs.pop(s.job_id, None)
+            await self.claims.release_job(s)
 
     async def _validate_claimed(self, s: Suspicion) -> None:
         outcome, attempt = await self.claims.claim(s)
@@ -107,10 +103,10 @@ class Validator:
             return
         async with self.work.read() as session:
             ranks = list(await repo.job_ranks(session, s.job_id))
-        lease = asyncio.create_task(self.claims.keep_lease(s.event_id),
-                                    name=f"lease-{s.event_id}")
+        lease = asyncio.create_task(self.claims.keep_lease(s), name=f"lease-{s.event_id}")
         try:
             run = await self.hold.validate(s, ranks)
+            await self.claims.release_job(s)  # resumed: another validation may pause it now
             run.evidence["attempt"] = attempt
             self.runs.append(run)
             if run.verdict is not None and run.verdict.gpus:

@@ -68,6 +68,9 @@ class Job(Base):
     topology: Mapped[Topology] = mapped_column(JsonDocument(Topology), default=lambda: Topology())
     first_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     last_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    # the last plan version handed out to the job (services.common.db.exclusion.next_plan_version):
+    # counted here, not read off its deliveries, so it never goes back when retention deletes some
+    plan_version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     ranks: Mapped[list[Rank]] = relationship(back_populates="job", lazy="raise")
 
@@ -152,14 +155,25 @@ class IncidentEvent(Base):
     incident: Mapped[Incident] = relationship(back_populates="timeline", lazy="raise")
 
 
+# a plan not final yet (greyhound.core.plan_lifecycle): at most one per incident and strategy
+OPEN_PLAN_STATUSES = ("proposed", "approved", "applied")
+OPEN_PLAN = "status IN ({})".format(", ".join(f"'{s}'" for s in OPEN_PLAN_STATUSES))
+
+
 class Plan(Base):
     """A mitigation the planner proposes (S2 micro-batches, S3 topology, S4 restart); its status
     moves as greyhound.core.plan_lifecycle says. ``policy`` is how it was decided (``automatic``:
     approved by the policy itself, ``approval``: an operator's call); ``version`` is the job's
-    delivery that put it in force; ``params`` follow ``params_version`` (docs/mitigation.md)."""
+    delivery that put it in force; ``params`` follow ``params_version`` (docs/mitigation.md).
+    An incident has at most one open plan (proposed, approved or applied) per strategy, however
+    many planners propose: ``uq_plans_open_strategy``."""
 
     __tablename__ = "plans"
-    __table_args__ = (Index("ix_plans_job_status", "job_id", "status"),)
+    __table_args__ = (
+        Index("ix_plans_job_status", "job_id", "status"),
+        Index("uq_plans_open_strategy", "incident_id", "strategy", unique=True,
+              postgresql_where=OPEN_PLAN),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=_uuid)
     incident_id: Mapped[str] = mapped_column(ForeignKey("incidents.id", ondelete="CASCADE"),
@@ -381,3 +395,18 @@ class ValidationClaim(Base):
     lease_until: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class JobValidation(Base):
+    """The one validation a job is under, across every validator: its holder (the validator and
+    the suspicion it validates) pauses the job only while it holds this row, until
+    ``lease_until``, which it renews while it works; released when the job is resumed. A holder
+    that died leaves a row whose lease lapses (services.common.db.exclusion)."""
+
+    __tablename__ = "job_validations"
+
+    job_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(64))
+    suspicion_id: Mapped[str] = mapped_column(String(64))
+    lease_until: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    taken_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())

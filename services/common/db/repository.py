@@ -4,6 +4,7 @@ then sends what it staged, then the message is acked."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,6 +19,7 @@ from greyhound.core import lifecycle, plan_lifecycle
 from services.common.bus.contract import JobLayout, PlanMessage
 from services.common.db.documents import Culprit, Evidence, Note, PlanParams, Topology
 from services.common.db.models import (
+    OPEN_PLAN,
     ApiToken,
     Approval,
     AuditEntry,
@@ -52,6 +54,12 @@ async def writable(session: AsyncSession) -> bool:
 async def try_lock(session: AsyncSession, key: int) -> bool:
     """Take the transaction-scoped advisory lock ``key`` unless another transaction holds it."""
     return bool(await session.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}))
+
+
+async def try_lock_name(session: AsyncSession, name: str) -> bool:
+    """``try_lock`` on a key made from ``name`` (a subject, say)."""
+    return bool(await session.scalar(text("SELECT pg_try_advisory_xact_lock(hashtextextended("
+                                          ":n, 0))"), {"n": name}))
 
 
 async def claim_event(session: AsyncSession, consumer: str, event_id: str) -> bool:
@@ -315,13 +323,20 @@ def move_plan(plan: Plan, action: str, *, reason: str | None = None,
 
 async def create_plan(session: AsyncSession, *, incident_id: str, job_id: str, strategy: str,
                       params: PlanParams, policy: str, expected_gain: float | None,
-                      expires_at: datetime | None, reason: str = "") -> Plan:
-    plan = Plan(incident_id=incident_id, job_id=job_id, strategy=strategy, params=params,
-                params_version=1, status=plan_lifecycle.PROPOSED, policy=policy,
-                expected_gain=expected_gain, expires_at=expires_at, reason=reason)
-    session.add(plan)
-    await session.flush()
-    return plan
+                      expires_at: datetime | None, reason: str = "") -> Plan | None:
+    """A proposed plan; None when the incident has an open plan of this strategy already
+    (another planner proposed it: the index ``uq_plans_open_strategy`` admits one, and a
+    proposal racing it waits for its commit, then inserts nothing)."""
+    new = (insert(Plan)
+           .values(id=uuid.uuid4().hex, incident_id=incident_id, job_id=job_id,
+                   strategy=strategy, params=params, params_version=1,
+                   status=plan_lifecycle.PROPOSED, policy=policy, expected_gain=expected_gain,
+                   expires_at=expires_at, reason=reason)
+           .on_conflict_do_nothing(index_elements=[Plan.incident_id, Plan.strategy],
+                                   index_where=text(OPEN_PLAN))
+           .returning(Plan.id))
+    plan_id = await session.scalar(new)
+    return None if plan_id is None else await get_plan(session, plan_id)
 
 
 async def plans_by_id(session: AsyncSession, plan_ids: Sequence[str], *,
@@ -705,6 +720,13 @@ async def claim_unsent(session: AsyncSession, *, limit: int, event_ids: Sequence
         q = q.where(OutboxMessage.created_at < created_before)
     return (await session.scalars(q.order_by(OutboxMessage.seq).limit(limit)
                                   .with_for_update(skip_locked=True))).all()
+
+
+async def sent_later(session: AsyncSession, subject: str, seq: int) -> bool:
+    """Whether a message on ``subject`` later than ``seq`` was sent already."""
+    return bool(await session.scalar(select(exists().where(
+        OutboxMessage.subject == subject, OutboxMessage.seq > seq,
+        OutboxMessage.sent_at.is_not(None)))))
 
 
 async def unsent_ids(session: AsyncSession, producer: str, *, limit: int) -> Sequence[str]:

@@ -19,8 +19,9 @@ async def _targets(api: Api) -> dict[str, str]:
     ids = {"job_id": "job-a"}
     for name in ("read", "ack", "close", "plan_read"):
         ids[f"incident_{name}"] = await api.incident("job-a")
-    for name in ("read", "approve", "reject", "delivered"):
-        ids[f"plan_{name}"] = await api.plan(ids["incident_plan_read"], "job-a")
+    for name in ("read", "approve", "reject", "delivered"):  # one open plan per incident and strategy
+        incident = ids["incident_plan_read"] if name == "read" else await api.incident("job-a")
+        ids[f"plan_{name}"] = await api.plan(incident, "job-a")
     await api.deliver(ids["plan_delivered"], "job-a", version=1, microbatches=[2, 1, 1])
     for name in ("read", "test", "delete"):
         r = await api.client.post("/v1/webhooks", headers=api.auth("admin"),
