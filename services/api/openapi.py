@@ -1,8 +1,10 @@
 """The OpenAPI document, completed from what the code enforces.
 
 Each /v1 operation gets ``x-required-role`` (read from its ``require(role)`` dependency, so the
-document cannot drift from the check), its 401 and 403 answers, and every error answer is
-declared as ``application/problem+json`` with the one ``Problem`` schema.
+document cannot drift from the check), its 401 and 403 answers, every operation the 429 (and
+every one with a body the 413) that the guards in services.api.middleware answer before any
+route runs, and every error answer is declared as ``application/problem+json`` with the one
+``Problem`` schema.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ def install_openapi(app: FastAPI, routers: Sequence[APIRouter]) -> None:
                 role = roles.get((path, method))
                 if "requestBody" in op:
                     responses.setdefault("400", _problem("the body is not JSON (or not UTF-8)"))
+                    responses.setdefault("413", _problem("the body is over the API's limit"))
+                # any route, before its own checks (services.api.middleware)
+                responses.setdefault("429", _problem(
+                    "too many requests, or failed logins, from this address; Retry-After says "
+                    "when to try again"))
                 if role is not None:
                     op["x-required-role"] = role
                     responses.setdefault("401", _problem("no valid token"))
