@@ -3,11 +3,12 @@ stands behind.
 
 A validation parks every rank of a job, so the validator must not act on a Suspicion just
 because it arrived: a forged one, a replay under a new event id, one for an incident that
-recovered, one for a slowdown only suspected so far (a short transient could still explain it),
-or one naming nothing (which would check every GPU) is refused before any agent is asked
-anything. What the suspicion names must be what the analyzer localised: its ranks among
-the incident's ``compute_ranks`` and its communicators among the incident's ``comm_ids``, both
-committed by the analyzer before it published the suspicion. Pure: values in, a reason out.
+recovered (unless the planner re-checks the GPU under a plan that hid the slowdown), one for a
+slowdown only suspected so far (a short transient could still explain it), or one naming
+nothing (which would check every GPU) is refused before any agent is asked anything. What the
+suspicion names must be what the analyzer localised: its ranks among the incident's
+``compute_ranks`` and its communicators among the incident's ``comm_ids``, both committed by
+the analyzer before it published the suspicion. Pure: values in, a reason out.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from services.common.db.models import Incident
 # validated incident back to localized; a late suspicion of the same cause may still be checked),
 # or mitigated (the planner asks whether the GPU under a plan is still slow: a re-check).
 VALIDATABLE = frozenset({"localized", "validated", "mitigated"})
+# What a planner's re-check of a GPU under a plan may follow besides: an incident the tracker's
+# recovery resolved while the plan was in force (the plan hid the slow GPU, it did not end it:
+# services.planner.handlers keeps the plan and asks whether the GPU is still slow).
+RECHECKABLE = frozenset({"mitigated", "resolved"})
 # The analyzer keeps at most this many entries per culprit list; a full list may have lost some.
 CULPRIT_CAP = 256
 
@@ -49,7 +54,8 @@ def refusal(s: Suspicion, incident: Incident | None, job_ranks: Collection[int])
     if incident.only_suspected:
         return (f"incident {incident.id} is only suspected (a short transient could explain "
                 f"it): no pause before it is confirmed")
-    if incident.status not in VALIDATABLE:
+    recheck = bool(s.evidence.get("recheck")) and incident.status in RECHECKABLE
+    if incident.status not in VALIDATABLE and not recheck:
         what = {"detected": "not localised", "resolved": "resolved"}.get(incident.status,
                                                                          incident.status)
         return f"incident {incident.id} is {what}"
@@ -67,11 +73,11 @@ def refusal(s: Suspicion, incident: Incident | None, job_ranks: Collection[int])
     if any(not 0 <= c < 1 << 64 for c in (*s.comm_ids, *s.slow_groups)):
         return "a communicator id is outside 64 bits"
     localised = _listed(incident.culprit.compute_ranks)
-    if incident.status == "mitigated":
+    if incident.status == "mitigated" or recheck:
         # A plan may have moved ranks onto other GPUs (a role swap): the re-check names the
         # ranks on the culprit GPU now, which need not be those localised; GEMMs only.
         if s.comm_ids or s.slow_groups:
-            return f"a re-check of mitigated incident {incident.id} names communicators"
+            return f"a re-check of {incident.status} incident {incident.id} names communicators"
         return None
     if localised is not None and not set(s.ranks) <= localised:
         return (f"ranks {sorted(set(s.ranks) - localised)[:8]} were not localised in incident "

@@ -46,6 +46,22 @@ def test_the_planner_may_recheck_a_mitigated_gpu_wherever_its_ranks_moved() -> N
     assert refusal(recheck, _incident("mitigated"), {0, 1}) is not None  # still the job's ranks
 
 
+def test_the_planner_may_recheck_a_gpu_whose_slowdown_its_plan_hid() -> None:
+    """An S2 plan brought the iteration time back: the tracker's recovery resolved the incident,
+    the plan stays, and the planner asks every recheck_s whether the GPU is still slow. Its
+    re-check may pause (GEMMs only); anything else on a resolved incident may not."""
+    recheck = _suspect(kind="compute_slow", ranks=[5], comm_ids=[],
+                       evidence={"by": "planner", "recheck": ["plan1"]})
+    assert refusal(recheck, _incident("resolved"), RANKS) is None
+    why = refusal(recheck.model_copy(update={"comm_ids": [COMM]}), _incident("resolved"), RANKS)
+    assert why is not None and "names communicators" in why
+    plain = _suspect(kind="compute_slow", ranks=[5], comm_ids=[])
+    why = refusal(plain, _incident("resolved"), RANKS)
+    assert why is not None and "resolved" in why
+    why = refusal(recheck, _incident("detected"), RANKS)
+    assert why is not None and "not localised" in why
+
+
 @pytest.mark.parametrize(("suspicion", "incident", "reason"), [
     (_suspect(), None, "no incident"),
     (_suspect(), _incident("resolved"), "resolved"),
