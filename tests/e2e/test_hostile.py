@@ -10,10 +10,10 @@ webhook destination allowed):
 * Postgres away for OUTAGE_S while agents announce jobs and the tracker hands the analyzer a
   detection: every one of those events processed once when it returns, none dead-lettered.
 
-The outage: 75 s. A message failing at its start was dead-lettered after five deliveries, 1, 5,
-15 and 30 s apart (51 s); past that bound the consumers' behaviour no longer depends on the
-outage's length (they ask the database again at most every 10 s), so 75 s shows what 120 s
-would, with a margin for a loaded machine that delays redeliveries, and costs CI a minute less.
+The outage: 120 s, as the issue that asked for this run says. A message failing at its start
+used to be dead-lettered after five deliveries, 1, 5, 15 and 30 s apart (51 s); past that bound
+the consumers' behaviour no longer depends on the outage's length (they ask the database again
+at most every 10 s), so 120 s is more than twice the old bound.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from tests.e2e.faults import ThreadedPgProxy
 from tests.services.common.test_poison import all_letters
 from tests.services.notifier.receiver import free_port
 
-OUTAGE_S = 75.0
+OUTAGE_S = 120.0
 WEBHOOK_KEY = "hostile-test-webhook-key-0123456789"
 JOBS_IN_OUTAGE = 6
 
