@@ -11,12 +11,18 @@ suspicions no validator ever claimed (their bus copy was lost), are found here t
 One validation per *job* at a time, across every validator: before it pauses a job, a validator
 takes the job (a row per job, services.common.db.exclusion: a claim with a lease, not an
 advisory lock, as argued there), waits while another validation holds it, renews it with the
-suspicion's claim and gives it back as soon as the job is resumed. Its lease (``job_lease_s``)
-outlasts any pause its holder made: a pause ends by itself at the hooks' lease, at most
-``pause_budget_s`` after it began, and it begins within ``status_timeout_s`` of taking the job
-or within a third of ``claim_lease_s`` of a renewal. So a second validator can never pause a job
-the first still holds paused, nor can the first's resume end the second's pause; a holder that
-died frees the job within ``job_lease_s``.
+suspicion's claim and gives it back as soon as the job is resumed. So a second live validator
+can never pause a job the first holds, nor can the first's resume end the second's pause.
+
+The job's lease is the suspicion claim's (``claim_lease_s``), renewed on the same beat: a
+holder that died frees its job when its suspicion is taken over, so the validation a restarted
+validator takes up runs at once, while the fault is still there. A pause the dead holder left
+in force is no obstacle: the new validation's pause renews the hooks' lease and its resume ends
+it (the dead one never resumes). A lease long enough to outlast that pause (pause budget plus
+a beat) made the restarted validation wait some 25 s more, past the end of the resilience test's
+fault. What it leaves: a holder stalled past its lease (alive, its claims taken) may still send
+its resume during the next validation; that validation's benchmarks then end FAILED with the
+pause (a validation without a verdict), never harm to the job.
 """
 
 from __future__ import annotations
@@ -62,9 +68,9 @@ class Claims:
 
     @property
     def job_lease_s(self) -> float:
-        """How long a job stays taken unless renewed (see the module docstring)."""
-        c = self.config
-        return c.pause_budget_s + c.status_timeout_s + c.claim_lease_s
+        """How long a job stays taken unless renewed: the suspicion claim's lease, renewed with
+        it (see the module docstring)."""
+        return self.config.claim_lease_s
 
     async def take_job(self, s: Suspicion) -> bool:
         """Take ``s``'s job for its validation; False while another validation holds it."""
