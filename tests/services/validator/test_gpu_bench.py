@@ -5,11 +5,15 @@ the first repeat shows and which must not make a healthy link look slow."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
 
 from services.common.bus.auth import agent_user
 from services.common.bus.client import BusClient
@@ -80,6 +84,27 @@ class StandInAgent:
         await msg.respond(ControlReply(**reply).model_dump_json().encode())
 
 
+async def serving(agent_nc: BusClient, validator_nc: BusClient, agent: StandInAgent
+                  ) -> list[Subscription]:
+    """The stand-in agent answering: status on the control subject; pause, bench and resume on
+    the validation subject. Returns once the validator's own connection gets an answer (a
+    flush on the agent's connection alone left a status request, now and then, with no
+    responders yet: the test then failed as an agent that never answered)."""
+    subs = [await agent_nc.subscribe(subject, cb=agent.answer)
+            for subject in (Subjects.control(JOB, AGENT), Subjects.validation(JOB, AGENT))]
+    await agent_nc.flush()
+    probe = ControlRequest(job_id=JOB, action="status").model_dump_json().encode()
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            await validator_nc.request(Subjects.control(JOB, AGENT), probe, timeout=2.0)
+            return subs
+        except (NoRespondersError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 @pytest.fixture()
 async def ctx(bus: Bus) -> AsyncIterator[ServiceContext]:
     """The validator's connection; the stand-in agent answers on its own (``agent_nc``)."""
@@ -99,10 +124,7 @@ async def agent_nc(bus: Bus) -> AsyncIterator[BusClient]:
 async def test_drain_is_recorded_per_rank_and_a_late_peer_is_not_a_slow_link(
         ctx: ServiceContext, agent_nc: BusClient) -> None:
     agent = StandInAgent()
-    # status on the control subject; pause, bench and resume on the validation subject
-    subs = [await agent_nc.subscribe(subject, cb=agent.answer)
-            for subject in (Subjects.control(JOB, AGENT), Subjects.validation(JOB, AGENT))]
-    await agent_nc.flush()  # subscribed before the validator asks, on another connection
+    subs = await serving(agent_nc, ctx.nc, agent)
     ranks = [Rank(job_id=JOB, rank=r, host="node0", node=0, device=r, pid=10 + r,
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])

@@ -11,7 +11,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from services.common.bus.client import BusClient
-from services.common.bus.contract import ControlRequest, Subjects, Suspicion
+from services.common.bus.contract import ControlRequest, Suspicion
 from services.common.db.models import Rank
 from services.common.runtime import ServiceContext, start_service
 from services.common.settings import Settings
@@ -25,6 +25,7 @@ from tests.services.validator.test_gpu_bench import (
     WORLD,
     StandInAgent,
     agent_nc,
+    serving,
 )
 
 __all__ = ["agent_nc"]  # the fixture
@@ -53,9 +54,7 @@ async def ctx(bus: Bus) -> AsyncIterator[ServiceContext]:
 
 async def _validate(ctx: ServiceContext, agent_nc: BusClient, agent: LeaseRecorder,
                     config: ValidatorSettings) -> tuple[Run, list[float | None]]:
-    subs = [await agent_nc.subscribe(subject, cb=agent.answer)
-            for subject in (Subjects.control(JOB, AGENT), Subjects.validation(JOB, AGENT))]
-    await agent_nc.flush()  # subscribed before the validator asks, on another connection
+    subs = await serving(agent_nc, ctx.nc, agent)
     ranks = [Rank(job_id=JOB, rank=r, host="node0", node=0, device=r, pid=10 + r,
                   agent_id=AGENT) for r in range(WORLD)]
     s = Suspicion(job_id=JOB, incident_id="i", kind="mixed_slow", ranks=[2], comm_ids=[COMM])
