@@ -134,17 +134,27 @@ def _tracked(rig: Rig, job: str, timeout_s: float) -> float:
     raise AssertionError(f"job {job} not tracked within {timeout_s:.0f}s")
 
 
+def _localized_since(row: dict[str, Any], since: datetime) -> bool:
+    """Localised after ``since``: the fault's finding is its localisation. The incident itself
+    may have opened a moment before: the restarted tracker reads the telemetry the job wrote
+    while the stack was down, and a loaded machine's restart jitter in it can open one just
+    before the fault is set, which the profile then finds slow on the faulty rank."""
+    return any(e["stage"] == "localized" and datetime.fromisoformat(e["at"]) > since
+               for e in row.get("timeline", []))
+
+
 def _found(rig: Rig, job: str, since: datetime, timeout_s: float) -> tuple[dict[str, Any], float]:
-    """The job's first incident opened after ``since`` and localised to the slow rank alone,
-    and the seconds waited. One opened before (a loaded machine's jitter can open and resolve a
-    brief one on any job), or a detection naming the ranks it saw slow, does not count."""
+    """The job's first incident localised to the slow rank alone after ``since`` (the fault),
+    and the seconds waited. One localised before (a loaded machine's jitter can open and
+    resolve a brief one on any job), or a detection naming the ranks it saw slow, does not
+    count."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         assert rig.stack is not None and not rig.stack.dead(), "services died"
         r = httpx.get(f"{rig.base}/v1/incidents", params={"job_id": job}, timeout=5)
         r.raise_for_status()
         for row in r.json():
-            if datetime.fromisoformat(row["opened_at"]) > since \
+            if _localized_since(row, since) \
                     and row["kind"] in ("compute_slow", "mixed_slow") \
                     and row["culprit"].get("ranks") == [SLOW_RANK]:
                 return row, time.monotonic() - t0
