@@ -14,8 +14,8 @@ its connection, so the standby has it within about that). Holding it, it serves 
 (``Owner.serve``) until asked to stop, then closes it (saving what it keeps); a lost lease
 (its connection dropped, or not confirmed in time) stops the serving at once and the owner
 forgets the partition's jobs unsaved (the next owner may be saving them already), then asks for
-a partition again. Without a database (a benchmark, a test) there are no leases: the partition
-given, or 0, is served.
+a partition again after twice ``retry_s``, so that a standby takes it over first. Without a
+database (a benchmark, a test) there are no leases: the partition given, or 0, is served.
 
 What a service keeps in memory about a job must therefore be restorable by any process from
 what the last owner saved, and what it does on its own (a periodic round, resuming unfinished
@@ -25,6 +25,7 @@ work) must touch only the jobs its partition ``owns``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Annotated, Protocol
@@ -97,7 +98,7 @@ class Ownership:
         in_turn(count, given)  # fail fast on a partition that is not one of them
         return cls(service, count, given, LeaseTiming.for_validity(valid_s, retry_s))
 
-    def keys(self) -> list[LeaseKey]:
+    def lease_keys(self) -> list[LeaseKey]:
         """The partitions this process asks for, in order."""
         return [LeaseKey(self.service, i) for i in in_turn(self.count, self.given)]
 
@@ -138,7 +139,7 @@ async def own_partitions(owner: Owner, plan: Ownership, database_url: str | None
     if database_url is None:
         await hold(owner, Partition(plan.given or 0, plan.count), stop)
         return
-    keys = plan.keys()
+    keys = plan.lease_keys()
     async with Leases(database_url, timing=plan.timing) as leases:
         while not stop.is_set():
             lease = await leases.acquire_first(keys, stop)
@@ -151,5 +152,11 @@ async def own_partitions(owner: Owner, plan: Ownership, database_url: str | None
             except LeaseLost as exc:
                 log.warning("%s stopped consuming partition %s: %s; asking for a partition "
                             "again", plan.service, part, exc)
-            # what this session may still lock (a confirmation late, not refused) is freed
+                # what this session may still lock (a confirmation late, not refused) is freed
+                await leases.release(lease)
+                # a standby (asking every retry_s) takes it first: a process whose database
+                # link failed does not win its partition straight back
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 2 * plan.timing.retry_s)
+                continue
             await leases.release(lease)

@@ -9,6 +9,7 @@ import asyncio
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 
 import asyncpg
 import pytest
@@ -49,9 +50,9 @@ def test_every_job_is_in_exactly_one_partition_and_the_hash_spreads_them() -> No
 
 def test_a_partitioned_service_asks_for_its_given_partition_or_any() -> None:
     plan = Ownership.of("planner", 3, None, valid_s=3.0, retry_s=0.5)
-    assert [k.partition for k in plan.keys()] == [0, 1, 2]
+    assert [k.partition for k in plan.lease_keys()] == [0, 1, 2]
     assert plan.timing.valid_for_s == 3.0 and plan.timing.retry_s == 0.5
-    assert [k.partition for k in Ownership.of("planner", 3, 2, valid_s=3, retry_s=1).keys()] == [2]
+    assert [k.partition for k in Ownership.of("planner", 3, 2, valid_s=3, retry_s=1).lease_keys()] == [2]
     with pytest.raises(ValueError):
         Ownership.of("planner", 2, 2, valid_s=3.0, retry_s=1.0)
 
@@ -131,9 +132,9 @@ class _Owner:
         self.calls.append("close")
 
 
-async def _until(cond: object, timeout_s: float, what: str) -> None:
+async def _until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
     end = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
+    while not cond():
         assert time.monotonic() < end, what
         await asyncio.sleep(0.05)
 

@@ -1,0 +1,273 @@
+"""Analyzers split by job under leases (issue 21): a standby analyzer process does nothing while
+the owner lives and, once the owner is killed with SIGKILL in the middle of a localisation,
+takes the partition over and finishes that localisation once; with two partitions, two
+analyzers split the jobs and a standby takes over the partition of one that stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nats.aio.msg import Msg
+
+from services.analyzer.service import Analyzer, AnalyzerOwner
+from services.analyzer.settings import AnalyzerSettings
+from services.analyzer.slow import SlowLocalizer
+from services.common.bus.client import publish
+from services.common.bus.contract import ControlReply, ControlRequest, DetectionEvent, Subjects
+from services.common.db import repository as repo
+from services.common.db.models import Incident
+from services.common.leases import owner_pid, owners
+from services.common.ownership import Ownership, own_partitions, partition_of
+from services.common.runtime import ServiceContext, start_service, supervise
+from services.common.settings import Settings
+from stack.up import end_processes
+from tests.conftest import Bus, new_bus
+from tests.services.common.pipeline import AGENTS, SLOW_RANK, StandInJob
+
+ROOT = Path(__file__).resolve().parents[3]
+STARTED_WITHIN_S = 40.0  # two interpreters starting at once on a loaded 2-core machine
+TAKEOVER_WITHIN_S = 10.0  # a killed owner's lease frees with its connection; retry 0.5 s
+
+
+@dataclass
+class HeldJob(StandInJob):
+    """The stand-in job, whose agents answer a profile request but send no collectives while
+    ``hold``: the localisation waits, mid-window, for as long as the test needs."""
+
+    hold: bool = True
+    held: int = field(default=0)
+
+    async def _answer(self, msg: Msg, agent: str) -> None:
+        req = ControlRequest.model_validate_json(msg.data)
+        if self.hold and req.action == "set_mode" and req.mode == "profile":
+            self.held += 1
+            await msg.respond(ControlReply(ok=True, agent_id=agent).model_dump_json().encode())
+            return
+        await super()._answer(msg, agent)
+
+
+def _slowdown(job: str) -> DetectionEvent:
+    return DetectionEvent(job_id=job, kind="slowdown", ranks=[0, 1, 2, 3], first_iteration=100,
+                          detected_iteration=104, before_s=0.1, after_s=0.15, detected_ns=1,
+                          evidence={"change": "onset", "healthy_s": 0.1})
+
+
+def _hang(job: str) -> DetectionEvent:
+    return DetectionEvent(job_id=job, kind="hang", ranks=[0, 1], first_iteration=-1,
+                          detected_iteration=-1, before_s=0.1, after_s=70.0, detected_ns=1,
+                          comm_id=7, stalled_s=70.0, threshold_s=60.0,
+                          method=DetectionEvent.HANG_WATCH)
+
+
+async def _register(ctx: ServiceContext, job: str) -> None:
+    async with ctx.db()() as session:
+        await repo.touch_job(session, job)
+        for agent, ranks in AGENTS.items():
+            await repo.upsert_ranks(session, job, agent, [
+                {"rank": r, "host": agent, "node": None, "device": r % 2, "pid": 100 + r}
+                for r in ranks])
+        await session.commit()
+
+
+async def _incidents(ctx: ServiceContext, job: str) -> list[Incident]:
+    async with ctx.db()() as session:
+        return list(await repo.list_incidents(session, job_id=job))
+
+
+async def _until(check: Callable[[], Awaitable[object]], timeout_s: float, what: str) -> object:
+    end = time.monotonic() + timeout_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def test_a_standby_finishes_the_localisation_of_an_owner_killed_mid_window_once(
+        fresh_db_url: str, tmp_path: Path) -> None:
+    """Two ``greyhound analyzer`` processes: the owner opens the incident and starts profiling;
+    killed (SIGKILL) while the window waits, its lease frees with its connection; the standby,
+    which consumed nothing until then, takes the partition, resumes that localisation (and no
+    other) and records it: one localisation, one profile per agent, however often it resumes."""
+    creds_env: dict[str, str] = {}
+
+    async def scenario(bus: Bus) -> None:
+        creds = bus.creds("analyzer")
+        creds_env.update({
+            "PYTHONPATH": str(ROOT), "GREYHOUND_NATS_URL": bus.url,
+            "GREYHOUND_NATS_USER": creds.user, "GREYHOUND_NATS_PASSWORD": creds.password,
+            "GREYHOUND_DATABASE_URL": fresh_db_url, "GREYHOUND_DATA_DIR": str(tmp_path),
+            "GREYHOUND_ANALYZER_RESUME_EVERY_S": "0.5",  # a resume that repeated would show
+            "GREYHOUND_ANALYZER_LEASE_RETRY_S": "0.5", "GREYHOUND_LOG_LEVEL": "INFO"})
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GREYHOUND_")}
+        env.update(creds_env)
+        procs: list[subprocess.Popen[bytes]] = []
+        job = f"kill-{uuid.uuid4().hex[:6]}"
+        async with bus.service("tracker", fresh_db_url) as ctx:
+            await _register(ctx, job)
+            agents = HeldJob(bus, job)
+            await agents.start()
+            try:
+                for i in range(2):
+                    with (tmp_path / f"analyzer-{i}.log").open("ab") as out:
+                        procs.append(subprocess.Popen(
+                            [sys.executable, "-m", "stack.cli", "analyzer"], cwd=ROOT, env=env,
+                            stdout=out, stderr=out, start_new_session=True))
+
+                async def held_by() -> int | None:
+                    now = await owners(fresh_db_url, "analyzer")
+                    return owner_pid(now[0]) if 0 in now else None
+
+                first = await _until(held_by, STARTED_WITHIN_S, "an owner")
+                owner = next(p for p in procs if p.pid == first)
+                standby = next(p for p in procs if p is not owner)
+                standby_log = tmp_path / f"analyzer-{procs.index(standby)}.log"
+
+                async def standing_by() -> bool:  # it asked for the lease and was refused
+                    return "standing by" in standby_log.read_text()
+
+                await _until(standing_by, STARTED_WITHIN_S, "the standby to stand by")
+                await publish(ctx.js, Subjects.detection(job), _slowdown(job))
+
+                async def profiling() -> bool:
+                    return agents.held == len(AGENTS)
+
+                await _until(profiling, 20.0, "the owner to profile the job")
+                (inc,) = await _incidents(ctx, job)
+                assert inc.status == "detected"
+                os.kill(owner.pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                owner.wait(10)
+                agents.hold = False
+
+                async def taken() -> bool:
+                    return await held_by() == standby.pid
+
+                await _until(taken, TAKEOVER_WITHIN_S, "the standby to take the partition")
+                print(f"takeover: standby held the lease {time.monotonic() - killed_at:.2f}s "
+                      "after the kill")
+
+                async def localized() -> bool:
+                    (row,) = await _incidents(ctx, job)
+                    return row.status == "localized"
+
+                await _until(localized, 30.0, "the standby to localise the incident")
+                await asyncio.sleep(3.0)  # six more resume rounds: nothing is done again
+                (inc,) = await _incidents(ctx, job)
+                assert [e.stage for e in inc.timeline] == ["detected", "localized"]
+                assert inc.culprit.ranks == [SLOW_RANK]
+                assert agents.actions["set_mode:profile"] == len(AGENTS)  # profiled once more
+                assert standby.poll() is None
+            finally:
+                await agents.close()
+                end_processes(procs)
+        logs = [(tmp_path / f"analyzer-{i}.log").read_text() for i in range(2)]
+        mine = logs[procs.index(owner)]
+        theirs = logs[procs.index(standby)]
+        assert "analyzer owns partition 0 of 1" in mine
+        assert f"incident {inc.id} detected" in mine and "detected (" not in theirs
+        assert f"incident {inc.id} of job {job}: its localisation never finished" in theirs
+
+    with new_bus("gh-an-kill-") as bus:
+        asyncio.run(scenario(bus))
+
+
+@asynccontextmanager
+async def _analyzer(bus: Bus, db_url: str, tmp: Path) -> AsyncIterator[
+        tuple[AnalyzerOwner, asyncio.Event]]:
+    """An analyzer in this process, partitions 2, its loop asking for either partition."""
+    ctx = await start_service("analyzer", Settings(
+        nats_url=bus.url, database_url=db_url, data_dir=tmp, tracker_partitions=2),
+        backends=bus.backends("analyzer", db_url))
+    work = ctx.work("analyzer")
+    settings = AnalyzerSettings(lease_valid_s=2.0, lease_retry_s=0.2)
+    owner = AnalyzerOwner(Analyzer(ctx, work), SlowLocalizer(ctx, work), settings)
+    plan = Ownership.of("analyzer", 2, None, valid_s=2.0, retry_s=0.2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(supervise(own_partitions(owner, plan, db_url, stop),
+                                         work.relay(stop)))
+    try:
+        yield owner, stop
+    finally:
+        stop.set()
+        await task
+        await ctx.close()
+
+
+def _handled(owner: AnalyzerOwner) -> tuple[int, int]:
+    """Detections this owner's current consumer handled, and passed over as others'."""
+    if not owner.consumers:
+        return 0, 0
+    stats = owner.consumers[0].stats
+    return stats.handled, stats.elsewhere
+
+
+def test_two_partitions_split_the_jobs_and_a_standby_takes_a_stopped_owners(
+        fresh_db_url: str, tmp_path: Path) -> None:
+    """Three analyzers, two partitions: each of two owns one and handles its jobs' detections
+    only (every job one incident); the third stands by, and takes the partition of the owner
+    that stops, handling that partition's jobs from then on."""
+    first = [f"split-{i}-{uuid.uuid4().hex[:4]}" for i in range(10)]
+    later = [f"after-{i}-{uuid.uuid4().hex[:4]}" for i in range(8)]
+    assert {partition_of(j, 2) for j in first} == {0, 1}
+
+    async def scenario(bus: Bus) -> None:
+        # the detections' sender first: the streams are made for two partitions
+        tracker = await start_service("tracker", Settings(
+            nats_url=bus.url, database_url=fresh_db_url, data_dir=tmp_path, tracker_partitions=2),
+            backends=bus.backends("tracker", fresh_db_url))
+        try:
+            async with _analyzer(bus, fresh_db_url, tmp_path) as (a, stop_a):
+                await _until(lambda: _owned({0}), 20.0, "partition 0 owned")
+                async with _analyzer(bus, fresh_db_url, tmp_path) as (b, _):
+                    await _until(lambda: _owned({0, 1}), 20.0, "partition 1 owned")
+                    async with _analyzer(bus, fresh_db_url, tmp_path) as (c, _):
+                        assert (a.analyzer.part.index, b.analyzer.part.index) == (0, 1)
+                        assert [x.spec.durable for x in a.consumers] == [
+                            "analyzer-p0-of-2", "analyzer-collectives-p0-of-2"]
+                        for job in first:
+                            await publish(tracker.js, Subjects.detection(job), _hang(job))
+                        await _until(lambda: _all_open(tracker, first), 30.0, "every incident")
+                        mine = sum(partition_of(j, 2) == 0 for j in first)
+                        assert _handled(a) == (mine, len(first) - mine)
+                        assert _handled(b) == (len(first) - mine, mine)
+                        assert c.consumers == []  # the standby consumed nothing
+                        stop_a.set()  # the owner of partition 0 stops in good order
+                        await _until(lambda: _serving(c), 10.0, "the standby to take over")
+                        assert c.analyzer.part.index == 0
+                        for job in later:
+                            await publish(tracker.js, Subjects.detection(job), _hang(job))
+                        await _until(lambda: _all_open(tracker, later), 30.0, "every incident")
+                        now_mine = sum(partition_of(j, 2) == 0 for j in later)
+                        # the new owner's durable was partition 0's: it resumes where a left
+                        assert _handled(c) == (now_mine, len(later) - now_mine)
+                        assert _handled(b) == (len(first) - mine + len(later) - now_mine,
+                                               mine + now_mine)
+                        for job in first + later:
+                            (inc,) = await _incidents(tracker, job)
+                            assert [e.stage for e in inc.timeline] == ["detected"]
+        finally:
+            await tracker.close()
+
+    async def _owned(parts: set[int]) -> bool:
+        return set(await owners(fresh_db_url, "analyzer")) >= parts
+
+    async def _serving(owner: AnalyzerOwner) -> bool:
+        return bool(owner.consumers)
+
+    async def _all_open(ctx: ServiceContext, jobs: list[str]) -> bool:
+        return all([await _incidents(ctx, j) for j in jobs])
+
+    with new_bus("gh-an-split-", tracker_partitions=2) as bus:
+        asyncio.run(scenario(bus))
