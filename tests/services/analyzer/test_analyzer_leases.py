@@ -32,6 +32,7 @@ from services.common.runtime import ServiceContext, start_service, supervise
 from services.common.settings import Settings
 from stack.up import end_processes
 from tests.conftest import Bus, new_bus
+from tests.services.analyzer.helpers import register_ranks
 from tests.services.common.pipeline import AGENTS, SLOW_RANK, StandInJob
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -67,16 +68,6 @@ def _hang(job: str) -> DetectionEvent:
                           detected_iteration=-1, before_s=0.1, after_s=70.0, detected_ns=1,
                           comm_id=7, stalled_s=70.0, threshold_s=60.0,
                           method=DetectionEvent.HANG_WATCH)
-
-
-async def _register(ctx: ServiceContext, job: str) -> None:
-    async with ctx.db()() as session:
-        await repo.touch_job(session, job)
-        for agent, ranks in AGENTS.items():
-            await repo.upsert_ranks(session, job, agent, [
-                {"rank": r, "host": agent, "node": None, "device": r % 2, "pid": 100 + r}
-                for r in ranks])
-        await session.commit()
 
 
 async def _incidents(ctx: ServiceContext, job: str) -> list[Incident]:
@@ -115,7 +106,7 @@ def test_a_standby_finishes_the_localisation_of_an_owner_killed_mid_window_once(
         procs: list[subprocess.Popen[bytes]] = []
         job = f"kill-{uuid.uuid4().hex[:6]}"
         async with bus.service("tracker", fresh_db_url) as ctx:
-            await _register(ctx, job)
+            await register_ranks(ctx, job)
             agents = HeldJob(bus, job)
             await agents.start()
             try:
