@@ -3,7 +3,8 @@
 Plans an operator approved since go into force; proposals past their time expire; an escalation
 whose plan was rejected or expired moves on; plans for a slow GPU are re-checked with the
 validator; a plan kept after its incident recovered under it is taken back after ``hold_max_s``;
-escalation states are saved every few seconds; watches nobody needs any more end.
+escalation states are saved every few seconds; watches nobody needs any more end. With several
+planners (services.common.ownership) each round touches only the plans of its partition's jobs.
 """
 
 from __future__ import annotations
