@@ -230,6 +230,7 @@ def test_two_partitions_split_the_jobs_and_a_standby_takes_a_stopped_owners(
                         for job in first:
                             await publish(tracker.js, Subjects.detection(job), _hang(job))
                         await _until(lambda: _all_open(tracker, first), 30.0, "every incident")
+                        await _until(lambda: _settled([a, b], len(first)), 10.0, "every ack")
                         mine = sum(partition_of(j, 2) == 0 for j in first)
                         assert _handled(a) == (mine, len(first) - mine)
                         assert _handled(b) == (len(first) - mine, mine)
@@ -240,6 +241,9 @@ def test_two_partitions_split_the_jobs_and_a_standby_takes_a_stopped_owners(
                         for job in later:
                             await publish(tracker.js, Subjects.detection(job), _hang(job))
                         await _until(lambda: _all_open(tracker, later), 30.0, "every incident")
+                        await _until(lambda: _settled([c], len(later)), 10.0, "every ack")
+                        await _until(lambda: _settled([b], len(first) + len(later)), 10.0,
+                                     "every ack")
                         now_mine = sum(partition_of(j, 2) == 0 for j in later)
                         # the new owner's durable was partition 0's: it resumes where a left
                         assert _handled(c) == (now_mine, len(later) - now_mine)
@@ -253,6 +257,11 @@ def test_two_partitions_split_the_jobs_and_a_standby_takes_a_stopped_owners(
 
     async def _owned(parts: set[int]) -> bool:
         return set(await owners(fresh_db_url, "analyzer")) >= parts
+
+    async def _settled(owners_: list[AnalyzerOwner], n: int) -> bool:
+        """Each owner's consumer has handled or passed over ``n`` detections (it sees every
+        job's: its stats count once the incident is committed)."""
+        return all(sum(_handled(o)) == n for o in owners_)
 
     async def _serving(owner: AnalyzerOwner) -> bool:
         return bool(owner.consumers)
