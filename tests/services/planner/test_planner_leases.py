@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
@@ -18,7 +19,7 @@ from services.planner.settings import PlannerSettings
 from services.planner.state import PlannerState
 from tests.conftest import Bus
 from tests.services.planner.conftest import FAST, Bench, Rig
-from tests.services.planner.test_two_planners import _nothing, _tracked, _validated
+from tests.services.planner.test_two_planners import S2, _nothing, _tracked, _validated
 
 LEASE = {"lease_valid_s": 1.5, "lease_retry_s": 0.2, "s2_overhead_s": 4.0}
 
@@ -115,3 +116,31 @@ async def _restore_split(first: PlannerState) -> None:
     assert restored[1] == {j for j in jobs if partition_of(j, 2) == 1}
     async with first.ctx.db()() as session:
         assert len(await repo.open_escalations(session)) >= len(jobs)
+
+
+async def test_with_two_partitions_a_planner_expires_its_jobs_proposals_only(
+        bus: Bus, fresh_db_url: str) -> None:
+    """Proposals past their time, of jobs of both partitions: each planner's round expires its
+    own partition's (the other's owner notes them on its incidents' timelines)."""
+    async with bus.service("planner", fresh_db_url) as ctx:
+        jobs = [f"exp-{i}-{uuid.uuid4().hex[:4]}" for i in range(8)]
+        assert {partition_of(j, 2) for j in jobs} == {0, 1}
+        plans = {}
+        for job in jobs:
+            incident = await _validated(ctx, job)
+            async with ctx.db()() as session:
+                plan = await repo.create_plan(
+                    session, incident_id=incident, job_id=job, strategy="S2", params=S2,
+                    policy="approval", expected_gain=1.5,
+                    expires_at=datetime.now(UTC) - timedelta(seconds=1))
+                await session.commit()
+            assert plan is not None
+            plans[job] = plan.id
+        for index in (1, 0):
+            st = PlannerState.of(ctx, PlannerSettings(**FAST), _nothing)
+            st.part = Partition(index, 2)
+            await rounds.expire(st)
+            async with ctx.db()() as session:
+                rows = await repo.plans_by_id(session, list(plans.values()))
+            expired = {j for j, p in plans.items() if rows[p].status == "expired"}
+            assert expired == {j for j in jobs if partition_of(j, 2) >= index}
