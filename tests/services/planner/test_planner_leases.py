@@ -6,18 +6,25 @@ once; with two partitions each planner restores its own jobs' escalations only."
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import asyncpg
 
+from services.common.bus.client import publish
+from services.common.bus.contract import IncidentEvent, Subjects
 from services.common.db import repository as repo
 from services.common.leases import dsn, namespace, owners
 from services.common.ownership import Partition, partition_of
+from services.common.runtime import start_service
+from services.common.settings import Settings
 from services.planner import rounds
+from services.planner.service import Planner, run_planner
 from services.planner.settings import PlannerSettings
 from services.planner.state import PlannerState
-from tests.conftest import Bus
+from tests.conftest import Bus, new_bus
 from tests.services.planner.conftest import FAST, Bench, Rig
 from tests.services.planner.test_two_planners import S2, _nothing, _tracked, _validated
 
@@ -144,3 +151,53 @@ async def test_with_two_partitions_a_planner_expires_its_jobs_proposals_only(
                 rows = await repo.plans_by_id(session, list(plans.values()))
             expired = {j for j, p in plans.items() if rows[p].status == "expired"}
             assert expired == {j for j in jobs if partition_of(j, 2) >= index}
+
+
+def test_two_planners_on_two_partitions_split_the_jobs(fresh_db_url: str, tmp_path: Path) -> None:
+    """Two planner services, two partitions, on a bus that grants each partition's durable by
+    name: each holds one partition's lease and escalates that partition's validated incidents,
+    none of the other's."""
+    jobs = [f"two-{i}-{uuid.uuid4().hex[:4]}" for i in range(8)]
+    assert {partition_of(j, 2) for j in jobs} == {0, 1}
+
+    async def scenario(bus: Bus) -> None:
+        settings = Settings(nats_url=bus.url, database_url=fresh_db_url, data_dir=tmp_path,
+                            tracker_partitions=2)
+        analyzer = await start_service("analyzer", settings,
+                                       backends=bus.backends("analyzer", fresh_db_url))
+        ctxs = [await start_service("planner", settings,
+                                    backends=bus.backends("planner", fresh_db_url))
+                for _ in range(2)]
+        planners = [Planner(c, PlannerSettings(**{**FAST, **LEASE})) for c in ctxs]
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(run_planner(c, stop, planner=p))
+                 for c, p in zip(ctxs, planners, strict=True)]
+        try:
+            end = time.monotonic() + 20.0
+            while set(await owners(fresh_db_url, "planner")) != {0, 1}:
+                assert time.monotonic() < end, "both partitions owned"
+                await asyncio.sleep(0.05)
+            incidents = {}
+            for job in jobs:
+                incidents[job] = await _validated(analyzer, job)
+                await publish(analyzer.js, Subjects.incident(job), IncidentEvent(
+                    job_id=job, incident_id=incidents[job], stage="validated",
+                    kind="compute_slow", severity=2.0, summary="test"))
+            end = time.monotonic() + 30.0
+            while sum(len(p.tracked) for p in planners) < len(jobs):
+                assert time.monotonic() < end, [len(p.tracked) for p in planners]
+                await asyncio.sleep(0.05)
+            for p in planners:
+                part = p.state.part
+                assert part.count == 2
+                assert {t.job_id for t in p.tracked.values()} == {
+                    j for j in jobs if partition_of(j, 2) == part.index}
+            assert {p.state.part.index for p in planners} == {0, 1}
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+            for c in [*ctxs, analyzer]:
+                await c.close()
+
+    with new_bus("gh-pl-split-", tracker_partitions=2) as bus:
+        asyncio.run(scenario(bus))
