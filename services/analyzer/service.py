@@ -107,6 +107,7 @@ class Analyzer:
         # what the consumer calls: handle, in a unit of work of its own per detection; one
         # that lost the race to open a job's incident (another detection of the job, in another
         # analyzer, opened it first) runs again and adds to that incident
+        # (claimed under the service's one name, whichever partition's durable delivers it)
         self.consume = work.per_message(self.handle, claim=ANALYZER.durable,
                                         race=exclusion.open_incident_taken)
 

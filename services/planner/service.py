@@ -77,8 +77,9 @@ class Planner:
 
     async def consume(self, subject: str, msg: Event) -> None:
         """What the consumer calls: ``handle`` in a unit of work of its own, incident events
-        and plan reports claimed in the processed-events ledger (a detection only starts or
-        judges a watch, which is done twice harmlessly)."""
+        and plan reports claimed in the processed-events ledger under the service's one name,
+        whichever partition's durable delivers them (a detection only starts or judges a watch,
+        which is done twice harmlessly)."""
         await self.state.work.per_message(
             self.handle, claim=PLANNER.durable,
             claims=lambda m: not isinstance(m, DetectionEvent))(subject, msg)
