@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,16 +24,15 @@ from services.common.bus.client import publish
 from services.common.bus.contract import ControlReply, ControlRequest, DetectionEvent, Subjects
 from services.common.db import repository as repo
 from services.common.db.models import Incident
-from services.common.leases import owner_pid, owners
+from services.common.leases import owners
 from services.common.ownership import Ownership, own_partitions, partition_of
 from services.common.runtime import ServiceContext, start_service, supervise
 from services.common.settings import Settings
-from stack.up import end_processes
 from tests.conftest import Bus, new_bus
 from tests.services.analyzer.helpers import register_ranks
 from tests.services.common.pipeline import AGENTS, SLOW_RANK, StandInJob
+from tests.services.common.service_procs import ServiceProcesses, until
 
-ROOT = Path(__file__).resolve().parents[3]
 STARTED_WITHIN_S = 40.0  # two interpreters starting at once on a loaded 2-core machine
 TAKEOVER_WITHIN_S = 10.0  # a killed owner's lease frees with its connection; retry 0.5 s
 
@@ -75,66 +72,39 @@ async def _incidents(ctx: ServiceContext, job: str) -> list[Incident]:
         return list(await repo.list_incidents(session, job_id=job))
 
 
-async def _until(check: Callable[[], Awaitable[object]], timeout_s: float, what: str) -> object:
-    end = time.monotonic() + timeout_s
-    while True:
-        got = await check()
-        if got:
-            return got
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
-
-
 def test_a_standby_finishes_the_localisation_of_an_owner_killed_mid_window_once(
         fresh_db_url: str, tmp_path: Path) -> None:
     """Two ``greyhound analyzer`` processes: the owner opens the incident and starts profiling;
     killed (SIGKILL) while the window waits, its lease frees with its connection; the standby,
     which consumed nothing until then, takes the partition, resumes that localisation (and no
     other) and records it: one localisation, one profile per agent, however often it resumes."""
-    creds_env: dict[str, str] = {}
 
     async def scenario(bus: Bus) -> None:
-        creds = bus.creds("analyzer")
-        creds_env.update({
-            "PYTHONPATH": str(ROOT), "GREYHOUND_NATS_URL": bus.url,
-            "GREYHOUND_NATS_USER": creds.user, "GREYHOUND_NATS_PASSWORD": creds.password,
-            "GREYHOUND_DATABASE_URL": fresh_db_url, "GREYHOUND_DATA_DIR": str(tmp_path),
+        procs = ServiceProcesses("analyzer", bus, fresh_db_url, tmp_path, {
             "GREYHOUND_ANALYZER_RESUME_EVERY_S": "0.5",  # a resume that repeated would show
-            "GREYHOUND_ANALYZER_LEASE_RETRY_S": "0.5", "GREYHOUND_LOG_LEVEL": "INFO"})
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GREYHOUND_")}
-        env.update(creds_env)
-        procs: list[subprocess.Popen[bytes]] = []
+            "GREYHOUND_ANALYZER_LEASE_RETRY_S": "0.5"})
         job = f"kill-{uuid.uuid4().hex[:6]}"
         async with bus.service("tracker", fresh_db_url) as ctx:
             await register_ranks(ctx, job)
             agents = HeldJob(bus, job)
             await agents.start()
             try:
-                for i in range(2):
-                    with (tmp_path / f"analyzer-{i}.log").open("ab") as out:
-                        procs.append(subprocess.Popen(
-                            [sys.executable, "-m", "stack.cli", "analyzer"], cwd=ROOT, env=env,
-                            stdout=out, stderr=out, start_new_session=True))
-
-                async def held_by() -> int | None:
-                    now = await owners(fresh_db_url, "analyzer")
-                    return owner_pid(now[0]) if 0 in now else None
-
-                first = await _until(held_by, STARTED_WITHIN_S, "an owner")
-                owner = next(p for p in procs if p.pid == first)
-                standby = next(p for p in procs if p is not owner)
-                standby_log = tmp_path / f"analyzer-{procs.index(standby)}.log"
+                procs.start(2)
+                await until("an owner", STARTED_WITHIN_S, procs.owner)
+                owner = await procs.owner()
+                assert owner is not None
+                standby = next(p for p in procs.procs if p is not owner)
 
                 async def standing_by() -> bool:  # it asked for the lease and was refused
-                    return "standing by" in standby_log.read_text()
+                    return "standing by" in procs.log(standby)
 
-                await _until(standing_by, STARTED_WITHIN_S, "the standby to stand by")
+                await until("the standby to stand by", STARTED_WITHIN_S, standing_by)
                 await publish(ctx.js, Subjects.detection(job), _slowdown(job))
 
                 async def profiling() -> bool:
                     return agents.held == len(AGENTS)
 
-                await _until(profiling, 20.0, "the owner to profile the job")
+                await until("the owner to profile the job", 20.0, profiling)
                 (inc,) = await _incidents(ctx, job)
                 assert inc.status == "detected"
                 os.kill(owner.pid, signal.SIGKILL)
@@ -143,9 +113,9 @@ def test_a_standby_finishes_the_localisation_of_an_owner_killed_mid_window_once(
                 agents.hold = False
 
                 async def taken() -> bool:
-                    return await held_by() == standby.pid
+                    return await procs.owner() is standby
 
-                await _until(taken, TAKEOVER_WITHIN_S, "the standby to take the partition")
+                await until("the standby to take the partition", TAKEOVER_WITHIN_S, taken)
                 print(f"takeover: standby held the lease {time.monotonic() - killed_at:.2f}s "
                       "after the kill")
 
@@ -153,7 +123,7 @@ def test_a_standby_finishes_the_localisation_of_an_owner_killed_mid_window_once(
                     (row,) = await _incidents(ctx, job)
                     return row.status == "localized"
 
-                await _until(localized, 30.0, "the standby to localise the incident")
+                await until("the standby to localise the incident", 30.0, localized)
                 await asyncio.sleep(3.0)  # six more resume rounds: nothing is done again
                 (inc,) = await _incidents(ctx, job)
                 assert [e.stage for e in inc.timeline] == ["detected", "localized"]
@@ -162,10 +132,8 @@ def test_a_standby_finishes_the_localisation_of_an_owner_killed_mid_window_once(
                 assert standby.poll() is None
             finally:
                 await agents.close()
-                end_processes(procs)
-        logs = [(tmp_path / f"analyzer-{i}.log").read_text() for i in range(2)]
-        mine = logs[procs.index(owner)]
-        theirs = logs[procs.index(standby)]
+                procs.stop()
+        mine, theirs = procs.log(owner), procs.log(standby)
         assert "analyzer owns partition 0 of 1" in mine
         assert f"incident {inc.id} detected" in mine and "detected (" not in theirs
         assert f"incident {inc.id} of job {job}: its localisation never finished" in theirs
@@ -220,30 +188,30 @@ def test_two_partitions_split_the_jobs_and_a_standby_takes_a_stopped_owners(
             backends=bus.backends("tracker", fresh_db_url))
         try:
             async with _analyzer(bus, fresh_db_url, tmp_path) as (a, stop_a):
-                await _until(lambda: _owned({0}), 20.0, "partition 0 owned")
+                await until("partition 0 owned", 20.0, lambda: _owned({0}))
                 async with _analyzer(bus, fresh_db_url, tmp_path) as (b, _):
-                    await _until(lambda: _owned({0, 1}), 20.0, "partition 1 owned")
+                    await until("partition 1 owned", 20.0, lambda: _owned({0, 1}))
                     async with _analyzer(bus, fresh_db_url, tmp_path) as (c, _):
                         assert (a.analyzer.part.index, b.analyzer.part.index) == (0, 1)
                         assert [x.spec.durable for x in a.consumers] == [
                             "analyzer-p0-of-2", "analyzer-collectives-p0-of-2"]
                         for job in first:
                             await publish(tracker.js, Subjects.detection(job), _hang(job))
-                        await _until(lambda: _all_open(tracker, first), 30.0, "every incident")
-                        await _until(lambda: _settled([a, b], len(first)), 10.0, "every ack")
+                        await until("every incident", 30.0, lambda: _all_open(tracker, first))
+                        await until("every ack", 10.0, lambda: _settled([a, b], len(first)))
                         mine = sum(partition_of(j, 2) == 0 for j in first)
                         assert _handled(a) == (mine, len(first) - mine)
                         assert _handled(b) == (len(first) - mine, mine)
                         assert c.consumers == []  # the standby consumed nothing
                         stop_a.set()  # the owner of partition 0 stops in good order
-                        await _until(lambda: _serving(c), 10.0, "the standby to take over")
+                        await until("the standby to take over", 10.0, lambda: _serving(c))
                         assert c.analyzer.part.index == 0
                         for job in later:
                             await publish(tracker.js, Subjects.detection(job), _hang(job))
-                        await _until(lambda: _all_open(tracker, later), 30.0, "every incident")
-                        await _until(lambda: _settled([c], len(later)), 10.0, "every ack")
-                        await _until(lambda: _settled([b], len(first) + len(later)), 10.0,
-                                     "every ack")
+                        await until("every incident", 30.0, lambda: _all_open(tracker, later))
+                        await until("every ack", 10.0, lambda: _settled([c], len(later)))
+                        await until("every ack", 10.0,
+                                    lambda: _settled([b], len(first) + len(later)))
                         now_mine = sum(partition_of(j, 2) == 0 for j in later)
                         # the new owner's durable was partition 0's: it resumes where a left
                         assert _handled(c) == (now_mine, len(later) - now_mine)
