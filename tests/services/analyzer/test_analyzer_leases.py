@@ -89,16 +89,7 @@ def test_a_standby_finishes_the_localisation_of_an_owner_killed_mid_window_once(
             agents = HeldJob(bus, job)
             await agents.start()
             try:
-                procs.start(2)
-                await until("an owner", STARTED_WITHIN_S, procs.owner)
-                owner = await procs.owner()
-                assert owner is not None
-                standby = next(p for p in procs.procs if p is not owner)
-
-                async def standing_by() -> bool:  # it asked for the lease and was refused
-                    return "standing by" in procs.log(standby)
-
-                await until("the standby to stand by", STARTED_WITHIN_S, standing_by)
+                owner, standby = await procs.owner_and_standby(STARTED_WITHIN_S)
                 await publish(ctx.js, Subjects.detection(job), _slowdown(job))
 
                 async def profiling() -> bool:

@@ -61,5 +61,21 @@ class ServiceProcesses:
         pid = owner_pid(held[partition]) if partition in held else None
         return next((p for p in self.procs if p.pid == pid), None)
 
+    async def owner_and_standby(self, timeout_s: float) -> tuple[subprocess.Popen[bytes],
+                                                                 subprocess.Popen[bytes]]:
+        """Two processes started: the one that took partition 0, and the other once it has
+        asked for the lease and been refused (standing by)."""
+        self.start(2)
+        await until("an owner", timeout_s, self.owner)
+        owner = await self.owner()
+        assert owner is not None
+        standby = next(p for p in self.procs if p is not owner)
+
+        async def standing_by() -> bool:
+            return "standing by" in self.log(standby)
+
+        await until("the standby to stand by", timeout_s, standing_by)
+        return owner, standby
+
     def stop(self) -> None:
         end_processes(self.procs)

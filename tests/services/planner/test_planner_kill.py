@@ -44,16 +44,7 @@ def test_a_standby_planner_finishes_the_escalation_of_a_killed_owner_once(
             rig = Rig(ctx, Planner(ctx, PlannerSettings(**FAST)), f"pk-{uuid.uuid4().hex[:6]}",
                       bus)
             try:
-                procs.start(2)
-                await until("an owner", STARTED_WITHIN_S, procs.owner)
-                owner = await procs.owner()
-                assert owner is not None
-                standby = next(p for p in procs.procs if p is not owner)
-
-                async def standing_by() -> bool:
-                    return "standing by" in procs.log(standby)
-
-                await until("the standby to stand by", STARTED_WITHIN_S, standing_by)
+                owner, standby = await procs.owner_and_standby(STARTED_WITHIN_S)
                 await rig.layout(tp=1, dp=4, pp=1, gpus_per_node=4, microbatches=16)
                 inc = await rig.incident(kind="compute_slow", before_s=1.0, after_s=2.0, gpus=[1])
 
