@@ -20,8 +20,10 @@ from nats.aio.msg import Msg
 from services.analyzer.service import Analyzer, AnalyzerOwner
 from services.analyzer.settings import AnalyzerSettings
 from services.analyzer.slow import SlowLocalizer
+from services.common.bus.auth import agent_user
 from services.common.bus.client import publish
 from services.common.bus.contract import ControlReply, ControlRequest, DetectionEvent, Subjects
+from services.common.bus.streams import TELEMETRY, collectives_spec
 from services.common.db import repository as repo
 from services.common.db.models import Incident
 from services.common.leases import owners
@@ -30,7 +32,7 @@ from services.common.runtime import ServiceContext, start_service, supervise
 from services.common.settings import Settings
 from tests.conftest import Bus, new_bus
 from tests.services.analyzer.helpers import register_ranks
-from tests.services.common.pipeline import AGENTS, SLOW_RANK, StandInJob
+from tests.services.common.pipeline import AGENTS, SLOW_RANK, StandInJob, collectives
 from tests.services.common.service_procs import ServiceProcesses, until
 
 STARTED_WITHIN_S = 40.0  # two interpreters starting at once on a loaded 2-core machine
@@ -133,6 +135,33 @@ def test_a_standby_finishes_the_localisation_of_an_owner_killed_mid_window_once(
         asyncio.run(scenario(bus))
 
 
+async def _collectives_by_partition(bus: Bus, jobs: list[str]) -> None:
+    """Collectives of every job, sent as an agent sends them: each partition's collectives
+    durable is given its own partition's jobs' only, by the server (the stream stores them
+    under the job's partition)."""
+    nc = await bus.connect(agent_user("node-a"))
+    try:
+        for i, job in enumerate(jobs):
+            await publish(nc.jetstream(), Subjects.collectives(job, "node-a"),
+                          collectives(job, "node-a", (0, 1), seed=i))
+    finally:
+        await nc.close()
+    op = await bus.connect()
+    try:
+        for index in (0, 1):
+            durable = collectives_spec(index, 2).durable
+
+            async def delivered(durable: str = durable, index: int = index) -> bool:
+                info = await op.jetstream().consumer_info(TELEMETRY, durable)
+                want = sum(partition_of(j, 2) == index for j in jobs)
+                assert info.delivered.consumer_seq <= want, (durable, info.delivered)
+                return info.delivered.consumer_seq == want and not info.num_ack_pending
+
+            await until(f"{durable} to be given its partition's collectives", 10.0, delivered)
+    finally:
+        await op.close()
+
+
 @asynccontextmanager
 async def _analyzer(bus: Bus, db_url: str, tmp: Path) -> AsyncIterator[
         tuple[AnalyzerOwner, asyncio.Event]]:
@@ -194,6 +223,7 @@ def test_two_partitions_split_the_jobs_and_a_standby_takes_a_stopped_owners(
                         assert _handled(a) == (mine, len(first) - mine)
                         assert _handled(b) == (len(first) - mine, mine)
                         assert c.consumers == []  # the standby consumed nothing
+                        await _collectives_by_partition(bus, first)
                         stop_a.set()  # the owner of partition 0 stops in good order
                         await until("the standby to take over", 10.0, lambda: _serving(c))
                         assert c.analyzer.part.index == 0
