@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from nats.aio.msg import Msg
 
@@ -27,7 +28,7 @@ from services.common.bus.streams import TELEMETRY, collectives_spec
 from services.common.db import repository as repo
 from services.common.db.models import Incident
 from services.common.leases import owners
-from services.common.ownership import Ownership, own_partitions, partition_of
+from services.common.ownership import Ownership, Partition, own_partitions, partition_of
 from services.common.runtime import ServiceContext, start_service, supervise
 from services.common.settings import Settings
 from tests.conftest import Bus, new_bus
@@ -260,3 +261,31 @@ def test_two_partitions_split_the_jobs_and_a_standby_takes_a_stopped_owners(
 
     with new_bus("gh-an-split-", tracker_partitions=2) as bus:
         asyncio.run(scenario(bus))
+
+
+@dataclass
+class _Starts:
+    """Stands in for the localizer: records which jobs' localisations were started."""
+
+    started: list[str] = field(default_factory=list)
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    def start(self, incident_id: str, det: DetectionEvent, **_: object) -> bool:
+        self.started.append(det.job_id)
+        return False
+
+
+async def test_with_two_partitions_an_analyzer_resumes_its_jobs_localisations_only(
+        ctx: ServiceContext) -> None:
+    jobs = [f"res-{i}-{uuid.uuid4().hex[:4]}" for i in range(8)]
+    assert {partition_of(j, 2) for j in jobs} == {0, 1}
+    opener = Analyzer(ctx, ctx.work("analyzer"))  # opens the incidents, localises none
+    for job in jobs:
+        await opener.consume(Subjects.detection(job), _slowdown(job))
+    for index in (0, 1):
+        starts = _Starts()
+        analyzer = Analyzer(ctx, ctx.work("analyzer"), cast(SlowLocalizer, starts))
+        analyzer.part = Partition(index, 2)
+        mine = {j for j in jobs if partition_of(j, 2) == index}
+        assert await analyzer.resume() == len(mine)
+        assert set(starts.started) == mine and len(starts.started) == len(mine)
