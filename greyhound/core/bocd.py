@@ -55,7 +55,8 @@ x1.2 and x2.2. The paper's rule (before/after means differ by >= 10%) fires on a
   every N looks like a short fail-slow each time; once its period is learned, the points of a
   burst that comes on time are left out of the evidence for the burst's learned length, and no
   decision is taken inside one.
-- Two stages: a slowdown decided on fewer than `hold` points since its start is suspected
+- Two stages: a slowdown decided on fewer than `hold` points since its start (the spikes it
+  starts with left out, so an evaluation step before a 4-iteration burst is not a fifth) is suspected
   (`LevelState`); every later point re-runs the test on all the points since (`suspicion.held`)
   until it is confirmed, or withdrawn when the level is confidently back below the threshold,
   or when `recent` points pass without it holding.
@@ -245,8 +246,10 @@ class BocdVConfig:
     - ``z`` 2: a change clears ``rel`` by two standard errors of its own mean; with recorded
       jitter of 2.5-7% a 15% step needs 4-10 points of evidence, a 50% one four.
     - ``confirm`` 4: the fewest points a suspicion rests on (three agree by chance in flicker).
-    - ``hold`` 5: the points a slowdown must hold from its start to be confirmed. The shortest
-      fail-slow is 8 iterations; bursts of 3-4 iterations (1.3-2.5x) made the false alarms on
+    - ``hold`` 5: the points a slowdown must hold from its start to be confirmed, counted
+      without the spikes it starts with (an evaluation step right before a 4-iteration burst
+      made it five). The shortest fail-slow is 8 iterations; bursts of 3-4 iterations
+      (1.3-2.5x) made the false alarms on
       traces from outside the project; and a median latency of 5 iterations allows no more,
       since on recorded traces the estimated start trails the labelled onset by 1-3 iterations.
     - ``persist`` 6: a suspicion allows one point in six back on the old side of the midpoint
@@ -592,6 +595,10 @@ class BocdVBatch:
         move = a - ref
         # Python only where a decision can come out: a move beyond the threshold either way.
         look = ok & (np.abs(move) > math.log1p(rel / 2.0) + np.log(spread) - 1e-12)
+        # The points the change rests on, for its stage: every point since its start but the
+        # spikes it starts with (an evaluation step right before a burst is no point of it).
+        lead = np.argmax(kept & run, axis=1) - np.argmax(run, axis=1)
+        points = now - index + 1 - np.where(lasting, 0, lead)
         out: list[Detection | None] = [None] * m
         for j in np.flatnonzero(look).tolist():
             row = int(rows[j])
@@ -600,7 +607,7 @@ class BocdVBatch:
             was = (state.mode, state.slow_s)
             det = state.judge(index=k, now=int(now[j]), before_s=math.exp(ref[j]),
                               after_s=math.exp(a[j]), rel=rel, spread=float(spread[j]),
-                              hold=c.hold if c.validate else 0)
+                              hold=c.hold if c.validate else 0, points=int(points[j]))
             self.pending[row] = state.pending
             if state.pending >= 0:
                 self.pending_ref[row] = math.log(state.pending_before_s)

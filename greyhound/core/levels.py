@@ -126,13 +126,17 @@ class LevelState:
     pending_change: Change = "onset"
 
     def judge(self, *, index: int, now: int, before_s: float, after_s: float, rel: float,
-              spread: float = 1.0, hold: int = 0) -> Detection | None:
+              spread: float = 1.0, hold: int = 0, points: int | None = None
+              ) -> Detection | None:
         """Turn a level change into a decision, or absorb it silently.
 
         ``before_s`` is the reference the change is measured against; ``spread`` (>= 1) is the
         factor by which the measured ratio may be off (a confidence bound): a rise counts when
         after/before exceeds (1 + rel) * spread, a fall when before/after does. A slowdown
-        found on fewer than ``hold`` points since ``index`` is suspected (see the module).
+        found on fewer than ``hold`` points is suspected (see the module): ``points``, the
+        points at the new level it rests on, by default every point since ``index`` (a method
+        that leaves spikes out of the evidence counts without them: an evaluation step before
+        a 4-iteration burst does not make it a 5-iteration level).
 
         Normal mode: a rise is a slowdown (onset); a fall is a new baseline, left to the caller.
         Slow mode: back within rel of the healthy level (by at least rel/2) is a full recovery;
@@ -147,7 +151,7 @@ class LevelState:
         if pending:
             self.mode, self.slow_s = SLOW, after_s
             return None
-        if det.kind == "slowdown" and now - index + 1 < hold:
+        if det.kind == "slowdown" and (now - index + 1 if points is None else points) < hold:
             self.pending, self.pending_at = index, now
             self.pending_before_s, self.pending_change = before_s, det.change
             return replace(det, stage="suspected", suspected_at=now)

@@ -14,6 +14,14 @@ sending, the reply's status line; services.common.webhooks.sender), and its leas
 died or stalled. What the sender writes after a send is written only while it still holds
 that lease (repository.record_leased_attempt): once another notifier has claimed the delivery,
 the late result is logged and dropped, never written over the new holder's.
+
+On-call is paged only for a slowdown that held (or a hang): an incident only suspected so far
+(greyhound.core.levels; a short transient could explain it) sends nothing, whatever its stage.
+Its confirmation is announced again as ``detected`` and sends ``incident.opened`` then, with
+what the incident knows by that time (a localisation made while it was suspected included); a
+suspicion withdrawn before it held never pages anyone, not even with its resolution. The
+incident is read when the event is handled, so an event handled late follows the incident's
+stage by then: a suspicion confirmed meanwhile pages, one withdrawn meanwhile does not.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from services.common.runtime import ServiceContext
 from services.common.settings import Settings
 from services.common.unit_of_work import UnitOfWork, Work
 from services.common.webhooks.enqueue import enqueue, incident_facts
-from services.common.webhooks.payload import STAGE_EVENT, delivery_key, incident_payload
+from services.common.webhooks.payload import STAGE_EVENT, delivery_key, incident_payload, pages
 from services.common.webhooks.secretbox import SecretBox, SecretKeyError
 from services.common.webhooks.sender import Attempt, attempt, retry_delay_s
 from services.notifier.settings import NotifierSettings
@@ -86,6 +94,10 @@ class Notifier:
         if inc is None:
             log.warning("incident event %s names unknown incident %s", ev.event_id,
                         ev.incident_id)
+            return
+        if not pages(inc):
+            log.info("incident %s only suspected: %s not sent (on-call hears of it once the "
+                     "tracker confirms it)", inc.id, event)
             return
         now = datetime.now(UTC)
         facts = await incident_facts(uow.session, inc, now)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from services.common.db.documents import Culprit
 
@@ -27,6 +27,21 @@ FORMATS: tuple[Format, ...] = ("json", "slack")
 _EMOJI = {"incident.opened": ":rotating_light:", "incident.localized": ":mag:",
           "incident.validated": ":white_check_mark:", "incident.mitigated": ":hammer_and_wrench:",
           "incident.resolved": ":large_green_circle:", "webhook.test": ":wave:"}
+
+
+class Staged(Protocol):
+    """What ``pages`` reads of an incident (services.common.db.models.Incident)."""
+
+    @property
+    def only_suspected(self) -> bool: ...
+
+
+def pages(incident: Staged) -> bool:
+    """Whether an incident's events go to webhooks: not while it is only suspected. A slowdown
+    a short transient could explain is confirmed or withdrawn within iterations; profiling it
+    costs the job little, paging a person for it costs a person. A hang, a confirmed slowdown
+    and an incident from before there were two stages page."""
+    return not incident.only_suspected
 
 
 def delivery_key(event: str, incident_id: str, bus_event_id: str) -> str:
