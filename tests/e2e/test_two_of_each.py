@@ -22,8 +22,9 @@ twin carries on), and the node leading the telemetry stream is killed too:
 
 * the tracker (the lease holder: it ran alone before) just after the link congested, before
   it saw the slowdown; the standby takes the partition's lease, loads the job's saved state and
-  reads back the telemetry it did not hold (a job killed in its first seconds, before its first
-  save, would start afresh without its healthy level: that is another test's);
+  reads back the telemetry it did not hold (a tracker killed before a job's first save, in its
+  first 5 s, would leave the standby to start that job afresh, without its healthy level: not
+  this test's subject);
 * the analyzer once the GPU's incident is open (mid-localisation);
 * the validator once it asked the job to pause (mid-validation, the job parked);
 * the planner once the job runs S2 (the escalation in force, its revert to come);
@@ -36,13 +37,22 @@ incidents (kind, culprit, each stage as often: once, but for the validations a p
 adds), the same plans (strategy, policy, status, each step of their timeline once), the plan
 versions the job applied (each once, in order), and the webhooks: each event the receiver
 processed once (one idempotency key per event, and every incident stage and plan step that has
-an event delivered), the same events as undisturbed.
+an event delivered), the same events as undisturbed. Delivery is at least once
+(docs/webhooks.md): a notifier killed mid-send sends its delivery again at its lease's end, and
+the receiver's documented check drops the key it processed; such resends are printed, not
+counted as duplicates.
+
+The analyzer and the planner are safe as two instances only with their per-job leases (a hot
+standby): without them both consume, and a live twin's resume pass localises again what the
+other is localising (two "localized"), or the planner that did not hold an escalation never
+takes it up when its holder dies (S2 never reverted).
 
 Pacing (greyhound.sim.live): at FAST x virtual time while nothing is open; at SLOW x from a few
 seconds before each fault until its phase is over (the GPU's: the incident resolved and S2 taken
 back and run; the link's: resolved; the hang: named) and while the services profile or pause the
 job, so that their wall-clock work (a profiling window, a validation's pause, a plan's delivery,
-a re-check every RECHECK_S) lands in the same virtual phase in both runs.
+a re-check every RECHECK_S) lands in the same virtual phase in both runs. About 2 1/2 minutes
+for both runs on a busy 2-core machine.
 """
 
 from __future__ import annotations
