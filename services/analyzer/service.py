@@ -28,6 +28,13 @@ own mitigation, and ends on its own (the congested link clears while the GPU sta
 partial recovery therefore resolves one incident: the one whose own step best matches the fall
 (``known_causes.ended_by``); a full recovery resolves them all. Localisations of one job run one
 after the other, since a job is profiled through one window at a time.
+
+Split by job over several processes (``GREYHOUND_TRACKER_PARTITIONS``, services.common
+.ownership): each process consumes the detections and the collectives of one partition's jobs
+while it holds that partition's lease, so a job's detections keep their order and its
+localisation chain and profiling window live in one process. Taking a partition (at start, or
+over from a dead owner) it resumes the unfinished localisations of that partition's jobs only;
+losing its lease it stops them and forgets them (the next owner resumes them from Postgres).
 """
 
 from __future__ import annotations
@@ -61,11 +68,12 @@ from services.common.bus.contract import (
     Subjects,
     Suspicion,
 )
-from services.common.bus.streams import ANALYZER
+from services.common.bus.streams import ANALYZER, collectives_spec, partitioned
 from services.common.db import exclusion
 from services.common.db import repository as repo
 from services.common.db.documents import Culprit, Detection, Evidence, OtherHang
 from services.common.db.models import Incident
+from services.common.ownership import Ownership, Partition, own_partitions
 from services.common.patience import periodically
 from services.common.runtime import ServiceContext, supervise
 from services.common.unit_of_work import UnitOfWork, Work
@@ -93,11 +101,13 @@ class Analyzer:
         self.ctx = ctx
         self.work = work
         self.localizer = localizer
+        self.part = Partition()  # the jobs this process consumes now
         self._chains: dict[str, asyncio.Task[None]] = {}
         self._chained: dict[str, str] = {}  # job -> incident of its newest localisation
         # what the consumer calls: handle, in a unit of work of its own per detection; one
         # that lost the race to open a job's incident (another detection of the job, in another
         # analyzer, opened it first) runs again and adds to that incident
+        # (claimed under the service's one name, whichever partition's durable delivers it)
         self.consume = work.per_message(self.handle, claim=ANALYZER.durable,
                                         race=exclusion.open_incident_taken)
 
@@ -129,15 +139,18 @@ class Analyzer:
             uow.after_commit(localize)
 
     async def resume(self) -> int:
-        """Localise again every open incident left ``detected`` without a localisation result
-        (the analyzer died while profiling, or a failure stopped it before it recorded what it
-        found), unless its job is being profiled now; how many were started."""
+        """Localise again every open incident of this partition's jobs left ``detected``
+        without a localisation result (the analyzer died while profiling, or a failure stopped
+        it before it recorded what it found), unless its job is being profiled now; how many
+        were started."""
         if self.localizer is None:
             return 0
         async with self.work.read() as session:
             rows = await repo.unlocalized_incidents(session, SLOW_KEY)
         started = 0
         for inc in rows:
+            if not self.part.owns(inc.job_id):
+                continue  # another partition's: its owner resumes it
             if inc.job_id in self._chains or inc.job_id in self.localizer.tasks:
                 continue
             det = _detection_of(inc)
@@ -417,28 +430,56 @@ def _detection_of(inc: Incident) -> DetectionEvent | None:
         return None
 
 
+@dataclass
+class AnalyzerOwner:
+    """The analyzer as a partition's owner (services.common.ownership): the partition's
+    detections and collectives, its unfinished localisations resumed."""
+
+    analyzer: Analyzer
+    localizer: SlowLocalizer
+    settings: AnalyzerSettings
+    consumers: list[Consumer[Any]] = field(default_factory=list)  # the partition's, now
+
+    async def serve(self, part: Partition, stop: asyncio.Event) -> None:
+        a, work = self.analyzer, self.analyzer.work
+        a.part = part
+        consumer: Consumer[DetectionEvent] = Consumer(
+            a.ctx.js, partitioned(ANALYZER, part.index, part.count), DetectionEvent, a.consume,
+            ready=work.writable, jobs=part.owns)
+        feed = CollectiveFeed(a.ctx.js, self.localizer.buffers,
+                              spec=collectives_spec(part.index, part.count))
+        self.consumers = [consumer, feed]
+
+        async def stopper() -> None:
+            await stop.wait()
+            consumer.stop()
+            feed.stop()
+
+        resumer = periodically(a.resume, self.settings.resume_every_s, stop,
+                               what="resuming localisations")
+        await supervise(consumer.run(), feed.run(), stopper(), resumer)
+
+    async def forget(self) -> None:
+        """Stop the partition's localisations: the next owner starts them again."""
+        await self.analyzer.stop()
+        await self.localizer.stop()
+        self.localizer.buffers.clear()
+
+    async def close(self) -> None:
+        await self.forget()  # nothing in memory to save: what is unfinished is resumed
+
+
 async def run_analyzer(ctx: ServiceContext, stop: asyncio.Event) -> None:
-    """The service: detections, the collective feed, the outbox relay and the retention pass,
-    supervised (one that dies ends the process for its supervisor to restart it)."""
+    """The service: the partition whose lease it holds (its detections, collective feed and
+    resumed localisations), the outbox relay and the retention pass, supervised (one that dies
+    ends the process for its supervisor to restart it)."""
     settings = AnalyzerSettings()
     work = ctx.work("analyzer")
     localizer = SlowLocalizer(ctx, work)
-    analyzer = Analyzer(ctx, work, localizer)
-    consumer: Consumer[DetectionEvent] = Consumer(
-        ctx.js, ANALYZER, DetectionEvent, analyzer.consume, ready=work.writable)
-    feed = CollectiveFeed(ctx.js, localizer.buffers)
-
-    async def stopper() -> None:
-        await stop.wait()
-        consumer.stop()
-        feed.stop()
-
-    resumer = periodically(analyzer.resume, settings.resume_every_s, stop,
-                           what="resuming localisations")
-    try:
-        await supervise(consumer.run(), feed.run(), work.relay(stop), stopper(), resumer,
-                        run_retention(work, settings, stop,
-                                      events_max_age_s=ctx.settings.events_max_age_s))
-    finally:
-        await analyzer.stop()
-        await localizer.stop()
+    owner = AnalyzerOwner(Analyzer(ctx, work, localizer), localizer, settings)
+    plan = Ownership.of("analyzer", ctx.settings.tracker_partitions, settings.partition,
+                        valid_s=settings.lease_valid_s, retry_s=settings.lease_retry_s)
+    await supervise(own_partitions(owner, plan, ctx.backends.database_url, stop),
+                    work.relay(stop),
+                    run_retention(work, settings, stop,
+                                  events_max_age_s=ctx.settings.events_max_age_s))

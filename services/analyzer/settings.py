@@ -1,16 +1,23 @@
-"""The analyzer's knobs: how long finished records are kept (the analyzer runs the retention
-pass, see services.analyzer.retention), ``GREYHOUND_ANALYZER_<FIELD>``."""
+"""The analyzer's knobs: how its work is split by job over several processes
+(services.common.ownership), how long finished records are kept (the analyzer runs the
+retention pass, see services.analyzer.retention), ``GREYHOUND_ANALYZER_<FIELD>``."""
 
 from __future__ import annotations
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.ownership import GivenPartition, LeaseRetryS, LeaseValidS
+
 
 class AnalyzerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GREYHOUND_ANALYZER_", extra="forbid",
                                       frozen=True)
 
+    # the partition count is GREYHOUND_TRACKER_PARTITIONS, shared: services.common.ownership
+    partition: GivenPartition = None
+    lease_valid_s: LeaseValidS = 10.0
+    lease_retry_s: LeaseRetryS = 1.0
     resume_every_s: float = Field(
         default=30.0, gt=0, description=(
             "how often open incidents whose localisation never recorded a result are localised "

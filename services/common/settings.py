@@ -80,7 +80,8 @@ class Settings(BaseSettings):
     # the streams, so both stay here rather than with the tracker.
     tracker_partitions: int = Field(
         default=1, ge=1, le=1024,
-        description="jobs are hashed over this many tracker processes (1: one tracker, no hashing)")
+        description="jobs are hashed over this many partitions of the tracker's, the analyzer's and "
+        "the planner's work, each consumed by one process at a time (1: no hashing)")
     tracker_partition: int = Field(default=0, ge=0, description="this tracker's partition")
     # Read by the API and the notifier (the planner too: the dashboard address in its notes).
     token_key: SecretStr | None = Field(

@@ -3,7 +3,8 @@
 Plans an operator approved since go into force; proposals past their time expire; an escalation
 whose plan was rejected or expired moves on; plans for a slow GPU are re-checked with the
 validator; a plan kept after its incident recovered under it is taken back after ``hold_max_s``;
-escalation states are saved every few seconds; watches nobody needs any more end.
+escalation states are saved every few seconds; watches nobody needs any more end. With several
+planners (services.common.ownership) each round touches only the plans of its partition's jobs.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ async def deliver_approved(st: PlannerState) -> None:
     async with st.work.unit() as uow:
         session = uow.session
         plans = await repo.approved_undelivered(session, ("S2", "S3"))
-        for plan in plans:
+        for plan in (p for p in plans if st.owns(p.job_id)):
             t = st.tracked.get(plan.incident_id)
             incident = await repo.get_incident_for_update(session, plan.incident_id)
             layout = await st.layout(session, plan.job_id)
@@ -63,6 +64,8 @@ async def deliver_approved(st: PlannerState) -> None:
 async def expire(st: PlannerState) -> None:
     async with st.work.unit() as uow:
         for plan in await repo.due_proposals(uow.session, datetime.now(UTC)):
+            if not st.owns(plan.job_id):
+                continue  # its job's planner expires it
             repo.move_plan(plan, "expire", reason=f"no decision within "
                            f"{st.config.proposal_ttl_s:g} s")
             incident = await repo.get_incident_for_update(uow.session, plan.incident_id)
@@ -161,9 +164,11 @@ async def save(st: PlannerState, *, now: bool = False) -> None:
 
 
 async def restore(st: PlannerState) -> None:
-    """Escalations of open incidents (or with plans still in force) from the database."""
+    """Escalations of open incidents (or with plans still in force) of the jobs this planner
+    owns, from the database."""
     async with st.work.read() as session:
-        rows = await repo.open_escalations(session)
+        rows = [(row, i) for row, i in await repo.open_escalations(session)
+                if st.owns(row.job_id)]
     restored: list[Tracked] = []
     for row, incident in rows:
         try:

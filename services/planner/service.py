@@ -26,6 +26,12 @@ One object holds the planner's state (services.planner.state); its message handl
 periodic round (services.planner.rounds) are functions over it, and ``Planner`` is the small
 orchestrator that owns it: a unit of work per message, the handler its kind calls for, the
 round on a timer.
+
+Split by job over several processes (``GREYHOUND_TRACKER_PARTITIONS``, services.common
+.ownership): a process plans for one partition's jobs while it holds that partition's lease:
+it restores their escalations as last saved, consumes their events, and its round delivers,
+expires and re-checks their plans only; losing the lease it drops them unsaved (the next owner
+restores them).
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from greyhound.core.tracked_incident import Tracked
 from services.common.bus.client import Consumer
 from services.common.bus.contract import DetectionEvent, IncidentEvent, PlanReport
-from services.common.bus.streams import PLANNER, ConsumerSpec
+from services.common.bus.streams import PLANNER, ConsumerSpec, partitioned
+from services.common.ownership import Ownership, Partition, own_partitions
 from services.common.runtime import ServiceContext, supervise
 from services.common.unit_of_work import UnitOfWork
 from services.planner import escalations, handlers, rounds
@@ -69,8 +77,9 @@ class Planner:
 
     async def consume(self, subject: str, msg: Event) -> None:
         """What the consumer calls: ``handle`` in a unit of work of its own, incident events
-        and plan reports claimed in the processed-events ledger (a detection only starts or
-        judges a watch, which is done twice harmlessly)."""
+        and plan reports claimed in the processed-events ledger under the service's one name,
+        whichever partition's durable delivers them (a detection only starts or judges a watch,
+        which is done twice harmlessly)."""
         await self.state.work.per_message(
             self.handle, claim=PLANNER.durable,
             claims=lambda m: not isinstance(m, DetectionEvent))(subject, msg)
@@ -95,33 +104,60 @@ class Planner:
         await rounds.close(self.state)
 
 
+@dataclass
+class PlannerOwner:
+    """The planner as a partition's owner (services.common.ownership): the escalations of the
+    partition's jobs restored, its events consumed, the round over them on a timer."""
+
+    planner: Planner
+    spec: ConsumerSpec = PLANNER
+    consumer: Consumer[Event] | None = None  # the partition's, now
+
+    async def serve(self, part: Partition, stop: asyncio.Event) -> None:
+        planner, st = self.planner, self.planner.state
+        st.part = part
+        await planner.restore()
+        consumer: Consumer[Event] = Consumer(
+            st.ctx.js, partitioned(self.spec, part.index, part.count), Event, planner.consume,
+            ready=st.work.writable, jobs=part.owns)
+        self.consumer = consumer
+
+        async def ticker() -> None:
+            while not stop.is_set():
+                try:
+                    await planner.tick()
+                except Exception:  # one failed round must not stop planning; the next retries
+                    log.exception("planner tick failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), planner.config.poll_s)
+
+        async def stopper() -> None:
+            await stop.wait()
+            consumer.stop()
+
+        await supervise(consumer.run(), ticker(), stopper())
+
+    async def forget(self) -> None:
+        await self.planner.state.drop_all()
+
+    async def close(self) -> None:
+        await self.planner.close()
+
+
 async def run_planner(ctx: ServiceContext, stop: asyncio.Event,
                       settings: PlannerSettings | None = None, *,
                       planner: Planner | None = None, spec: ConsumerSpec = PLANNER) -> None:
-    """The service: its settings from the environment unless given; ends when ``stop`` is set,
-    or raises when its consumer cannot go on (the process exits for its supervisor)."""
+    """The service: its settings from the environment unless given; the partition whose lease
+    it holds, and the outbox relay; ends when ``stop`` is set, or raises when its consumer
+    cannot go on (the process exits for its supervisor)."""
     planner = planner or Planner(ctx, settings or PlannerSettings())
-    await planner.restore()
-    consumer: Consumer[Event] = Consumer(ctx.js, spec, Event, planner.consume,
-                                         ready=planner.state.work.writable)
-
-    async def ticker() -> None:
-        while not stop.is_set():
-            try:
-                await planner.tick()
-            except Exception:  # one failed round must not stop planning; the next one retries
-                log.exception("planner tick failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), planner.config.poll_s)
-
-    async def stopper() -> None:
-        await stop.wait()
-        consumer.stop()
-
-    try:
-        await supervise(consumer.run(), ticker(), stopper(), planner.state.work.relay(stop))
-    finally:
-        await planner.close()
+    c = planner.config
+    plan = Ownership.of("planner", ctx.settings.tracker_partitions, c.partition,
+                        valid_s=c.lease_valid_s,
+                        retry_s=c.lease_retry_s)
+    await supervise(own_partitions(PlannerOwner(planner, spec), plan, ctx.backends.database_url,
+                                   stop),
+                    planner.state.work.relay(stop))
 
 
-__all__: Sequence[str] = ("Planner", "run_planner")
+__all__: Sequence[str] = ("Planner", "PlannerOwner", "run_planner")

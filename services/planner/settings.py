@@ -14,6 +14,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from greyhound.core.plan_build import PlanCosts
+from services.common.ownership import GivenPartition, LeaseRetryS, LeaseValidS
 
 Policy = Literal["automatic", "approval"]
 
@@ -24,6 +25,10 @@ class PlannerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GREYHOUND_PLANNER_", extra="forbid",
                                       frozen=True)
 
+    # the partition count is GREYHOUND_TRACKER_PARTITIONS, shared: services.common.ownership
+    partition: GivenPartition = None
+    lease_valid_s: LeaseValidS = 10.0
+    lease_retry_s: LeaseRetryS = 1.0
     s2_overhead_s: float = Field(default=5.0, ge=0, description="re-balancing micro-batches")
     s3_overhead_s: float = Field(default=60.0, ge=0, description="a topology change: a pause")
     s4_overhead_s: float = Field(

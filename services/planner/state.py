@@ -2,7 +2,8 @@
 escalations (services.planner.escalations) and its periodic round (services.planner.rounds)
 are functions over: its connections and units of work, the escalation of every incident it
 tracks, the jobs' iteration watches and a lock per job (the consumer, the watches and the round
-all change a job's escalations).
+all change a job's escalations), all of the jobs of the partition it owns (``part``: with
+several planners, services.common.ownership).
 
 Its units of work announce through an ordered outbox: the plans stream keeps each job's last
 message, so a version whose first send failed (or that a killed process left) must go out
@@ -25,6 +26,7 @@ from greyhound.core.plan_build import STRATEGIES, Layout
 from greyhound.core.tracked_incident import Tracked
 from services.common.bus.contract import PlanMessage
 from services.common.db import repository as repo
+from services.common.ownership import Partition
 from services.common.runtime import ServiceContext
 from services.common.unit_of_work import Work
 from services.planner.iterations import OnTimes, Watches
@@ -41,6 +43,7 @@ class PlannerState:
     locks: defaultdict[str, asyncio.Lock] = field(
         default_factory=lambda: defaultdict(asyncio.Lock))
     saved_at: float = field(default_factory=time.monotonic)  # escalations last saved
+    part: Partition = field(default_factory=Partition)  # the jobs this process plans for now
 
     @classmethod
     def of(cls, ctx: ServiceContext, config: PlannerSettings, on_times: OnTimes
@@ -51,6 +54,16 @@ class PlannerState:
 
     def of_job(self, job: str) -> list[Tracked]:
         return [t for t in self.tracked.values() if t.job_id == job]
+
+    def owns(self, job: str) -> bool:
+        return self.part.owns(job)
+
+    async def drop_all(self) -> None:
+        """The partition's lease was lost: every escalation leaves memory unsaved (the next
+        owner restores them from where they were last saved) and every watch ends."""
+        self.tracked.clear()
+        self.locks.clear()
+        await self.watches.close()
 
     def forget(self, t: Tracked) -> None:
         """``t`` escalates no more; its job's watch ends once no escalation of it is left."""

@@ -223,6 +223,7 @@ class ConsumerStats:
     """What a consumer did, and every failure it absorbed instead of dying silently."""
 
     handled: int = 0
+    elsewhere: int = 0  # acked unread: another partition's job
     dead_lettered: int = 0
     retried: int = 0
     held: int = 0  # naked unhandled: their job waited behind a message that had failed
@@ -283,6 +284,9 @@ class Consumer(Generic[M]):
     job's later messages wait behind the failed one, naked without running the handler, while
     the other jobs go on; on its last delivery a message runs whatever it waits behind.
 
+    A partitioned consumer (``jobs``: whether a job is its partition's) acks the messages of
+    other jobs unread: they are another partition's durable's to handle.
+
     Nothing escapes run() silently: failures to fetch, settle a message or run ``idle`` are
     logged and counted in ``stats`` and consumption goes on; only a consumer that cannot go on
     (ConsumerLost: among others, the server refusing this user the fetch or the ack) ends run()
@@ -292,8 +296,10 @@ class Consumer(Generic[M]):
     def __init__(self, js: JetStreamContext, spec: ConsumerSpec, model: Any,
                  handler: Callable[[str, Any], Awaitable[None]], *,
                  liveness_s: float = 5.0, bind_timeout_s: float = 30.0,
-                 ready: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 ready: Callable[[], Awaitable[bool]] | None = None,
+                 jobs: Callable[[str], bool] | None = None) -> None:
         self._js = js
+        self._jobs = jobs
         self.spec = spec
         self._adapter: TypeAdapter[Any] = TypeAdapter(model)
         self._handler = handler
@@ -454,7 +460,20 @@ class Consumer(Generic[M]):
         await self._settle(msg, "nak", hold.delay_s(time.monotonic()))
         return True
 
+    def _elsewhere(self, subject: str) -> bool:
+        """Whether the message is another partition's (its subject's job not ours)."""
+        if self._jobs is None:
+            return False
+        try:
+            return not self._jobs(Subjects.job_of(subject))
+        except ValueError:
+            return False  # not a job's subject: validated and dead-lettered as usual
+
     async def handle(self, msg: Msg) -> None:
+        if self._elsewhere(msg.subject):
+            self.stats.elsewhere += 1
+            await self._settle(msg, "ack")
+            return
         if await self._held(msg):
             return
         try:

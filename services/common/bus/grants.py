@@ -22,8 +22,8 @@ from services.common.bus.streams import ConsumerSpec
 
 @dataclass(frozen=True, slots=True)
 class Consume:
-    """A durable consumer a service binds: ``partitioned`` when there is one per tracker
-    partition (the durable name then follows streams.tracker_spec)."""
+    """A durable consumer a service binds: ``partitioned`` when there is one per partition of
+    the jobs (GREYHOUND_TRACKER_PARTITIONS; the name then follows streams.partition_durable)."""
 
     stream: str
     durable: str
@@ -57,8 +57,8 @@ GRANTS: dict[str, BusAccess] = {
                          read=(streams.TELEMETRY,), object_stores=("gh-tracker-state",)),
     "analyzer": BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_SUSPICIONS,
                                    Subjects.ALL_CONTROL),
-                          consume=(Consume.of(streams.ANALYZER),
-                                   Consume.of(streams.ANALYZER_COLLECTIVES))),
+                          consume=(Consume.of(streams.ANALYZER, partitioned=True),
+                                   Consume.of(streams.ANALYZER_COLLECTIVES, partitioned=True))),
     "validator": BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_CONTROL,
                                     Subjects.ALL_VALIDATION),
                            consume=(Consume.of(streams.VALIDATOR),)),
@@ -66,7 +66,8 @@ GRANTS: dict[str, BusAccess] = {
     # are its own to publish; the iteration watch reads telemetry with consumers of its own.
     "planner": BusAccess(publish=(Subjects.ALL_PLANS, Subjects.ALL_SUSPICIONS,
                                   Subjects.ALL_INCIDENTS),
-                         consume=(Consume.of(streams.PLANNER),), read=(streams.TELEMETRY,)),
+                         consume=(Consume.of(streams.PLANNER, partitioned=True),),
+                         read=(streams.TELEMETRY,)),
     "api": BusAccess(publish=(Subjects.ALL_INCIDENTS, Subjects.ALL_PLAN_REPORTS),
                      read=(streams.TELEMETRY,), monitor=True),
     "notifier": BusAccess(consume=(Consume(streams.EVENTS, "notifier"),)),

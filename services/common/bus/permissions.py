@@ -31,8 +31,7 @@ from typing import Any
 from services.common.bus.auth import agent_user, inbox_prefix
 from services.common.bus.contract import Subjects
 from services.common.bus.grants import GRANTS, BusAccess, Consume
-from services.common.bus.streams import STREAMS, tracker_spec
-from services.common.settings import Settings
+from services.common.bus.streams import STREAMS, partition_durable
 
 API = "$JS.API"
 
@@ -50,8 +49,7 @@ Password = str | EnvRef
 def _durables(c: Consume, tracker_partitions: int) -> list[str]:
     if not c.partitioned or tracker_partitions <= 1:
         return [c.durable]
-    base = Settings.model_construct(tracker_partitions=tracker_partitions)
-    return [tracker_spec(base.model_copy(update={"tracker_partition": i})).durable
+    return [partition_durable(c.durable, i, tracker_partitions)
             for i in range(tracker_partitions)]
 
 

@@ -42,7 +42,7 @@ from services.common.bus.contract import Subjects
 from services.common.bus.grants import BusAccess, Consume
 from services.common.bus.permissions import bind_agent
 from services.common.bus.refusals import HOW_TO_GRANT, Action, PermissionDenied
-from services.common.bus.streams import STREAMS, stream_configs, tracker_spec
+from services.common.bus.streams import STREAMS, partition_durable, stream_configs
 from services.common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,9 @@ def _concrete(pattern: str) -> str:
 
 
 def _durable(c: Consume, settings: Settings) -> str:
-    return tracker_spec(settings).durable if c.partitioned else c.durable
+    # partition 0's (or the one configured): every partition's is granted alike
+    return partition_durable(c.durable, settings.tracker_partition, settings.tracker_partitions) \
+        if c.partitioned else c.durable
 
 
 def _consumer(stream: str, name: str) -> list[Need]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from nats.js.api import (
     AckPolicy,
@@ -218,9 +218,41 @@ def tracker_spec(settings: Settings) -> ConsumerSpec:
     if n <= 1:
         return TRACKER
     return ConsumerSpec(
-        stream=TELEMETRY, durable=f"tracker-p{i}-of-{n}",
+        stream=TELEMETRY, durable=partition_durable(TRACKER.durable, i, n),
         filter_subjects=tuple(Subjects.in_partition(f, i) for f in TRACKER.filter_subjects),
         batch=TRACKER.batch)
+
+
+def partition_durable(durable: str, index: int, count: int) -> str:
+    """The durable of partition ``index`` of ``count`` (services.common.ownership): the
+    durable itself for one partition, else ``<durable>-p{index}-of-{count}``, so that what a
+    deployment chooses is in the name, never a rewrite of another process's durable."""
+    if count <= 1:
+        return durable
+    if not 0 <= index < count:
+        raise ValueError(f"partition {index} is not one of {count}")
+    return f"{durable}-p{index}-of-{count}"
+
+
+def partitioned(spec: ConsumerSpec, index: int, count: int) -> ConsumerSpec:
+    """Partition ``index`` of ``count`` of the analyzer's or the planner's events consumer:
+    ``spec`` itself for one partition, else a durable of its own on the same subjects, whose
+    owner acks the other partitions' jobs unread (Consumer's ``jobs``). The events are few and
+    small, so every partition's durable reads the whole filter rather than the events stream
+    being stored by partition as the telemetry is: the validator, the notifier, the API and
+    the dead-letter tool read that stream as it is (docs/scaling.md)."""
+    return replace(spec, durable=partition_durable(spec.durable, index, count))
+
+
+def collectives_spec(index: int, count: int) -> ConsumerSpec:
+    """The analyzer's collectives consumer for partition ``index`` of ``count``: the telemetry
+    stream stores them under their job's partition (the same hash, services.common.ownership),
+    so the server delivers each partition's durable its own jobs' only."""
+    if count <= 1:
+        return ANALYZER_COLLECTIVES
+    return replace(ANALYZER_COLLECTIVES,
+                   durable=partition_durable(ANALYZER_COLLECTIVES.durable, index, count),
+                   filter_subjects=(Subjects.in_partition(Subjects.ALL_COLLECTIVES, index),))
 
 
 ANALYZER = ConsumerSpec(

@@ -15,7 +15,6 @@ from nats.aio.msg import Msg
 from services.common.bus.client import BusClient
 from services.common.bus.contract import AgentHello, RankInfo, Subjects, Suspicion
 from services.common.db import repository as repo
-from services.common.db.documents import Culprit, Empty, Evidence
 from services.common.db.models import ValidationClaim
 from services.common.runtime import ServiceContext
 from services.tracker.service import Tracker
@@ -23,6 +22,7 @@ from services.tracker.settings import TrackerSettings
 from services.validator.service import Validator
 from services.validator.settings import ValidatorSettings
 from tests.conftest import Bus
+from tests.services.validator.incidents import localized
 
 
 @pytest.fixture()
@@ -37,18 +37,6 @@ async def operator(bus: Bus) -> AsyncIterator[BusClient]:
     nc = await bus.connect()
     yield nc
     await nc.close()
-
-
-async def localized(ctx: ServiceContext, job: str) -> Suspicion:
-    async with ctx.db()() as session:
-        await repo.touch_job(session, job)
-        inc = await repo.open_incident(session, job_id=job, kind="slowdown", dedup_key="slowdown",
-                                       severity=1.5, summary="s",
-                                       culprit=Culprit(compute_ranks=[1]), evidence=Evidence(),
-                                       stage_detail=Empty())
-        await repo.add_timeline(session, inc, "localized", Empty())
-        await session.commit()
-    return Suspicion(job_id=job, incident_id=inc.id, kind="compute_slow", ranks=[1], comm_ids=[])
 
 
 async def claim_row(ctx: ServiceContext, s: Suspicion, *, state: str, attempts: int,

@@ -14,13 +14,13 @@ import pytest
 from services.common.bus.contract import Suspicion
 from services.common.db import exclusion
 from services.common.db import repository as repo
-from services.common.db.documents import Culprit, Empty, Evidence
 from services.common.db.models import Rank
 from services.common.runtime import ServiceContext
 from services.validator.hold import Run
 from services.validator.service import Validator
 from services.validator.settings import ValidatorSettings
 from tests.conftest import Bus
+from tests.services.validator.incidents import localized
 
 # leases short enough to lapse within a test: a job is held 0.3 + 0.3 + 0.6 = 1.2 s unrenewed
 SHORT = ValidatorSettings(claim_lease_s=0.6, pause_budget_s=0.3, status_timeout_s=0.3)
@@ -31,19 +31,6 @@ async def two(bus: Bus, fresh_db_url: str) -> AsyncIterator[tuple[ServiceContext
     async with bus.service("validator", fresh_db_url) as a, \
             bus.service("validator", fresh_db_url) as b:
         yield a, b
-
-
-async def _suspicion(ctx: ServiceContext, job: str, key: str) -> Suspicion:
-    """A localised incident of ``job`` (its own dedup key) and its suspicion."""
-    async with ctx.db()() as session:
-        await repo.touch_job(session, job)
-        inc = await repo.open_incident(session, job_id=job, kind="slowdown", dedup_key=key,
-                                       severity=1.5, summary="s",
-                                       culprit=Culprit(compute_ranks=[1]), evidence=Evidence(),
-                                       stage_detail=Empty())
-        await repo.add_timeline(session, inc, "localized", Empty())
-        await session.commit()
-    return Suspicion(job_id=job, incident_id=inc.id, kind="compute_slow", ranks=[1], comm_ids=[])
 
 
 class Spans:
@@ -72,7 +59,7 @@ async def test_a_second_validator_waits_for_the_job_the_first_holds(
         two: tuple[ServiceContext, ServiceContext]) -> None:
     a, b = two
     job = f"one-{uuid.uuid4().hex[:6]}"
-    s1, s2 = await _suspicion(a, job, "slowdown"), await _suspicion(a, job, "slowdown-2")
+    s1, s2 = await localized(a, job, "slowdown"), await localized(a, job, "slowdown-2")
     va, vb = Validator(a, ValidatorSettings()), Validator(b, ValidatorSettings())
     spans = Spans()
     spans.install(va, "a")
@@ -108,7 +95,7 @@ async def test_a_dead_validators_job_is_free_once_its_lease_lapsed(
     suspicion over), and takes it after."""
     a, b = two
     job = f"dead-{uuid.uuid4().hex[:6]}"
-    s1, s2 = await _suspicion(a, job, "slowdown"), await _suspicion(a, job, "slowdown-2")
+    s1, s2 = await localized(a, job, "slowdown"), await localized(a, job, "slowdown-2")
     va, vb = Validator(a, SHORT), Validator(b, SHORT)
     assert va.claims.job_lease_s == SHORT.claim_lease_s
     taken = time.monotonic()
