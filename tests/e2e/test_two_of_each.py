@@ -42,10 +42,11 @@ an event delivered), the same events as undisturbed. Delivery is at least once
 the receiver's documented check drops the key it processed; such resends are printed, not
 counted as duplicates.
 
-The analyzer and the planner are safe as two instances only with their per-job leases (a hot
-standby): without them both consume, and a live twin's resume pass localises again what the
-other is localising (two "localized"), or the planner that did not hold an escalation never
-takes it up when its holder dies (S2 never reverted).
+The analyzer and the planner are two only by their per-job leases (the second a hot standby,
+docs/scaling.md). Before those, both consumed, and this test failed as it should: a live twin's
+resume pass localised again what the other was localising (two "localized" stages and
+webhooks), or the planner that did not hold the escalation never took it up when its holder
+died (S2 never reverted, the incident left mitigated).
 
 Pacing (greyhound.sim.live): at FAST x virtual time while nothing is open; at SLOW x from a few
 seconds before each fault until its phase is over (the GPU's: the incident resolved and S2 taken
