@@ -117,18 +117,23 @@ class Stack:
             self.spawn(name)
         log.info("started %s; logs in %s", ", ".join(self.services), self.log_path("").parent)
 
-    def spawn(self, name: str) -> None:
+    def spawn(self, name: str, *, instance: int = 1, port: int | None = None) -> str:
         """Start the service's process (again, after it died: a supervisor's job), with its
-        own bus user, its output appended to its log."""
+        own bus user, its output appended to its log; its key in ``procs`` and its log's name.
+        Another instance beside the first (``instance`` 2, 3, ...; N of each, docs/scaling.md)
+        is ``<name>-<instance>``, an HTTP one on ``port``, which must then differ from the
+        stack's."""
+        key = name if instance == 1 else f"{name}-{instance}"
         argv = [sys.executable, "-m", "stack.cli", name]
         if BY_NAME[name].http:
-            argv += ["--host", self.host, "--port", str(self.port)]
-        path = self.log_path(name)
+            argv += ["--host", self.host, "--port", str(self.port if port is None else port)]
+        path = self.log_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("ab") as out:
-            self.procs[name] = subprocess.Popen(argv, env=self.env(name), stdout=out,
-                                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.lifeline.watch_group(self.procs[name].pid)
+            self.procs[key] = subprocess.Popen(argv, env=self.env(name), stdout=out,
+                                               stderr=subprocess.STDOUT, start_new_session=True)
+        self.lifeline.watch_group(self.procs[key].pid)
+        return key
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
