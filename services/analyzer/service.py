@@ -292,14 +292,14 @@ class Analyzer:
             incident = await repo.open_incident(
                 session, job_id=det.job_id, kind=kind, dedup_key="hang", severity=severity,
                 summary=summary, culprit=culprit, evidence=evidence, stage_detail=detail)
-            stage: IncidentStage = "localized" if kind != "hang" else "detected"
-            if stage == "localized":
+            opened = [self._event(det, incident, "detected")]
+            if kind != "hang":  # named as it opens: announced open, then localised
                 await repo.add_timeline(session, incident, "localized", culprit)
-        else:
-            incident.severity = max(incident.severity, severity)
-            await repo.add_timeline(session, incident, "detected", detail)
-            stage = "detected"
-        return Recorded([self._event(det, incident, stage)])
+                opened.append(self._event(det, incident, "localized"))
+            return Recorded(opened)
+        incident.severity = max(incident.severity, severity)
+        await repo.add_timeline(session, incident, "detected", detail)
+        return Recorded([self._event(det, incident, "detected")])
 
     async def _slowdown(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                         change: str | None, open_: Sequence[Incident]) -> Recorded:

@@ -435,10 +435,7 @@ def check_webhooks(o: Outcome) -> None:
     want: Counter[str] = Counter()
     for i in o.incidents:
         stages = [e["stage"] for e in i["timeline"]]
-        # A slowdown is announced as it opens; a hang is named as it opens and announced
-        # localized only (services/analyzer/service.py), so it sends no incident.opened.
-        if not i["kind"].startswith("hang"):
-            want[f"incident.opened {i['id']}"] = 1
+        want[f"incident.opened {i['id']}"] = 1  # a hang named as it opens too
         for stage in ("localized", "validated", "mitigated", "resolved"):
             if stage in stages:
                 want[f"incident.{stage} {i['id']}"] = stages.count(stage)
