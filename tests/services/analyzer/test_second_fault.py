@@ -50,9 +50,10 @@ def collectives(job: str, agent: str, ranks: list[int], late: dict[int, float],
     return CollectiveBatch(job_id=job, agent_id=agent, **cols)
 
 
-async def _agents(agents: dict[str, BusClient], job: str) -> None:
+async def _agents(agents: dict[str, BusClient], job: str) -> dict[str, int]:
     """Stand-in agents, each on its own connection (so in no set order): an agent's n-th
-    profile window is the job's n-th, drawn from the same seed by both."""
+    profile window is the job's n-th, drawn from the same seed by both. Returns how many
+    profile requests each has served so far (it grows as they serve)."""
     served = dict.fromkeys(AGENTS, 0)
     for i, agent in enumerate(AGENTS):
         async def answer(msg: Msg, agent: str = agent, i: int = i) -> None:
@@ -66,6 +67,7 @@ async def _agents(agents: dict[str, BusClient], job: str) -> None:
                                           seed=served[agent]))
         await agents[agent].subscribe(Subjects.control(job, agent), cb=answer)
         await agents[agent].flush()  # subscribed before the analyzer asks
+    return served
 
 
 def _det(job: str, kind: DetectionKind, change: str, first: int, before: float, after: float

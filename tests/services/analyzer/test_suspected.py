@@ -104,10 +104,17 @@ async def test_a_withdrawn_suspicion_is_resolved_never_validated_and_the_next_on
     localised (it used to be dropped as a repeat of the running one)."""
     job = f"wdrw{uuid.uuid4().hex[:8]}"
     await register_ranks(ctx, job)
-    await _agents(agents, job)
+    served = await _agents(agents, job)
     async with fed_analyzer(ctx, job) as analyzer:
         seen = _slowdown(job, "suspected", 100, 103, 103, time.time_ns())
         await analyzer.consume("", seen)
+        # withdrawn once its profiling has begun (every agent asked), so that the next
+        # suspicion's profile is every agent's second, whatever the machine's pace
+        for _ in range(400):
+            if all(served.values()):
+                break
+            await asyncio.sleep(0.01)
+        assert all(served.values()), served
         await analyzer.consume("", _withdrawn(job, 100, seen.event_id))
         await analyzer.consume("", _slowdown(job, "suspected", 300, 303, 303, time.time_ns()))
         await _settle(analyzer)
