@@ -149,7 +149,10 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
                         if f.validate_s is not None or \
                                 sim.virtual_s > named_at + SETTLE_AFTER_NAMED_S:
                             pacer.settle(f.fault)
-                sim.speed = pacer.speed(sim.virtual_s, now - t0, busy=sim.attended,
+                # a plan on its way to the job (proposed, approved, not applied yet) is the
+                # services' wall-clock work on it too: its delivery runs at real time
+                on_way = any(p["status"] in ("proposed", "approved") for p in plans)
+                sim.speed = pacer.speed(sim.virtual_s, now - t0, busy=sim.attended or on_way,
                                         lag=lag.pending)
                 return bool(dead)
 

@@ -72,7 +72,8 @@ class PaceReport:
         parts = []
         names = {"reaction": f"{self.policy.slow:g}x from {self.policy.lead_s:g} s before each "
                              "fault until it was named",
-                 "busy": f"{self.policy.slow:g}x while the services profiled or paused the job",
+                 "busy": f"{self.policy.slow:g}x while the services profiled or paused the job "
+                         "or a plan was on its way to it",
                  "fast": f"up to {self.policy.fast:g}x otherwise"}
         for m in MODES:
             t = self.modes[m]
