@@ -27,3 +27,21 @@ def test_an_estimate_the_environment_sets_is_kept(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("GREYHOUND_PLANNER_S2_OVERHEAD_S", raising=False)
     got = planner_costs(load_scenario(SCENARIO), PlannerSettings(), io.StringIO())
     assert (got.s2_overhead_s, got.s3_overhead_s) == (1.0, 90.0)
+
+
+def _plan(incident: str, strategy: str, status: str) -> dict[str, object]:
+    return {"incident_id": incident, "strategy": strategy, "status": status}
+
+
+def test_an_ended_fault_is_held_while_its_s2_plan_is_in_force() -> None:
+    from greyhound.sim.score import Found
+    from stack.paper_run import held_at_end
+
+    sc = load_scenario(SCENARIO)  # faults 1 and 2 (GPUs 21, 140) overlap: 20-120, 70-180
+    both = [Found(0, True, True, "a"), Found(1, True, True, "a")]
+    s2 = [_plan("a", "S2", "applied")]
+    assert not held_at_end(sc, 0, both, s2, 121.0)  # fault 2 still needs the plan
+    assert held_at_end(sc, 1, both, s2, 181.0)
+    assert not held_at_end(sc, 1, both, [_plan("a", "S2", "reverted")], 181.0)
+    assert not held_at_end(sc, 1, both, [_plan("a", "S3", "applied")], 181.0)  # no re-check
+    assert not held_at_end(sc, 1, [Found(1, False, False)], s2, 181.0)  # never found
