@@ -117,7 +117,9 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
     follower = SimPlanFollower(sim, PlanClient(base, job, mint_token(
         db, role="job", name=f"job-{job}", job_id=job, token_key=token_key), timeout_s=5.0),
         poll_s=poll_s)
-    pacer = Pacer(policy, [f.start_s for f in sc.faults])
+    pacer = Pacer(policy, [f.start_s for f in sc.faults], ends=[
+        f.start_s + f.duration_s if f.duration_s is not None else float("inf")
+        for f in sc.faults])
     incidents: list[dict[str, Any]] = []
     plans: list[dict[str, Any]] = []
     found: list[Found] = []
@@ -149,7 +151,13 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
                         if f.validate_s is not None or \
                                 sim.virtual_s > named_at + SETTLE_AFTER_NAMED_S:
                             pacer.settle(f.fault)
-                sim.speed = pacer.speed(sim.virtual_s, now - t0, busy=sim.attended,
+                    for i in pacer.ending(sim.virtual_s):
+                        if not held_at_end(sc, i, found, plans, sim.virtual_s):
+                            pacer.settle_end(i)
+                # a plan on its way to the job (proposed, approved, not applied yet) is the
+                # services' wall-clock work on it too: its delivery runs at real time
+                on_way = any(p["status"] in ("proposed", "approved") for p in plans)
+                sim.speed = pacer.speed(sim.virtual_s, now - t0, busy=sim.attended or on_way,
                                         lag=lag.pending)
                 return bool(dead)
 
@@ -172,6 +180,27 @@ def play_with(stack: Stack, sc: Scenario, policy: PacePolicy, *,
     finally:
         operator.close()
         sim.close(remove=True)
+
+
+HELD_STRATEGIES = ("S2",)  # plans the planner takes back on a re-check of the culprit
+
+
+def held_at_end(sc: Scenario, fault: int, found: list[Found], plans: list[dict[str, Any]],
+                virtual_s: float) -> bool:
+    """Whether fault ``fault`` (ended, or about to) still has a plan in force that the services
+    take back on their own wall-clock re-checks: an S2 plan of the incident that named it, not
+    needed by another fault of that incident still going on. Such a plan slows the healthy job
+    (its re-balance puts more micro-batches on the others) until it is reverted."""
+    mine = next((f.incident_id for f in found if f.fault == fault), None)
+    if mine is None:
+        return False
+    for j, other in enumerate(sc.faults):
+        end = other.start_s + other.duration_s if other.duration_s is not None else float("inf")
+        if j != fault and other.start_s <= virtual_s < end and any(
+                f.fault == j and f.incident_id == mine for f in found):
+            return False  # its plan is that fault's too: taken back at that one's end
+    return any(p["incident_id"] == mine and p["strategy"] in HELD_STRATEGIES
+               and p["status"] in ("proposed", "approved", "applied") for p in plans)
 
 
 class Layouts:

@@ -53,7 +53,7 @@ from greyhound.hookabi.layout import (
     signed64,
     unsigned64,
 )
-from greyhound.hookabi.reader import MAX_POLL_RECORDS, Control, RingReader
+from greyhound.hookabi.reader import MAX_POLL_RECORDS, Control, RingReader, profile_wait_s
 from greyhound.hookabi.ringfile import FileId, RingFile
 from greyhound.hookabi.validation import MAX_CAPACITY, MAX_RANK, RingError
 from greyhound.hookabi.writer import CommRow, HookControl, RingWriter, write_records
@@ -111,6 +111,7 @@ __all__ = [
     "list_rings",
     "mode_name",
     "op_name",
+    "profile_wait_s",
     "ring_names",
     "ring_path",
     "signed64",

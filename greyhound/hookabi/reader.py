@@ -38,6 +38,21 @@ from greyhound.hookabi.validation import RingError
 
 _GPU_PENDING = int(Flag.PROFILED)
 _GPU_SETTLED = int(Flag.GPU_DONE | Flag.GPU_LOST | Flag.ABORTED)
+# How long the agent's reader holds a profiled record for its GPU times (RingReader.gpu_wait_ns):
+# a call's GPU end comes up to an iteration after its host return (the host runs ahead), more
+# when the iteration is long, so this many of the rank's recent iterations, within [MIN, MAX]
+# seconds. The simulator's live mode holds its profiled records by the same rule.
+PROFILE_WAIT_ITERATIONS = 4
+MIN_PROFILE_WAIT_S = 2.0
+MAX_PROFILE_WAIT_S = 120.0
+
+
+def profile_wait_s(recent_iteration_s: float) -> float:
+    """The GPU-times wait for a rank whose longest recent iteration took ``recent_iteration_s``."""
+    return min(max(PROFILE_WAIT_ITERATIONS * recent_iteration_s, MIN_PROFILE_WAIT_S),
+               MAX_PROFILE_WAIT_S)
+
+
 # Records handed out by one poll: 8 MiB of copies at most, whatever the ring's size or lag.
 MAX_POLL_RECORDS = 1 << 16
 # No real ring reaches 2^62 records (a billion calls a second for 146 years).

@@ -10,7 +10,12 @@ Each rank behaves like a training process over an asynchronous NCCL on a GPU: it
 an iteration's calls up front, microseconds each, and waits in the iteration's synchronisation
 outside NCCL; its GPU runs them later. A record appears once the host returned from its call, in
 enqueue order; in profile mode (decided when the call is enqueued) once its GPU times are known,
-as the agent's reader would hand it out, or after the reader's two seconds without them. The
+as the agent's reader would hand it out, or after the reader's wait without them
+(``hookabi.profile_wait_s``: several recent iterations, at least two seconds). A record published
+untimed would be held by the reader until its wall clock passed the record's return plus that
+wait, and the virtual clock runs ahead of the wall clock whenever the pace is above 1x: the run
+would stand still (its unread records) until the wall clock caught up. So a record whose wait is
+over goes out as the reader would hand it out by then, settled without GPU times (GPU_LOST). The
 comm table moves as the hook moves it (:mod:`greyhound.sim.commtable`): host counters at enqueue
 and return, completion marks as the GPU completes calls. A hang is a call pending on a GPU while
 every host sits outside NCCL; a call never enqueued moves no host counter.
@@ -59,7 +64,8 @@ from greyhound.sim.scenario import Scenario
 
 _PROFILED = np.uint32(hookabi.Flag.PROFILED)
 _GPU_DONE = np.uint32(hookabi.Flag.GPU_DONE)
-GPU_WAIT_S = 2.0  # how long the agent's reader waits for a profiled call's GPU times
+_GPU_LOST = np.uint32(hookabi.Flag.GPU_LOST)
+RECENT_ITERATIONS = 8  # iterations the agent's wait for GPU times looks back on (its collector)
 DRAIN_TIMEOUT_S = 10.0  # a parked rank measures anyway if its queued GPU work cannot finish
 
 
@@ -337,6 +343,15 @@ class LiveSimulation:
             self._model_t += cost
             self._applied.append(AppliedPlan(tag, self._model_t, cost, len(self._ends), error))
 
+    def gpu_wait_s(self) -> float:
+        """How long the agent's reader waits for a profiled call's GPU times now: by its rule,
+        on the longest of the last RECENT_ITERATIONS iterations the job completed."""
+        done = int(np.searchsorted(np.asarray(self._ends), self._v, side="right"))
+        recent = [e - s for s, e in zip(self._starts[max(0, done - RECENT_ITERATIONS):done],
+                                        self._ends[max(0, done - RECENT_ITERATIONS):done],
+                                        strict=True)]
+        return hookabi.profile_wait_s(max(recent, default=0.0))
+
     def _segments(self) -> tuple[np.ndarray, np.ndarray]:
         world = np.arange(len(self.rings))
         return (np.searchsorted(self._rank, world), np.searchsorted(self._rank, world, "right"))
@@ -372,12 +387,12 @@ class LiveSimulation:
     def _publish(self, starts: np.ndarray, ends: np.ndarray, state: np.ndarray,
                  v_ns: np.uint64) -> np.ndarray:
         """Write each rank's records up to its first one not due: not returned yet, or profiled
-        and neither done on the GPU nor returned GPU_WAIT_S ago."""
+        and neither done on the GPU nor returned the reader's wait ago (gpu_wait_s)."""
         rank, rec = self._rank, self._rec
         pos = np.arange(len(rec))
         profiled = state & Progress.PROFILED != 0
         done = state & Progress.DONE != 0
-        waited = rec["return_ns"] <= v_ns - np.uint64(round(GPU_WAIT_S * 1e9))
+        waited = rec["return_ns"] <= v_ns - np.uint64(round(self.gpu_wait_s() * 1e9))
         due = (state & Progress.RETURNED != 0) & (~profiled | done | waited)
         unpublished = state & Progress.PUBLISHED == 0
         blocker = np.where(unpublished & ~due, pos, len(rec))
@@ -389,8 +404,11 @@ class LiveSimulation:
         go = unpublished & (pos < first[rank])
         out = rec[go]
         timed = profiled[go] & done[go]
+        # Untimed after the reader's wait: GPU_LOST, as the reader would hand it out by then.
+        # Plainly untimed, a reader on the wall clock would wait for the virtual return plus
+        # its wait, and the run would stand still (unread) until the wall clock got there.
         out["flags"] |= np.where(profiled[go], _PROFILED, np.uint32(0)) \
-            | np.where(timed, _GPU_DONE, np.uint32(0))
+            | np.where(timed, _GPU_DONE, np.where(profiled[go], _GPU_LOST, np.uint32(0)))
         out["gpu_start_ns"] = np.where(timed, out["gpu_start_ns"], np.uint64(0))
         out["gpu_end_ns"] = np.where(timed, out["gpu_end_ns"], np.uint64(0))
         bounds = np.searchsorted(rank[go], np.arange(len(self.rings) + 1))

@@ -9,7 +9,10 @@ read it reports a healthy job. So the pace is chosen from what is going on:
 
 * ``slow`` (1x, real time) from ``lead_s`` before each fault's onset until its reaction is over
   (the driver calls :meth:`Pacer.settle`, or ``window_s`` passed), so reaction times are read at
-  real time; and whenever the services work on the job (profiling, a pause): ``busy``;
+  real time; likewise from ``lead_s`` before each fault's end until the services have taken
+  back what they did for it (:meth:`Pacer.settle_end`; a plan in force after its fault ended
+  slows the healthy job, and its revert waits on wall-clock re-checks); and whenever the
+  services work on the job (profiling, a pause): ``busy``;
 * ``fast`` otherwise;
 * either one lowered while the tracker lags (``lag`` messages not yet consumed above
   ``lag_high``: the factor halves, down to ``min_factor``; below ``lag_low`` it grows back).
@@ -71,8 +74,10 @@ class PaceReport:
     def describe(self) -> str:
         parts = []
         names = {"reaction": f"{self.policy.slow:g}x from {self.policy.lead_s:g} s before each "
-                             "fault until it was named",
-                 "busy": f"{self.policy.slow:g}x while the services profiled or paused the job",
+                             "fault until it was named, and before its end until its plan was "
+                             "taken back",
+                 "busy": f"{self.policy.slow:g}x while the services profiled or paused the job "
+                         "or a plan was on its way to it",
                  "fast": f"up to {self.policy.fast:g}x otherwise"}
         for m in MODES:
             t = self.modes[m]
@@ -91,7 +96,9 @@ class Pacer:
 
     policy: PacePolicy
     onsets: Sequence[float] = ()
+    ends: Sequence[float] = ()  # each fault's end (virtual s), in the onsets' order
     settled: set[int] = field(default_factory=set)
+    ended: set[int] = field(default_factory=set)  # faults whose end needs no more reaction
     factor: float = 1.0
     _mode: Mode = "fast"
     _last: tuple[float, float] | None = None  # (virtual, wall) of the previous call
@@ -102,6 +109,17 @@ class Pacer:
     def settle(self, fault: int) -> None:
         """Fault ``fault``'s reaction is over: the pace need not stay slow for it."""
         self.settled.add(fault)
+
+    def settle_end(self, fault: int) -> None:
+        """What the services did for fault ``fault`` is taken back (or there was nothing): the
+        pace need not stay slow at its end."""
+        self.ended.add(fault)
+
+    def ending(self, virtual_s: float) -> list[int]:
+        """Faults whose end's reaction window is open at ``virtual_s``."""
+        p = self.policy
+        return [i for i, t in enumerate(self.ends) if i not in self.ended
+                and t - p.lead_s <= virtual_s < t + p.window_s]
 
     def reacting(self, virtual_s: float) -> list[int]:
         """Faults whose reaction window is open at ``virtual_s``."""
@@ -127,7 +145,7 @@ class Pacer:
                 self.factor = max(p.min_factor, self.factor / 2)
             elif lag is None or lag < p.lag_low:
                 self.factor = min(1.0, self.factor * 1.25)
-        if self.reacting(virtual_s):
+        if self.reacting(virtual_s) or self.ending(virtual_s):
             self._mode = "reaction"
         elif busy:
             self._mode = "busy"

@@ -35,6 +35,7 @@ from greyhound.hookabi import (
     Op,
     RingError,
     RingReader,
+    profile_wait_s,
     ring_names,
 )
 from greyhound.hookabi.validation import sane_comm_rows, sane_records
@@ -48,12 +49,6 @@ _COLLECTIVES = np.array([Op.ALLREDUCE, Op.ALLGATHER, Op.REDUCESCATTER, Op.BROADC
 _PROFILE_FLAGS = np.uint32(Flag.PROFILED | Flag.CAPTURED)
 # An iteration longer than a day, or ending outside int64 ns, comes from nonsense timestamps.
 MAX_ITERATION_S = 86_400.0
-# A profiled call's GPU end comes up to an iteration after its host return (the host runs ahead),
-# more when the iteration is long: its record waits for its GPU times this many of the rank's
-# recent iterations, within [MIN, MAX] seconds (and while the ring has room, see RingReader).
-PROFILE_WAIT_ITERATIONS = 4
-MIN_PROFILE_WAIT_S = 2.0
-MAX_PROFILE_WAIT_S = 120.0
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xC2B2AE3D27D4EB4F)
 
@@ -170,9 +165,8 @@ class RankStream:
                and 0 < it.end_ns + off < 1 << 63]
         if out:
             self._recent_s.extend(i.duration_s for i in out)
-            wait_s = min(max(PROFILE_WAIT_ITERATIONS * max(self._recent_s), MIN_PROFILE_WAIT_S),
-                         MAX_PROFILE_WAIT_S)
-            self.reader.gpu_wait_ns = int(wait_s * 1e9)
+            # a profiled record waits for its GPU times (while the ring has room, RingReader)
+            self.reader.gpu_wait_ns = int(profile_wait_s(max(self._recent_s)) * 1e9)
         return out
 
 

@@ -40,12 +40,20 @@ class WindowRule:
     """When a window has seen enough: every rank ``min_rows`` calls and every communicator
     ``min_instances`` complete instances; or ``max_data_s`` of data (by the rows' own clocks,
     virtual time for the simulator) with at least one complete instance per communicator, so
-    slow iterations still end the window; or ``max_wall_s`` of waiting, whatever came."""
+    slow iterations still end the window; or ``max_wall_s`` of waiting, whatever came.
+
+    Both count only the communicators seen so far, and a communicator used once an iteration
+    (a DP gradient all-reduce) shows its first complete instance only at the end of the first
+    profiled iteration: later still when it is the slow one (a congested link). So neither
+    ends a window before ``min_iterations`` of the detection's slow iteration time, from the
+    first profiled call: a shorter window of a job whose iteration outgrew ``max_data_s``
+    missed exactly the communicator that was slow (it found nothing)."""
 
     min_rows: int = 32
     min_instances: int = 3
     max_data_s: float = 2.0
     max_wall_s: float = 15.0
+    min_iterations: float = 1.25
 
 
 @dataclass
@@ -92,12 +100,17 @@ class ProfileBuffer:
             exit_ns=(exit_ - base).astype(np.float64), gap_known=timeline.gap_known[keep])
         return calls, timeline
 
-    def ready(self, rule: WindowRule) -> bool:
+    def ready(self, rule: WindowRule, *, iteration_s: float = 0.0) -> bool:
         """Judged on the rows the localisation will use: once a rank has GPU-timed rows, its
-        untimed ones (enqueued before profiling began, captured in a graph) do not count."""
+        untimed ones (enqueued before profiling began, captured in a graph) do not count.
+        ``iteration_s``: the job's iteration time as detected (slow); the window spans at
+        least ``rule.min_iterations`` of it (see WindowRule)."""
         if len(self) == 0:
             return False
         calls = self.calls()
+        span = float(calls.exit_ns.max() - calls.enter_ns.min()) / 1e9 if len(calls) else 0.0
+        if span < rule.min_iterations * iteration_s:
+            return False
         counts = np.bincount(calls.rank.clip(0))
         seen = set(np.flatnonzero(counts).tolist())
         rows_ok = self.expected_ranks <= seen and all(
@@ -106,7 +119,6 @@ class ProfileBuffer:
         fewest = int(instances.min()) if instances.size else 0
         if rows_ok and fewest >= rule.min_instances:
             return True
-        span = float(calls.exit_ns.max() - calls.enter_ns.min()) / 1e9
         return span >= rule.max_data_s and fewest >= 1
 
 

@@ -154,7 +154,8 @@ class SlowLocalizer:
         t0 = time.monotonic()
         try:
             answered = await self._set_mode(det.job_id, agents, "profile")
-            while not buf.ready(self.rule) and time.monotonic() - t0 < self.rule.max_wall_s:
+            while not buf.ready(self.rule, iteration_s=det.after_s) \
+                    and time.monotonic() - t0 < self.rule.max_wall_s:
                 await asyncio.sleep(0.2)
         finally:
             self.buffers.pop(det.job_id, None)

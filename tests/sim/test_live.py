@@ -494,3 +494,44 @@ def test_a_paced_run_does_not_leap_over_a_stall(tmp_path: Path) -> None:
             LiveSimulation(scenario(J, duration_s=1.0), tmp_path, "job-z", max_step_s=0.0)
     finally:
         sim.close()
+
+
+def test_profiled_calls_of_long_iterations_come_timed(tmp_path: Path) -> None:
+    """Iterations of ~6 s on a paced run (a host enqueues one up front, its GPU ends its last
+    calls seconds later): each profiled record waits for its GPU times as long as the agent's
+    reader would (several recent iterations), so once an iteration is known none reaches the
+    reader untimed; before that (2 s) it goes out settled without times (GPU_LOST), never
+    plainly untimed: a reader on the wall clock would hold that one until the wall clock passed
+    its virtual return, and the run would stand still meanwhile (issue 23: a congested link's
+    slow DP all-reduces never reached the analyzer's profile, the demo stalled for a minute)."""
+    slow = {**J, "microbatch_compute_s": 2.0}
+    sc = scenario(slow, duration_s=40.0)
+    ticks = iter(np.arange(0.0, 1e4, 0.1))  # 0.1 virtual s a step, far ahead of the wall clock
+    sim = LiveSimulation(sc, tmp_path, "job-w", capacity=1024, speed=1.0,
+                         clock=lambda: float(next(ticks)))
+    try:
+        readers = [RingReader(p) for p in list_rings(tmp_path, "job-w")]
+        for rd in readers:
+            rd.control().set_mode("profile")
+        got: list[list[np.ndarray]] = [[] for _ in readers]
+        for _ in range(2000):  # 400 steps move the clock; a stalled run never ends
+            if sim.done:
+                break
+            if not sim.step():
+                for i, rd in enumerate(readers):
+                    got[i].append(rd.poll())
+        assert sim.done
+        first_end = sim.mono0_ns + round(sim.iteration_times()[0][1] * 1e9)
+        for g in got:
+            rec = np.concatenate(g)
+            late = rec["gpu_end_ns"].astype(np.int64) - rec["return_ns"].astype(np.int64)
+            assert np.any(late > 2e9)  # the reader's shortest wait would not have covered it
+            known = rec["enter_ns"] > np.uint64(first_end)
+            assert known.sum() > 20 and np.all(rec["flags"][known] & TIMED == TIMED)
+            lost = rec["flags"] & Flag.GPU_DONE == 0
+            assert np.all(rec["flags"][lost] & (Flag.PROFILED | Flag.GPU_LOST)
+                          == Flag.PROFILED | Flag.GPU_LOST)
+        longest = max(d for _, d in sim.iteration_times())
+        assert longest > 4.0 and sim.gpu_wait_s() == pytest.approx(4 * longest)
+    finally:
+        sim.close()

@@ -63,3 +63,17 @@ def test_bad_policies_are_refused() -> None:
                 {"min_factor": 0.0}):
         with pytest.raises(ValueError):
             PacePolicy(**bad)
+
+
+def test_real_time_around_an_end_until_what_was_done_for_it_is_taken_back() -> None:
+    """Issue 23: an S2 plan left in force after its fault ended slowed the healthy job by 13%
+    and lifted the tracker's baseline over the next weak fault; its revert waits on the
+    planner's wall-clock re-checks, so the end is paced like an onset until it is settled."""
+    p = Pacer(POLICY, [100.0], ends=[200.0])
+    assert p.speed(170.0, 0.0) == 8.0 and p.ending(170.0) == []
+    assert (p.speed(198.0, 10.0), p.mode) == (1.0, "reaction") and p.ending(198.0) == [0]
+    assert p.speed(250.0, 60.0) == 1.0  # still in force
+    p.settle_end(0)
+    assert p.speed(251.0, 61.0) == 8.0 and p.ending(251.0) == []
+    q = Pacer(POLICY, [100.0], ends=[200.0])
+    assert q.speed(260.5, 0.0) == 8.0  # the window (60 s) is over

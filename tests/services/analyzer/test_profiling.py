@@ -85,3 +85,39 @@ def test_host_only_job_is_read_on_host_time() -> None:
     assert timeline.basis == "host" and timeline.host_only_rows == len(obs.rank)
     loc = localize_slow(calls, node_of_rank=_nodes(), before_s=0.1, after_s=0.13)
     assert (loc.kind, loc.compute_ranks) == ("compute_slow", [5])
+
+
+def _calls(comm: int, nranks: int, times_s: list[tuple[float, float]]) -> dict[str, list[int]]:
+    """One collective instance per (start, end) on ``nranks`` ranks, GPU-timed."""
+    cols: dict[str, list[int]] = {c: [] for c in (
+        "rank", "comm_id", "comm_rank", "nranks", "seq", "op", "count", "dtype", "peer",
+        "enter_ns", "exit_ns", "gpu_start_ns", "gpu_end_ns")}
+    for seq, (a, b) in enumerate(times_s):
+        for r in range(nranks):
+            start, end = T0 + round(a * 1e9), T0 + round(b * 1e9)
+            for c, v in (("rank", r), ("comm_id", comm), ("comm_rank", r), ("nranks", nranks),
+                         ("seq", seq), ("op", 1), ("count", 1024), ("dtype", 7), ("peer", -1),
+                         ("enter_ns", start - 500_000_000), ("exit_ns", start - 499_000_000),
+                         ("gpu_start_ns", start), ("gpu_end_ns", end)):
+                cols[c].append(v)
+    return cols
+
+
+def test_a_window_spans_the_slow_iteration_before_it_is_ready() -> None:
+    """Issue 23: iterations of 2.3 s (a congested link slows the DP all-reduce, once an
+    iteration): 2.1 s of TP calls meet the max_data_s rule (one complete instance of every
+    communicator seen) while the slow DP all-reduce has not completed once; the window waits
+    for min_iterations of the detected iteration time, which brings it in."""
+    tp = _calls(11, 4, [(0.1 * i, 0.1 * i + 0.01) for i in range(22)])
+    buf = ProfileBuffer("j", frozenset(range(4)), opened_ts=T0 / 1e9)
+    buf.add(CollectiveBatch(job_id="j", agent_id="a", ts=T0 / 1e9, **tp))
+    rule = WindowRule()
+    assert buf.ready(rule)  # the rule alone: ready, and blind to the DP all-reduce
+    assert not buf.ready(rule, iteration_s=2.3)
+    later = _calls(11, 4, [(2.2 + 0.1 * i, 2.21 + 0.1 * i) for i in range(8)])
+    dp = _calls(22, 4, [(0.6, 2.95)])  # the slow all-reduce, completed at 2.95 s
+    for cols in (later, dp):
+        buf.add(CollectiveBatch(job_id="j", agent_id="a", ts=T0 / 1e9, **cols))
+    assert buf.ready(rule, iteration_s=2.3)
+    calls = buf.calls()
+    assert set(np.unique(calls.comm_id).tolist()) == {11, 22}
