@@ -56,7 +56,11 @@ class Running:
             await session.commit()
             return hook.id
 
-    async def incident(self, job: str, *, world_size: int = 8) -> str:
+    async def incident(self, job: str, *, world_size: int = 8,
+                       suspected: repo.Moment | None = None,
+                       confirmed: repo.Moment | None = None) -> str:
+        """A slowdown incident of ``job`` on rank 2; with ``suspected`` one the tracker
+        suspected (and, with ``confirmed`` too, already confirmed)."""
         async with self.ctx.db()() as session:
             await repo.touch_job(session, job, world_size=world_size)
             inc = await repo.open_incident(
@@ -65,7 +69,8 @@ class Running:
                 culprit=Culprit(ranks=[2]), evidence=Evidence(),
                 stage_detail=Detection(event_id=uuid.uuid4().hex, ranks=[2], method="bocd-v",
                                        first_iteration=10, detected_iteration=12,
-                                       before_s=1.0, after_s=1.5))
+                                       before_s=1.0, after_s=1.5),
+                suspected=suspected, confirmed=confirmed)
             await session.commit()
             return inc.id
 

@@ -5,13 +5,11 @@ receiver on loopback."""
 
 from __future__ import annotations
 
-import uuid
 from datetime import UTC, datetime
 
 from sqlalchemy import select
 
 from services.common.db import repository as repo
-from services.common.db.documents import Culprit, Detection, Evidence
 from services.common.db.models import WebhookDelivery
 from services.common.webhooks.payload import pages
 from tests.services.notifier.conftest import Running, until
@@ -23,19 +21,8 @@ SECRET = "whsec_notifier-suspicion-secret"
 async def _suspected(r: Running, job: str, *, confirmed: bool = False) -> str:
     """A slowdown incident the tracker suspected (and, with ``confirmed``, already confirmed)."""
     now = datetime.now(UTC)
-    async with r.ctx.db()() as session:
-        await repo.touch_job(session, job, world_size=8)
-        inc = await repo.open_incident(
-            session, job_id=job, kind="slowdown", dedup_key="slowdown", severity=1.5,
-            summary=f"job {job} slowdown: iteration 1.000s -> 1.500s (1.50x)",
-            culprit=Culprit(ranks=[2]), evidence=Evidence(),
-            stage_detail=Detection(event_id=uuid.uuid4().hex, ranks=[2], method="bocd-v",
-                                   first_iteration=10, detected_iteration=12,
-                                   before_s=1.0, after_s=1.5),
-            suspected=repo.Moment(now, 12),
-            confirmed=repo.Moment(now, 14) if confirmed else None)
-        await session.commit()
-        return inc.id
+    return await r.incident(job, suspected=repo.Moment(now, 12),
+                            confirmed=repo.Moment(now, 14) if confirmed else None)
 
 
 async def _confirm(r: Running, incident_id: str) -> None:
