@@ -20,6 +20,7 @@ import pytest
 from greyhound.fakejob import FaultFile, native_build_dir
 from services.agent.collector import Collector
 from services.agent.nvml import GpuMonitor, NvmlSampler, decode_throttle
+from services.agent.visible_devices import read_visible
 
 
 def settle() -> None:
@@ -211,6 +212,19 @@ async def test_monitor_maps_gpus_to_ranks_and_blames_no_xid_from_before_the_job(
     assert [(g.index, g.xids) for g in await monitor.samples(new_job)] == [(1, [])]
 
 
+def _until_exec_done(procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
+    """Until every process's environment reads back. Popen returns once the child's exec has
+    released the parent (vfork) and closed the error pipe, which the kernel does before it
+    lays out the new image's environment: until then /proc/<pid>/environ reads empty, and a
+    descheduled child on a busy machine was read as having no CUDA_VISIBLE_DEVICES (mapped
+    to GPU 0). A rank process the agent reads has long been running."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        while read_visible(p.pid) is None:
+            assert time.monotonic() < deadline, f"process {p.pid}'s environment never read back"
+            time.sleep(0.01)
+
+
 async def test_ranks_bound_to_one_gpu_each_are_mapped_through_their_visible_devices(
         sampler: NvmlSampler) -> None:
     """Under a scheduler that gives each rank one GPU, every rank is CUDA device 0: each rank's
@@ -223,6 +237,7 @@ async def test_ranks_bound_to_one_gpu_each_are_mapped_through_their_visible_devi
            {"CUDA_VISIBLE_DEVICES": "1,0"}, {"CUDA_VISIBLE_DEVICES": "MIG-2d0c1a7e"}]
     procs = [subprocess.Popen(["sleep", "30"], env={**os.environ, **e}) for e in env]
     try:
+        _until_exec_done(procs)
         now = time.time()
         job = _collector(*(_Stream(r, 0, now - 10, pid=p.pid) for r, p in enumerate(procs)))
         got = await monitor.samples(job)
