@@ -18,10 +18,15 @@ the late result is logged and dropped, never written over the new holder's.
 On-call is paged only for a slowdown that held (or a hang): an incident only suspected so far
 (greyhound.core.levels; a short transient could explain it) sends nothing, whatever its stage.
 Its confirmation is announced again as ``detected`` and sends ``incident.opened`` then, with
-what the incident knows by that time (a localisation made while it was suspected included); a
-suspicion withdrawn before it held never pages anyone, not even with its resolution. The
-incident is read when the event is handled, so an event handled late follows the incident's
-stage by then: a suspicion confirmed meanwhile pages, one withdrawn meanwhile does not.
+what the incident knows by that time; a suspicion withdrawn before it held never pages anyone,
+not even with its resolution. A stage the suspicion reached meanwhile (its localisation) is
+frozen as it happened and *held*: the confirmation releases it a moment after the opening, a
+withdrawal marks it ``withdrawn``. So a slowdown that held sends the same events whatever raced
+(localised before or after its confirmation, an event handled late by a twin), each once.
+
+Each event is handled with its incident's row locked (repository.lock_incident), so the two
+that race, a stage held while suspected and the confirmation releasing what is held, see each
+other's work: whichever runs second reads what the first committed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from services.common.webhooks.sender import Attempt, attempt, retry_delay_s
 from services.notifier.settings import NotifierSettings
 
 log = logging.getLogger(__name__)
+
+RELEASE_AFTER_OPENED_S = 1.0  # a held stage is sent this long after the opening it follows
 
 NOTIFIER = ConsumerSpec(stream=EVENTS, durable="notifier",
                         filter_subjects=(Subjects.ALL_INCIDENTS,), batch=64)
@@ -90,22 +97,36 @@ class Notifier:
         """The event's deliveries, one per webhook that wants it, frozen in this unit; the
         sender is woken once they are committed."""
         event = STAGE_EVENT[ev.stage]
-        inc = await repo.get_incident(uow.session, ev.incident_id)
+        inc = await repo.lock_incident(uow.session, ev.incident_id)
         if inc is None:
             log.warning("incident event %s names unknown incident %s", ev.event_id,
                         ev.incident_id)
             return
-        if not pages(inc):
-            log.info("incident %s only suspected: %s not sent (on-call hears of it once the "
-                     "tracker confirms it)", inc.id, event)
+        held = not pages(inc)
+        if held and event == "incident.resolved":
+            n = await repo.withdraw_held_deliveries(uow.session, inc.id)
+            log.info("incident %s withdrawn while only suspected: nothing sent (%d held "
+                     "deliveries withdrawn)", inc.id, n)
+            return
+        if held and event == "incident.opened":
+            log.info("incident %s only suspected: not announced (on-call hears of it once the "
+                     "tracker confirms it)", inc.id)
             return
         now = datetime.now(UTC)
         facts = await incident_facts(uow.session, inc, now)
         key = delivery_key(event, inc.id, ev.event_id)
         body = incident_payload(event, key, facts, occurred_at=datetime.fromtimestamp(ev.ts, UTC),
                                 dashboard=self.settings.api_public_url)
-        if await enqueue(uow.session, event=event, key=key, payload=body, incident_id=inc.id,
-                         now=now):
+        made = await enqueue(uow.session, event=event, key=key, payload=body, incident_id=inc.id,
+                             now=now, held=held)
+        if held:
+            log.info("incident %s only suspected: %s held until the tracker confirms it",
+                     inc.id, event)
+            return
+        if event == "incident.opened":
+            made += await repo.release_held_deliveries(
+                uow.session, inc.id, now + timedelta(seconds=RELEASE_AFTER_OPENED_S))
+        if made:
             uow.after_commit(self._wake)
 
     async def _wake(self) -> None:

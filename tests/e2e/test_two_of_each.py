@@ -376,7 +376,7 @@ class Run:
             hooks = self.get("/v1/webhooks")
             pending = [d for h in hooks for d in self.get(f"/v1/webhooks/{h['id']}/deliveries",
                                                           limit=500)
-                       if d["status"] not in ("delivered", "failed", "rejected")]
+                       if d["status"] not in ("delivered", "failed", "rejected", "withdrawn")]
             n = len(self.rig.receiver.of_job(self.job))
             if n != seen:
                 seen, quiet_since = n, time.monotonic()

@@ -556,15 +556,48 @@ async def count_webhooks(session: AsyncSession) -> int:
 
 async def enqueue_delivery(session: AsyncSession, *, webhook_id: str, event_id: str, event: str,
                            incident_id: str | None, payload: dict[str, Any],
-                           due: datetime) -> int | None:
-    """A pending delivery; None when this webhook already has one for this idempotency key."""
+                           due: datetime | None) -> int | None:
+    """A pending delivery, or with no ``due`` time one ``held`` until its incident pages
+    (release_held_deliveries); None when this webhook already has one for this idempotency
+    key."""
     stmt = (insert(WebhookDelivery)
             .values(webhook_id=webhook_id, event_id=event_id, event=event,
-                    incident_id=incident_id, payload=payload, status="pending", attempts=0,
+                    incident_id=incident_id, payload=payload,
+                    status="pending" if due is not None else "held", attempts=0,
                     next_attempt_at=due)
             .on_conflict_do_nothing().returning(WebhookDelivery.id))
     row = (await session.execute(stmt)).first()
     return None if row is None else int(row[0])
+
+
+async def lock_incident(session: AsyncSession, incident_id: str) -> Incident | None:
+    """The incident with its timeline, its row locked until the transaction ends (FOR NO KEY
+    UPDATE: its timeline's inserts, which only check the key, still go on), so that whoever
+    reads it next sees what this transaction did with it."""
+    return await session.scalar(select(Incident).where(Incident.id == incident_id)
+                                .options(selectinload(Incident.timeline))
+                                .with_for_update(key_share=True))
+
+
+async def release_held_deliveries(session: AsyncSession, incident_id: str,
+                                  due: datetime) -> int:
+    """The incident's held deliveries become due at ``due``; how many."""
+    res = await session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.incident_id == incident_id, WebhookDelivery.status == "held")
+        .values(status="pending", next_attempt_at=due).returning(WebhookDelivery.id))
+    return len(res.all())
+
+
+async def withdraw_held_deliveries(session: AsyncSession, incident_id: str) -> int:
+    """The incident's held deliveries will never be sent (its suspicion was withdrawn); how
+    many. They stay listed, as ``withdrawn``."""
+    res = await session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.incident_id == incident_id, WebhookDelivery.status == "held")
+        .values(status="withdrawn", last_error="the suspicion was withdrawn before it held")
+        .returning(WebhookDelivery.id))
+    return len(res.all())
 
 
 async def claim_due_deliveries(session: AsyncSession, now: datetime, lease_until: datetime,
@@ -903,7 +936,7 @@ async def delete_webhook_attempts(session: AsyncSession, before: datetime, batch
 async def delete_finished_deliveries(session: AsyncSession, before: datetime, batch: int) -> int:
     return await _delete_batch(
         session, WebhookDelivery, WebhookDelivery.id,
-        and_(WebhookDelivery.status.in_(("delivered", "failed")),
+        and_(WebhookDelivery.status.in_(("delivered", "failed", "withdrawn")),
              WebhookDelivery.created_at < before), batch)
 
 

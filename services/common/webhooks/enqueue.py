@@ -21,8 +21,10 @@ from services.common.webhooks.payload import IncidentFacts, for_format, wants
 
 
 async def enqueue(session: AsyncSession, *, event: str, key: str, payload: Mapping[str, Any],
-                  incident_id: str | None, now: datetime | None = None) -> int:
-    """One delivery per enabled webhook that wants ``event``; how many were new."""
+                  incident_id: str | None, now: datetime | None = None,
+                  held: bool = False) -> int:
+    """One delivery per enabled webhook that wants ``event``, due now or, ``held``, kept until
+    its incident pages (repository.release_held_deliveries); how many were new."""
     now = now or datetime.now(UTC)
     made = 0
     for hook in await repo.list_webhooks(session, enabled_only=True):
@@ -30,7 +32,7 @@ async def enqueue(session: AsyncSession, *, event: str, key: str, payload: Mappi
             continue
         row = await repo.enqueue_delivery(
             session, webhook_id=hook.id, event_id=key, event=event, incident_id=incident_id,
-            payload=for_format(payload, hook.format), due=now)
+            payload=for_format(payload, hook.format), due=None if held else now)
         made += row is not None
     return made
 

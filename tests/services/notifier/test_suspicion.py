@@ -1,7 +1,7 @@
 """On-call is paged for a slowdown that held, never for a suspicion: an incident only suspected
 (a short transient could explain it) sends nothing while it is, a withdrawn one never does, and
-a confirmed one sends ``incident.opened`` once, at its confirmation. Real NATS, Postgres and a
-receiver on loopback."""
+a confirmed one sends ``incident.opened`` once, at its confirmation, then what it reached while
+suspected (its localisation, held until then). Real NATS, Postgres and a receiver on loopback."""
 
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ async def _confirm(r: Running, incident_id: str) -> None:
         await session.commit()
 
 
-async def _keys(r: Running) -> list[str]:
+async def _keys(r: Running, status: str = "delivered") -> list[str]:
     async with r.ctx.db()() as session:
         return list((await session.scalars(select(WebhookDelivery.event_id)
+                                           .where(WebhookDelivery.status == status)
                                            .order_by(WebhookDelivery.id))).all())
 
 
@@ -47,11 +48,13 @@ async def test_only_a_confirmed_slowdown_pages(running: Running) -> None:
         # A suspicion: opened, profiled (localised while suspected), then withdrawn.
         gone = await _suspected(running, "job-transient")
         await running.announce("job-transient", gone)
-        await running.announce("job-transient", gone, stage="localized")
+        gone_localized = await running.announce("job-transient", gone, stage="localized")
         await running.announce("job-transient", gone, stage="resolved")
-        # A suspicion that holds: nothing while suspected, opened once confirmed.
+        # A suspicion that holds: nothing while suspected (its localisation held), opened once
+        # confirmed, then the localisation.
         held = await _suspected(running, "job-held")
         await running.announce("job-held", held)
+        localized = await running.announce("job-held", held, stage="localized")
         # A slowdown confirmed at once pages at once; the consumer handles events in order, so
         # once its page is delivered every event above has been handled.
         at_once = await _suspected(running, "job-at-once", confirmed=True)
@@ -59,15 +62,22 @@ async def test_only_a_confirmed_slowdown_pages(running: Running) -> None:
         await until(lambda: len(rx.processed) == 1, what="the confirmed slowdown's page")
         assert [p.key for p in rx.processed] == [f"{at_once}.opened"]
         assert await _keys(running) == [f"{at_once}.opened"]
+        assert await _keys(running, "held") == [localized.event_id]
+        assert await _keys(running, "withdrawn") == [gone_localized.event_id]
 
         await _confirm(running, held)
         await running.announce("job-held", held)  # the analyzer's event for the confirmation
-        await running.announce("job-held", held, stage="localized")
-        await until(lambda: len(rx.processed) == 3, what="the confirmation's page")
-        assert [p.key for p in rx.processed][1] == f"{held}.opened"
-        assert rx.processed[1].body["event"] == "incident.opened"
-        assert rx.processed[2].body["event"] == "incident.localized"
+        await until(lambda: len(rx.processed) == 3, what="the confirmation's pages")
+        assert [p.key for p in rx.processed][1:] == [f"{held}.opened", localized.event_id]
+        assert [p.body["event"] for p in rx.processed][1:] == ["incident.opened",
+                                                               "incident.localized"]
+        # a localisation after the confirmation is sent as it comes; the held one once only
+        await running.announce("job-held", held)
+        again = await running.announce("job-held", held, stage="localized")
+        await until(lambda: len(rx.processed) == 4, what="the later localisation")
+        assert rx.processed[3].key == again.event_id
         assert not any(gone in k for k in await _keys(running))
+        assert await _keys(running, "held") == []
     finally:
         await rx.stop()
 
