@@ -153,6 +153,9 @@ async def start_service(name: str, settings: Settings, *, need_db: bool = True,
 # Who declares the streams where the settings name no bus user: any central service's user may
 # (services.common.bus.grants); the tracker's, whose partitions shape the telemetry stream.
 STREAMS_USER = "tracker"
+# A stream's creation or change waits for its replicas' raft group: on a loaded cluster that
+# takes longer than a request's 5 s, and `streams apply` is run once, on purpose.
+APPLY_TIMEOUT_S = 30.0
 
 
 async def apply_streams(settings: Settings, backends: Backends | None = None) -> dict[str, str]:
@@ -173,7 +176,7 @@ async def apply_streams(settings: Settings, backends: Backends | None = None) ->
                            tls=tls_context(settings.nats_tls_ca, settings.nats_tls_cert,
                                            settings.nats_tls_key))
         try:
-            return await ensure_streams(nc.jetstream(), settings)
+            return await ensure_streams(nc.jetstream(timeout=APPLY_TIMEOUT_S), settings)
         finally:
             await nc.drain()
     finally:

@@ -15,8 +15,10 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import nats.errors
+import nats.js.errors
 import pytest
 from pydantic import ValidationError
 
@@ -95,12 +97,30 @@ async def _until_ready(url: str, timeout_s: float = 30.0) -> None:
             await asyncio.sleep(0.25)
 
 
+T = TypeVar("T")
+
+
+async def _answered(call: Callable[[], Awaitable[T]], timeout_s: float = 60.0) -> T:
+    """``call``'s answer, asked again while the cluster cannot give one yet: a request times out
+    (or finds no responder) while a stream's raft group is forming or electing its leader,
+    which on a loaded 2-core machine takes longer than a request's 5 s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await call()
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                nats.js.errors.ServiceUnavailableError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
 async def _lead(nc: BusClient, stepdown: str, node: str,
-                info: Callable[[], Awaitable[Any]], timeout_s: float = 30.0) -> None:
+                info: Callable[[], Awaitable[Any]], timeout_s: float = 60.0) -> None:
     """Ask the leader of a stream or consumer to step down in favour of ``node`` until it is
     the leader."""
     deadline = time.monotonic() + timeout_s
-    while (await info()).cluster.leader != node:
+    while (await _answered(info)).cluster.leader != node:
         assert time.monotonic() < deadline, f"{node} did not become the leader ({stepdown})"
         with contextlib.suppress(Exception):  # no leader for a moment: asked again
             await nc.request(f"$JS.API.{stepdown}",
@@ -113,25 +133,29 @@ def _batch(job: str, n: int) -> IterationBatch:
                           duration_s=[0.1])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 async def test_a_service_keeps_consuming_when_its_node_is_killed() -> None:
     with nats_cluster() as cluster:
         await _until_ready(cluster.url)
         settings = Settings(nats_url=cluster.url, stream_replicas=3)
         backends = Backends(nats_url=cluster.url, database_url="")
         assert (await apply_streams(settings, backends))[TELEMETRY] == "created"
-        # a process that thinks the streams have one copy refuses to start
-        with pytest.raises(StreamMismatch, match="num_replicas is 3 there, 1 here"):
-            await start_service("cluster-test", Settings(nats_url=cluster.url), need_db=False,
-                                backends=backends)
-        ctx = await start_service("cluster-test", settings, need_db=False, backends=backends)
+
+        async def refused() -> None:  # a process that thinks the streams have one copy
+            with pytest.raises(StreamMismatch, match="num_replicas is 3 there, 1 here"):
+                await start_service("cluster-test", Settings(nats_url=cluster.url),
+                                    need_db=False, backends=backends)
+
+        await _answered(refused)
+        ctx = await _answered(lambda: start_service("cluster-test", settings, need_db=False,
+                                                    backends=backends))
         publisher = await connect(cluster.url, name="cluster-publisher")
-        info = await ctx.js.stream_info(TELEMETRY)
+        info = await _answered(lambda: ctx.js.stream_info(TELEMETRY))
         assert info.config.num_replicas == 3 and info.cluster is not None
         assert len(info.cluster.replicas or []) == NODES - 1
         # the tracker's saved states survive a node too
-        store = await TrackerStateStore(ctx.js, replicas=settings.stream_replicas).open()
-        state = await ctx.js.stream_info(f"OBJ_{store.bucket}")
+        store = await _answered(TrackerStateStore(ctx.js, replicas=settings.stream_replicas).open)
+        state = await _answered(lambda: ctx.js.stream_info(f"OBJ_{store.bucket}"))
         assert state.config.num_replicas == 3
 
         job = f"cl{uuid.uuid4().hex[:8]}"
