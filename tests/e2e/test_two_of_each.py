@@ -87,6 +87,7 @@ from stack.sim_plans import SimPlanFollower, Step, mint_token
 from stack.up import Stack, wait_api
 from tests.conftest import TEST_TOKEN_KEY, new_database
 from tests.e2e.faults import kill9
+from tests.e2e.story import job_story
 from tests.e2e.two_of_each import CENTRAL, ThreadedReceiver, balanced, dump
 from tests.services.common.test_nats_cluster import Cluster, _until_ready, nats_cluster
 from tests.services.notifier.receiver import free_port
@@ -481,14 +482,6 @@ def test_undisturbed_single_instances(undisturbed: Outcome, rig: Rig) -> None:
     check_webhooks(o)
 
 
-def _story(rig: Rig, job: str) -> str:
-    """What each service instance logged about ``job`` (shown when the comparison fails)."""
-    logs = sorted(Path(rig.stack.settings.data_dir, "logs").glob("*.log"))
-    return "\n".join(f"{path.stem}: {line[:240]}" for path in logs
-                     for line in path.read_text(errors="replace").splitlines()
-                     if job in line and " DEBUG " not in line)
-
-
 def test_kill9_of_one_instance_of_each_and_a_nats_node(undisturbed: Outcome, rig: Rig) -> None:
     rig.second_instances()
     kills = [
@@ -503,7 +496,7 @@ def test_kill9_of_one_instance_of_each_and_a_nats_node(undisturbed: Outcome, rig
     job = f"kill-{uuid.uuid4().hex[:6]}"
     o = Run(rig, job, kills).play()
     _report("disturbed", o)
-    print(_story(rig, job))
+    print(job_story(rig.stack.settings.data_dir, job))
     Path(rig.stack.settings.data_dir, "disturbed.json").write_text(dump(o.__dict__))
     assert incident_summary(o.incidents) == incident_summary(undisturbed.incidents), \
         dump([incident_summary(o.incidents), incident_summary(undisturbed.incidents)])
