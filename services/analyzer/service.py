@@ -146,11 +146,9 @@ class Analyzer:
         if self.localizer is None:
             return 0
         async with self.work.read() as session:
-            rows = await repo.unlocalized_incidents(session, SLOW_KEY)
+            rows = await repo.unlocalized_incidents(session, SLOW_KEY, jobs=self.part.jobs)
         started = 0
         for inc in rows:
-            if not self.part.owns(inc.job_id):
-                continue  # another partition's: its owner resumes it
             if inc.job_id in self._chains or inc.job_id in self.localizer.tasks:
                 continue
             det = _detection_of(inc)

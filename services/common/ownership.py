@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Protocol
 
@@ -77,6 +78,12 @@ class Partition:
 
     def owns(self, job: str) -> bool:
         return self.count <= 1 or partition_of(job, self.count) == self.index
+
+    @property
+    def jobs(self) -> Callable[[str], bool] | None:
+        """What a query for this partition's rows filters its jobs by (a repository applies
+        it before its limit and its locks); None when this process has every job."""
+        return None if self.count <= 1 else self.owns
 
     def __str__(self) -> str:
         return f"{self.index} of {self.count}"

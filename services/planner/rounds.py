@@ -43,8 +43,8 @@ async def deliver_approved(st: PlannerState) -> None:
     """Plans an operator approved since: into force, unless their incident is over."""
     async with st.work.unit() as uow:
         session = uow.session
-        plans = await repo.approved_undelivered(session, ("S2", "S3"))
-        for plan in (p for p in plans if st.owns(p.job_id)):
+        plans = await repo.approved_undelivered(session, ("S2", "S3"), jobs=st.part.jobs)
+        for plan in plans:
             t = st.tracked.get(plan.incident_id)
             incident = await repo.get_incident_for_update(session, plan.incident_id)
             layout = await st.layout(session, plan.job_id)
@@ -63,9 +63,8 @@ async def deliver_approved(st: PlannerState) -> None:
 
 async def expire(st: PlannerState) -> None:
     async with st.work.unit() as uow:
-        for plan in await repo.due_proposals(uow.session, datetime.now(UTC)):
-            if not st.owns(plan.job_id):
-                continue  # its job's planner expires it
+        for plan in await repo.due_proposals(uow.session, datetime.now(UTC),
+                                             jobs=st.part.jobs):
             repo.move_plan(plan, "expire", reason=f"no decision within "
                            f"{st.config.proposal_ttl_s:g} s")
             incident = await repo.get_incident_for_update(uow.session, plan.incident_id)

@@ -5,7 +5,7 @@ then sends what it staged, then the message is acked."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -357,20 +357,48 @@ async def plans_of_incidents(session: AsyncSession, incident_ids: Sequence[str])
                                   .order_by(Plan.created_at, Plan.id))).all()
 
 
+JobFilter = Callable[[str], bool]
+
+
+async def _of_jobs(session: AsyncSession, job_id: Any, where: Sequence[Any],
+                   jobs: JobFilter | None) -> list[Any] | None:
+    """``where`` narrowed to the jobs ``jobs`` accepts (all of ``where`` when ``jobs`` is
+    None; None when none of the jobs it matches is accepted), from the distinct jobs that
+    ``where`` matches. A partitioned service's
+    query filters its jobs here, before its limit and its row locks: filtered after them, a
+    backlog of other partitions' rows would fill its limit, and its SKIP LOCKED locks would
+    hide those rows from their own partition's process."""
+    if jobs is None:
+        return list(where)
+    ids = [j for j in (await session.scalars(select(job_id).where(*where).distinct())).all()
+           if jobs(j)]
+    return [*where, job_id.in_(ids)] if ids else None
+
+
 async def approved_undelivered(session: AsyncSession, strategies: Sequence[str],
-                               limit: int = 100) -> Sequence[Plan]:
-    """Approved plans no delivery carries yet (an operator approved them since), locked for
-    this caller (SKIP LOCKED: several planners share the work)."""
+                               limit: int = 100, *, jobs: JobFilter | None = None
+                               ) -> Sequence[Plan]:
+    """Approved plans no delivery carries yet (an operator approved them since) of the jobs
+    ``jobs`` accepts, locked for this caller (SKIP LOCKED: several planners share the work)."""
+    where = await _of_jobs(session, Plan.job_id, (
+        Plan.status == "approved", Plan.version.is_(None), Plan.strategy.in_(strategies)), jobs)
+    if where is None:
+        return []
     return (await session.scalars(
-        select(Plan).where(Plan.status == "approved", Plan.version.is_(None),
-                           Plan.strategy.in_(strategies))
+        select(Plan).where(*where)
         .order_by(Plan.created_at).limit(limit).with_for_update(skip_locked=True))).all()
 
 
-async def due_proposals(session: AsyncSession, now: datetime, limit: int = 100) -> Sequence[Plan]:
-    """Proposed plans whose decision time has run out, locked for this caller."""
+async def due_proposals(session: AsyncSession, now: datetime, limit: int = 100, *,
+                        jobs: JobFilter | None = None) -> Sequence[Plan]:
+    """Proposed plans (of the jobs ``jobs`` accepts) whose decision time has run out, locked
+    for this caller."""
+    where = await _of_jobs(session, Plan.job_id,
+                           (Plan.status == "proposed", Plan.expires_at <= now), jobs)
+    if where is None:
+        return []
     return (await session.scalars(
-        select(Plan).where(Plan.status == "proposed", Plan.expires_at <= now)
+        select(Plan).where(*where)
         .order_by(Plan.expires_at).limit(limit).with_for_update(skip_locked=True))).all()
 
 
@@ -888,16 +916,21 @@ async def unclaimed_suspicions(session: AsyncSession, sent_before: datetime,
 # ---- unfinished localisations -----------------------------------------------------------------
 
 async def unlocalized_incidents(session: AsyncSession, dedup_prefix: str,
-                                limit: int = 1000) -> Sequence[Incident]:
-    """Open incidents still at ``detected`` whose localisation never recorded a result (its
-    process died while profiling, or could not commit): oldest first."""
+                                limit: int = 1000, *, jobs: JobFilter | None = None
+                                ) -> Sequence[Incident]:
+    """Open incidents (of the jobs ``jobs`` accepts) still at ``detected`` whose localisation
+    never recorded a result (its process died while profiling, or could not commit): oldest
+    first."""
     tried = exists().where(IncidentEvent.incident_id == Incident.id,
                            IncidentEvent.stage == "detected",
                            IncidentEvent.detail["by"].astext == "analyzer")
+    where = await _of_jobs(session, Incident.job_id, (
+        Incident.status == "detected",
+        Incident.dedup_key.startswith(dedup_prefix, autoescape=True), ~tried), jobs)
+    if where is None:
+        return []
     return (await session.scalars(
-        select(Incident).where(Incident.status == "detected",
-                               Incident.dedup_key.startswith(dedup_prefix, autoescape=True),
-                               ~tried)
+        select(Incident).where(*where)
         .order_by(Incident.opened_at, Incident.id).limit(limit))).all()
 
 
