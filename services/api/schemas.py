@@ -395,7 +395,11 @@ class DeliveryOut(BaseModel):
     event_id: str = Field(description="the idempotency key (Greyhound-Delivery header)")
     event: str
     incident_id: str | None
-    status: str = Field(examples=["delivered"])
+    status: str = Field(examples=["delivered"], description=(
+        "pending (due at next_attempt_at), sending (claimed by a notifier until "
+        "next_attempt_at), delivered, failed (given up), held (a stage of a slowdown only "
+        "suspected so far: sent once it is confirmed) or withdrawn (held, and the suspicion was "
+        "withdrawn: never sent)"))
     attempts: int
     last_error: str | None
     next_attempt_at: datetime | None
