@@ -415,12 +415,18 @@ def steps_summary(steps: list[Step]) -> list[tuple[Any, ...]]:
     return [(s.version, s.action, s.strategy, s.error) for s in steps]
 
 
-def webhook_summary(bodies: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """The events received: name and what they are about (the incident's kind, the plan's
-    strategy), sorted; repeated events (a re-check's validations) counted apart."""
+def webhook_summary(o: Outcome) -> list[tuple[str, str]]:
+    """The events received: name and what they are about (the incident's kind as the run ended,
+    the plan's strategy), sorted; repeated events (a re-check's validations) counted apart.
+    The incident's final kind, not the one in the message: a message says what the incident
+    knew when it was sent, so an opening announced after the localisation (its confirmation
+    came later, as when the tracker was killed) already names the kind the localisation found,
+    one announced before it the tracker's ``slowdown``."""
+    kinds = {i["id"]: i["kind"] for i in o.incidents}
     out = []
-    for b in bodies:
-        about = (b.get("incident") or {}).get("kind") or (b.get("plan") or {}).get("strategy")
+    for b in o.webhooks:
+        inc, plan = b.get("incident") or {}, b.get("plan") or {}
+        about = kinds.get(inc.get("id"), inc.get("kind")) if inc else plan.get("strategy")
         out.append((b["event"], str(about)))
     return sorted(set(out))
 
@@ -503,7 +509,7 @@ def test_kill9_of_one_instance_of_each_and_a_nats_node(undisturbed: Outcome, rig
     assert plan_summary(o.plans) == plan_summary(undisturbed.plans), o.plans
     assert steps_summary(o.steps) == steps_summary(undisturbed.steps), o.steps
     check_webhooks(o)
-    assert webhook_summary(o.webhooks) == webhook_summary(undisturbed.webhooks)
+    assert webhook_summary(o) == webhook_summary(undisturbed)
     assert o.phases_in_turn(), o.phases
     # and each kill left work to do, which the killed instance's twin did
     assert f"job {job}: resumed detector state" in rig.after_kill("tracker")
