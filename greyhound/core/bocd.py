@@ -283,10 +283,11 @@ class BocdVConfig:
       centred, the threshold ``rel`` plus ``z`` standard errors of such a median. A run of
       ``median_run`` high medians needs about as many slow points, so the bursts of 3-4
       iterations (with a stall or an evaluation step beside them: five) stay below it; with 4
-      the hostile generator's healthy jobs were flagged at 2-2.5% on two seeds of two, with 8
-      none more than before. Raised 11 iterations after the labelled start (the trailing
-      median lags the centred one by half a window), inside the 15 a detection may take; with
-      10 recall fell back by 3 points, too late.
+      the hostile generator's healthy jobs were flagged at 2-2.5% on the two seeds tried, with
+      8 none more than before on any of 10. Raised 11 iterations after the labelled start at
+      the earliest (the trailing median lags the centred one by half a window), inside the 15
+      a detection may take; with 10 realistic recall fell back by 1-3 points, too late. The
+      margin of ``z`` standard errors: without it realistic false alarms nearly doubled.
 
     The rest (``noise_*``, ``level_points``, ``threshold``, ``trigger``, ``refine``, ``burst``)
     shape BOCD's prior and the candidate search, not what counts as a slowdown.
