@@ -340,6 +340,8 @@ class BocdVBatch:
             raise ValueError("confirm must be >= 2 and spike above 1 + rel")
         if not c.confirm <= c.hold <= c.recent or c.settle < 2 or 2 * c.settle > c.recent:
             raise ValueError("hold must lie in [confirm, recent] and settle in [2, recent / 2]")
+        if not 3 <= c.median_window <= c.recent or not 0 <= c.median_run <= c.before:
+            raise ValueError("median_window must lie in [3, recent] and median_run in [0, before]")
         self.streams = streams
         self.level = np.zeros(streams)
         self.noise = np.full(streams, c.noise_init)
