@@ -3,10 +3,18 @@ cases traces from outside the project showed it getting wrong."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from greyhound.core.detector import Detection, detect_series, make_detector
+from greyhound.core.detector import (
+    Detection,
+    detect_many,
+    detect_series,
+    detector_from_state,
+    make_detector,
+)
 from greyhound.core.levels import stage_view
 from greyhound.core.suspicion import held, recent_noise, settled
 
@@ -70,6 +78,50 @@ def test_a_slowdown_right_after_a_long_noisy_stretch_is_found(seed):
     x[640:684] *= 1.2
     found = [d for d in _confirmed(detect_series(x)) if 620 <= d.detected_at < 700]
     assert found and 634 <= found[0].index <= 650 and found[0].detected_at <= 655, found
+
+
+#: Contention that flickers: slow on three iterations of five, or on one of three.
+MOST = [1, 1, 0, 1, 0]
+THIRD = [1, 0, 0]
+
+
+def _flicker(seed: int, pattern: list[int], factor: float) -> np.ndarray:
+    """Quiet noise (3% jitter) and 30 iterations of contention from 400 on: the iterations
+    ``pattern`` (repeated) marks ``factor`` slower."""
+    x = _noise(seed, 800, sigma=0.03)
+    x[400:430][np.resize(np.asarray(pattern, dtype=bool), 30)] *= factor
+    return x
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_contention_that_flickers_on_most_iterations_is_found_by_its_median(seed):
+    """Three iterations of five 1.25x slower for 30 iterations: a fail-slow by the labels (the
+    median of 9 above the threshold for 8 and more), whose mean is 15% with two points of five
+    back at the old level, which the mean and its persistence refuse (nothing is found without
+    the median path). The median path finds it within 15 iterations, confirmed as it is raised,
+    from about where it began."""
+    x = _flicker(seed, MOST, 1.25)
+    found = [d for d in _confirmed(detect_series(x)) if 400 <= d.detected_at < 460]
+    assert found and 394 <= found[0].index <= 410 and found[0].detected_at <= 415, found
+    assert _confirmed(detect_many([x], median_run=0)[0]) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_flicker_on_a_third_of_the_iterations_or_under_the_threshold_is_no_slowdown(seed):
+    """A median is slow only when most points are: every third point slow, or three of five at
+    1.08x, is no fail-slow by the labels, and nothing is confirmed."""
+    for pattern, factor in ((THIRD, 1.25), (MOST, 1.08)):
+        assert _confirmed(detect_series(_flicker(seed, pattern, factor))) == []
+
+
+def test_a_restored_detector_continues_a_run_of_high_medians_identically():
+    x = _flicker(0, MOST, 1.25)
+    a = make_detector("bocd-v")
+    for v in x[:406]:
+        a.update(float(v))
+    b = detector_from_state(json.loads(json.dumps(a.state_dict(), allow_nan=False)))
+    for v in x[406:]:
+        assert a.update(float(v)) == b.update(float(v))
 
 
 @pytest.mark.parametrize("seed", range(4))
