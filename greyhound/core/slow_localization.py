@@ -185,6 +185,10 @@ def iteration_time_s(calls: ProfiledCalls, *, max_ranks: int = 64) -> float | No
 
 # A rank's excess time outside NCCL below this share of its communicator's largest is not named.
 WORST_SHARE = 0.5
+# Nor one whose excess explains less than this share of the slowdown being localised: a
+# contended host's ranks spend the job's added time outside NCCL while their peers wait inside
+# it, so their excess share of the slowed iteration is about (after - before) / after.
+EXPLAINS = 0.5
 # A profiled period below this share of the healthy iteration is a repeat inside the iteration.
 SUBPERIOD_SHARE = 0.75
 
@@ -231,7 +235,8 @@ def localize_slow(calls: ProfiledCalls, *, node_of_rank: Mapping[int, NodeLabel]
         # Nobody late within its own communicators: a whole group may be slow together (host
         # contention on a node slows every GPU of its TP group alike). Compare each rank's time
         # outside NCCL with its peers in the other communicators it belongs to.
-        slow_hosts, busy = _slow_outside_nccl(calls, threshold)
+        slow_hosts, busy = _slow_outside_nccl(
+            calls, threshold, min_share=max(MIN_OUTSIDE_SHARE, EXPLAINS * increase / after_s))
         evidence["outside_nccl"] = busy
     if not suspicion.compute_ranks and not comm_set and not slow_hosts and still_slow \
             and increase > 0:
@@ -260,10 +265,14 @@ def localize_slow(calls: ProfiledCalls, *, node_of_rank: Mapping[int, NodeLabel]
         links=links, evidence=evidence)
 
 
-def _slow_outside_nccl(calls: ProfiledCalls, threshold: float, min_share: float = 0.02
-                       ) -> tuple[list[int], dict[str, Any]]:
+MIN_OUTSIDE_SHARE = 0.02  # an excess outside NCCL of less than this share is never a host's
+
+
+def _slow_outside_nccl(calls: ProfiledCalls, threshold: float,
+                       min_share: float = MIN_OUTSIDE_SHARE) -> tuple[list[int], dict[str, Any]]:
     """Ranks that spend a larger share of their time outside NCCL than the other members of a
-    communicator they belong to (by ``threshold`` relative and ``min_share`` absolute).
+    communicator they belong to (by ``threshold`` relative and ``min_share`` absolute: the
+    caller asks for a share that explains the slowdown, EXPLAINS).
 
     Waiting happens inside NCCL calls, so the share outside them is each rank's own work; peers
     of one communicator (a DP group: one rank per stage position) do the same work. On the GPU

@@ -123,3 +123,21 @@ def test_only_hosts_that_stand_out_like_the_worst_are_named() -> None:
     assert named == [5, 6]  # alone, the small excess is the largest: still named
     named, _ = _slow_outside_nccl(_busy_outside({2: 0.69, 3: 0.66}), 0.10)
     assert named == [2, 3]  # two contended hosts alike are both named
+
+
+def test_a_host_is_named_only_when_its_excess_explains_the_slowdown() -> None:
+    """Localising a 25% slowdown (1.0 -> 1.25 ms an iteration): a contended host's ranks spend
+    the added time outside NCCL (0.69 of it against 0.36), which explains it; peers that a
+    window catches at another phase (0.40) differ by 4% of the iteration, far under the 20% the
+    slowdown added, and are not blamed for it."""
+    nodes = {r: f"n{r}" for r in range(8)}
+    one = localize_slow(_busy_outside({3: 0.69, 5: 0.40}), node_of_rank=nodes, before_s=0.8e-3,
+                        after_s=1.0e-3)
+    assert one.compute_ranks == [3]
+    none = localize_slow(_busy_outside({5: 0.40, 6: 0.40}), node_of_rank=nodes,
+                         before_s=0.8e-3, after_s=1.0e-3)
+    assert none.compute_ranks == [], none.evidence.get("outside_nccl")
+    # a slowdown that small is what such an excess explains: named
+    small = localize_slow(_busy_outside({5: 0.40, 6: 0.40}), node_of_rank=nodes,
+                          before_s=0.96e-3, after_s=1.0e-3)
+    assert small.compute_ranks == [5, 6]
