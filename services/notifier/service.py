@@ -24,9 +24,9 @@ frozen as it happened and *held*: the confirmation releases it a moment after th
 withdrawal marks it ``withdrawn``. So a slowdown that held sends the same events whatever raced
 (localised before or after its confirmation, an event handled late by a twin), each once.
 
-Each event is handled with its incident's row locked (repository.lock_incident), so the two
-that race, a stage held while suspected and the confirmation releasing what is held, see each
-other's work: whichever runs second reads what the first committed.
+Each event is handled with its incident's row locked (repository.get_incident_for_update), so
+the two that race, a stage held while suspected and the confirmation releasing what is held,
+see each other's work: whichever runs second reads what the first committed.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class Notifier:
         """The event's deliveries, one per webhook that wants it, frozen in this unit; the
         sender is woken once they are committed."""
         event = STAGE_EVENT[ev.stage]
-        inc = await repo.lock_incident(uow.session, ev.incident_id)
+        inc = await repo.get_incident_for_update(uow.session, ev.incident_id, timeline=True)
         if inc is None:
             log.warning("incident event %s names unknown incident %s", ev.event_id,
                         ev.incident_id)

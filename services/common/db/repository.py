@@ -238,9 +238,14 @@ async def job_ranks(session: AsyncSession, job_id: str) -> Sequence[Rank]:
                                   .order_by(Rank.rank))).all()
 
 
-async def get_incident_for_update(session: AsyncSession, incident_id: str) -> Incident | None:
-    return await session.scalar(select(Incident).where(Incident.id == incident_id)
-                                .with_for_update())
+async def get_incident_for_update(session: AsyncSession, incident_id: str, *,
+                                  timeline: bool = False) -> Incident | None:
+    """The incident, its row locked until the transaction ends, so that whoever locks it next
+    sees what this transaction did with it; with its timeline loaded when asked."""
+    stmt = select(Incident).where(Incident.id == incident_id).with_for_update()
+    if timeline:
+        stmt = stmt.options(selectinload(Incident.timeline))
+    return await session.scalar(stmt)
 
 
 # ---- jobs, as the REST API pages them ---------------------------------------------------------
@@ -364,10 +369,10 @@ async def _of_jobs(session: AsyncSession, job_id: Any, where: Sequence[Any],
                    jobs: JobFilter | None) -> list[Any] | None:
     """``where`` narrowed to the jobs ``jobs`` accepts (all of ``where`` when ``jobs`` is
     None; None when none of the jobs it matches is accepted), from the distinct jobs that
-    ``where`` matches. A partitioned service's
-    query filters its jobs here, before its limit and its row locks: filtered after them, a
-    backlog of other partitions' rows would fill its limit, and its SKIP LOCKED locks would
-    hide those rows from their own partition's process."""
+    ``where`` matches. A partitioned service's query filters its jobs here, before its limit
+    and its row locks: filtered after them, a backlog of other partitions' rows would fill its
+    limit, and its SKIP LOCKED locks would hide those rows from their own partition's
+    process."""
     if jobs is None:
         return list(where)
     ids = [j for j in (await session.scalars(select(job_id).where(*where).distinct())).all()
@@ -596,15 +601,6 @@ async def enqueue_delivery(session: AsyncSession, *, webhook_id: str, event_id: 
             .on_conflict_do_nothing().returning(WebhookDelivery.id))
     row = (await session.execute(stmt)).first()
     return None if row is None else int(row[0])
-
-
-async def lock_incident(session: AsyncSession, incident_id: str) -> Incident | None:
-    """The incident with its timeline, its row locked until the transaction ends (FOR NO KEY
-    UPDATE: its timeline's inserts, which only check the key, still go on), so that whoever
-    reads it next sees what this transaction did with it."""
-    return await session.scalar(select(Incident).where(Incident.id == incident_id)
-                                .options(selectinload(Incident.timeline))
-                                .with_for_update(key_share=True))
 
 
 async def release_held_deliveries(session: AsyncSession, incident_id: str,
