@@ -189,6 +189,7 @@ WORST_SHARE = 0.5
 # contended host's ranks spend the job's added time outside NCCL while their peers wait inside
 # it, so their excess share of the slowed iteration is about (after - before) / after.
 EXPLAINS = 0.5
+MIN_OUTSIDE_SHARE = 0.02  # and an excess outside NCCL under this share is never a host's
 # A profiled period below this share of the healthy iteration is a repeat inside the iteration.
 SUBPERIOD_SHARE = 0.75
 
@@ -263,9 +264,6 @@ def localize_slow(calls: ProfiledCalls, *, node_of_rank: Mapping[int, NodeLabel]
         ranks=sorted(set(compute) | set(comm_ranks)), compute_ranks=compute, comm_ids=comm_ids,
         slow_groups=[g.group_id for g in groups], nodes=sorted(nodes, key=str),
         links=links, evidence=evidence)
-
-
-MIN_OUTSIDE_SHARE = 0.02  # an excess outside NCCL of less than this share is never a host's
 
 
 def _slow_outside_nccl(calls: ProfiledCalls, threshold: float,
