@@ -360,7 +360,6 @@ class BocdVBatch:
         self.settling = np.ones(streams, dtype=bool)       # warm-up: its level not yet steady
         self.pending = np.full(streams, -1, dtype=np.int64)  # a suspected slowdown's start
         self.pending_ref = np.zeros(streams)              # and the log level it rose from
-        self.medians = np.zeros((streams, self.hist))  # trailing median at each ring slot
         self.median_run = np.zeros(streams, dtype=np.int64)  # how long it has been high
         self._all = np.arange(streams)
         self._lag = np.arange(self.config.level_points)
@@ -487,7 +486,6 @@ class BocdVBatch:
         valid = (pos >= self.born[rows][:, None]) & ~self.expected[rows[:, None], cols]
         med = masked_median(self.ring[rows[:, None], cols], valid)
         med = np.where(np.isnan(med), self.level[rows], med)
-        self.medians[rows, t % self.hist] = med
         pending = self.pending[rows] >= 0
         ref = np.where(pending, self.pending_ref[rows], self.healthy[rows])
         run = np.where(med > ref + math.log1p(c.rel), self.median_run[rows] + 1, 0)
@@ -505,7 +503,7 @@ class BocdVBatch:
         before = ok & (hpos < (now - run[idx] + 1 - w // 2)[:, None])
         sigma = recent_noise(y, before, self.noise[r], floor=c.noise_floor)
         bar = ref + math.log1p(c.rel) + c.z * 1.2533 * sigma / math.sqrt(w)
-        high = self.medians[r[:, None], hpos % self.hist] > bar[:, None]
+        high = self._trailing_medians(r, hpos, y, ok) > bar[:, None]
         high &= hpos > (now - run[idx])[:, None]
         streak = np.cumprod(high[:, ::-1], axis=1).sum(axis=1)  # the newest ones in a row
         for j in np.flatnonzero(streak >= c.median_run).tolist():
@@ -527,6 +525,21 @@ class BocdVBatch:
             else:
                 continue
             out[row] = det
+
+    def _trailing_medians(self, rows: npt.NDArray[np.intp], pos: npt.NDArray[np.int64],
+                          y: FloatArray, valid: npt.NDArray[np.bool_]) -> FloatArray:
+        """The trailing median `_median_path` took at each position of the rows' rings
+        (``y``, ``valid``: `_window`'s, at positions ``pos``), read back from the ring rather
+        than kept: ``-inf`` where the ring holds too few points before a position."""
+        w = self.config.median_window
+        wins = np.lib.stride_tricks.sliding_window_view(y, w, axis=1)
+        keep = np.lib.stride_tricks.sliding_window_view(valid, w, axis=1)
+        m, k = wins.shape[:2]
+        med = masked_median(wins.reshape(m * k, w), keep.reshape(m * k, w)).reshape(m, k)
+        level = self.levels[rows[:, None], pos[:, w - 1:] % self.hist]
+        out = np.full(y.shape, -np.inf)
+        out[:, w - 1:] = np.where(np.isnan(med), level, med)
+        return out
 
     def restart(self, rows: npt.ArrayLike) -> None:
         """Streams whose source started over (a rank's process restarted: its iteration numbers
@@ -842,7 +855,7 @@ class BocdVBatch:
             "states": [s.to_json() for s in self.states],
             "born": self.born.tolist(), "settling": self.settling.tolist(),
             "pending": self.pending.tolist(), "pending_ref": self.pending_ref.tolist(),
-            "medians": self.medians.tolist(), "median_run": self.median_run.tolist(),
+            "median_run": self.median_run.tolist(),
         }
 
     @classmethod
@@ -871,8 +884,6 @@ class BocdVBatch:
         out.pending = np.asarray(state.get("pending", [-1] * n), dtype=np.int64)
         out.pending_ref = np.asarray(state.get("pending_ref", [0.0] * n), dtype=np.float64)
         # Saved before the median path: no run of high medians under way.
-        if "medians" in state:
-            out.medians = np.asarray(state["medians"], dtype=np.float64).reshape(n, out.hist)
         out.median_run = np.asarray(state.get("median_run", [0] * n), dtype=np.int64)
         return out
 
