@@ -36,7 +36,8 @@ from services.common.redact import redact
 from services.common.settings import Settings, nats_servers
 
 __all__ = ["BusAuthError", "BusClient", "Consumer", "ConsumerLost", "ConsumerStats",
-           "PermanentError", "PermissionDenied", "StreamMismatch", "TransientError",
+           "PermanentError", "PermissionDenied", "StreamMismatch", "StreamPlacementError",
+           "TransientError",
            "check_streams", "connect", "ensure_streams", "publish", "shown"]
 
 log = logging.getLogger(__name__)
@@ -165,20 +166,64 @@ def _named(cfg: StreamConfig) -> str:
     return cfg.name
 
 
+# JetStream's "no suitable peers for placement": a cluster's meta leader, just elected, has not
+# yet heard from enough servers to place a stream's replicas (a node still starting, or down).
+NO_PEERS_ERR_CODE = 10005
+# How long a stream's creation waits for its peers: a cluster forming on a loaded machine
+# takes seconds; past this, a missing node is the operator's to see.
+PLACEMENT_WAIT_S = 60.0
+PLACEMENT_RETRY_S = 0.5
+
+
+class StreamPlacementError(RuntimeError):
+    """The cluster could not place a stream's replicas within PLACEMENT_WAIT_S."""
+
+
+async def _add_stream(js: JetStreamContext, cfg: StreamConfig,
+                      wait_s: float = PLACEMENT_WAIT_S) -> BadRequestError | None:
+    """Create the stream: None; the server's refusal where it refused it, as existing (made
+    meanwhile by another process, compared by the caller) or otherwise (_made_meanwhile).
+    A refusal for want of peers is waited out, since a forming cluster gives it before it
+    gives anything else: read as "made meanwhile" it left a stream that was never made (a CI
+    run's `streams apply` on a cluster just up)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            await js.add_stream(cfg)
+            return None
+        except BadRequestError as e:
+            if e.err_code != NO_PEERS_ERR_CODE:
+                return e
+            if time.monotonic() >= deadline:
+                raise StreamPlacementError(
+                    f"stream {cfg.name}: the cluster found no servers for its "
+                    f"{cfg.num_replicas} replicas within {wait_s:.0f} s ({e.description}); "
+                    "are all its nodes up and routed?") from e
+            log.info("stream %s: waiting for the cluster's peers (%s)", cfg.name, e.description)
+            await asyncio.sleep(PLACEMENT_RETRY_S)
+
+
+async def _made_meanwhile(js: JetStreamContext, name: str, refusal: BadRequestError) -> Any:
+    """The stream info of a stream whose creation was refused as existing; the refusal itself
+    where it does not exist after all (refused for another reason)."""
+    try:
+        return await js.stream_info(name)
+    except NotFoundError:
+        raise refusal from None
+
+
 async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> str:
     """Create the stream, or update it to ``cfg`` where it exists with another configuration;
     what was done ("created", "updated", "unchanged"). ``greyhound streams apply`` does this,
     once, on purpose; a service only checks (check_stream)."""
     name = _named(cfg)
     try:
-        await js.stream_info(name)
+        have = (await js.stream_info(name)).config
     except NotFoundError:
-        try:
-            await js.add_stream(cfg)
+        refusal = await _add_stream(js, cfg)
+        if refusal is None:
             return "created"
-        except BadRequestError:  # made meanwhile
-            pass
-    have = (await js.stream_info(name)).config
+        have = (await _made_meanwhile(js, name, refusal)).config
     if not stream_mismatches(cfg, have):
         return "unchanged"
     await js.update_stream(cfg)
@@ -197,11 +242,10 @@ async def check_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
     try:
         have = (await js.stream_info(name)).config
     except NotFoundError:
-        try:
-            await js.add_stream(cfg)  # the same config made meanwhile is no error
+        refusal = await _add_stream(js, cfg)  # the same config made meanwhile is no error
+        if refusal is None:
             return
-        except BadRequestError:  # made meanwhile, otherwise: compared below
-            have = (await js.stream_info(name)).config
+        have = (await _made_meanwhile(js, name, refusal)).config  # otherwise: compared below
     differences = stream_mismatches(cfg, have)
     if differences:
         raise StreamMismatch(name, differences)

