@@ -74,8 +74,9 @@ class PaceReport:
     def describe(self) -> str:
         parts = []
         names = {"reaction": f"{self.policy.slow:g}x from {self.policy.lead_s:g} s before each "
-                             "fault until it was named, and before its end until its plan was "
-                             "taken back",
+                             f"fault until the services' reaction to it was over (at most "
+                             f"{self.policy.window_s:g} s), and before its end until its plan "
+                             "was taken back",
                  "busy": f"{self.policy.slow:g}x while the services profiled or paused the job "
                          "or a plan was on its way to it",
                  "fast": f"up to {self.policy.fast:g}x otherwise"}

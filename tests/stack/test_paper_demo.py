@@ -33,6 +33,24 @@ def _plan(incident: str, strategy: str, status: str) -> dict[str, object]:
     return {"incident_id": incident, "strategy": strategy, "status": status}
 
 
+def test_a_fault_is_reacted_to_once_validated_and_its_plan_took_effect() -> None:
+    """The pace stays at 1x after a validation while the planner decides (an S3 waits for its
+    loss), so the planner's reading lag is not multiplied by the fast pace."""
+    from greyhound.sim.score import Found
+    from stack.paper_run import SETTLE_AFTER_NAMED_S, reacted
+
+    sc = load_scenario(SCENARIO)  # fault 6: link 5-6 from 495 s
+    link = Found(5, True, True, "l", detect_s=9.5, localize_s=16.3, validate_s=21.6)
+    assert not reacted(sc, Found(5, False, False, detect_s=9.5), [], 600.0)  # not named
+    assert not reacted(sc, link, [], 520.0)  # validated; the escalation counts its loss
+    assert not reacted(sc, link, [_plan("l", "S3", "approved")], 530.0)  # on its way
+    assert reacted(sc, link, [_plan("l", "S3", "applied")], 549.0)
+    assert not reacted(sc, link, [_plan("other", "S3", "applied")], 549.0)
+    named = Found(5, True, True, "l", detect_s=9.5, localize_s=16.3)  # never validated
+    assert not reacted(sc, named, [], 495 + 16.3 + SETTLE_AFTER_NAMED_S - 1)
+    assert reacted(sc, named, [], 495 + 16.3 + SETTLE_AFTER_NAMED_S + 1)
+
+
 def test_an_ended_fault_is_held_while_its_s2_plan_is_in_force() -> None:
     from greyhound.sim.score import Found
     from stack.paper_run import held_at_end
