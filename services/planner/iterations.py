@@ -90,6 +90,11 @@ class IterationWatch:
         self.series = IterationSeries()
         self._stopping = asyncio.Event()
         self._last_ts: float | None = None
+        # Unix time the job was last heard of (its last batch's; the watch's start before any)
+        # and whether the watch has read all there is: a watch reading a backlog sees old
+        # batches of a live job (services.planner.rounds.silent_jobs).
+        self.heard_ts = time.time()
+        self.caught_up = False
 
     async def _bind(self) -> TelemetryReader:
         start = self.since if self._last_ts is None else datetime.fromtimestamp(self._last_ts, UTC)
@@ -106,10 +111,12 @@ class IterationWatch:
                     reader = await self._bind()
                 msgs = await reader.sub.fetch(self.batch, timeout=self.fetch_timeout_s)
             except (NatsTimeoutError, TimeoutError):
+                self.caught_up = True
                 continue
             except Exception as exc:
                 if self._stopping.is_set():
                     break
+                self.caught_up = False  # the bus away: the job may be talking all the same
                 log.warning("iteration watch of %s: %s; re-binding", self.job, describe(exc))
                 await self._drop(reader)
                 reader = None
@@ -122,7 +129,9 @@ class IterationWatch:
                 if batch is None:
                     continue  # the tracker dead-letters these; a reader just skips them
                 self._last_ts = batch.ts
+                self.heard_ts = batch.ts
                 new += self.series.take(batch)
+            self.caught_up = False
             if new:
                 await self.on_times(self.job, new)
         await self._drop(reader)
@@ -138,9 +147,15 @@ class IterationWatch:
             return None
         return self.series.rank, self.series.last_iteration, self._last_ts
 
-    def resume(self, rank: int, iteration: int) -> None:
-        """Before :meth:`run`: the iterations up to ``iteration`` of ``rank`` were counted."""
+    def resume(self, rank: int, iteration: int, ts: float) -> None:
+        """Before :meth:`run`: the iterations up to ``iteration`` of ``rank`` were counted, the
+        last of them sent at Unix time ``ts``."""
         self.series.rank, self.series.last_iteration = rank, iteration
+        self.heard_ts = ts
+
+    def silent_s(self) -> float | None:
+        """How long the job has sent nothing, once the watch has read all there is."""
+        return time.time() - self.heard_ts if self.caught_up else None
 
     def stop(self) -> None:
         self._stopping.set()

@@ -34,6 +34,7 @@ async def tick(st: PlannerState) -> None:
     await decisions(st)
     await rechecks(st)
     await hold_limits(st)
+    await silent_jobs(st)
     await save(st)
     st.watches.drop_idle({t.job_id for t in st.tracked.values()})
     await st.work.send_pending()
@@ -147,6 +148,30 @@ async def hold_limits(st: PlannerState) -> None:
                                       "the job recovered under it; nothing can check the fault")
 
 
+async def silent_jobs(st: PlannerState) -> None:
+    """Escalations of jobs that stopped sending iterations end, their plans taken back: a job
+    that finished or died in the middle of an incident left its escalation open, restored by
+    every planner since and re-checked on a job whose agents no longer answer (a data
+    directory used for a day of demo runs held 15)."""
+    c = st.config
+    if c.job_silent_s <= 0:
+        return
+    for t in list(st.tracked.values()):
+        watch = st.watches.of.get(t.job_id)
+        silent = watch.silent_s() if watch is not None else None
+        if silent is None or silent < c.job_silent_s:
+            continue
+        async with st.locks[t.job_id], st.work.unit() as uow:
+            incident = await repo.get_incident_for_update(uow.session, t.incident_id)
+            why = (f"job {t.job_id} sent no iteration for {silent:.0f} s (over "
+                   f"{c.job_silent_s:g} s): it stopped or is gone")
+            log.info("incident %s: escalation ended: %s", t.incident_id, why)
+            if incident is not None:
+                await escalations.end(st, uow, t, incident, why)
+            else:
+                st.forget(t)
+
+
 async def save(st: PlannerState, *, now: bool = False) -> None:
     """Every escalation that changed since it was saved, every few seconds (``now``: at once,
     as on shutdown)."""
@@ -200,7 +225,7 @@ def _resume(st: PlannerState, job: str, tracked: list[Tracked]) -> None:
         return
     rank, first, ts = min(cursors, key=lambda c: (c[0], c[1]))
     watch = st.watches.watch(job, datetime.fromtimestamp(ts - RESUME_MARGIN_S, UTC))
-    watch.resume(rank, first)
+    watch.resume(rank, first, max(c[2] for c in cursors))
     for t in tracked:
         t.fed = t.cursor[1] - first if t.cursor is not None and t.cursor[0] == rank else 0
 

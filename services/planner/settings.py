@@ -55,6 +55,11 @@ class PlannerSettings(BaseSettings):
     hold_max_s: float = Field(
         default=1800.0, ge=0, description="a plan kept after its incident recovered under it is "
         "reverted after this long when nothing can check the fault (0: kept)")
+    job_silent_s: float = Field(
+        default=7200.0, ge=0, description="an escalation whose job has sent no iteration for "
+        "this long (by the last batch's time, once its watch has read all there is) ends, its "
+        "plans taken back: the job stopped or is gone. Longer than a checkpoint's write "
+        "(GREYHOUND's 100 min for GPT2-100B), which stops iterations too (0: kept)")
     lookback_s: float = Field(default=120.0, gt=0,
                               description="how far back a job's iteration times are read")
     gradient_bytes: float = Field(default=1e9, gt=0,

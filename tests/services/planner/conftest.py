@@ -173,6 +173,25 @@ class Rig:
         found: PlanMessage = await self.wait(newest, f"plan message v{min_version}")
         return found
 
+    async def s2_applied(self, gpu: int, *, cost_s: float) -> str:
+        """A compute_slow incident of GPU ``gpu`` of a TP1 DP4 PP1 job on one node, whose S2
+        plan the job applied at ``cost_s``: the incident's id."""
+        await self.layout(tp=1, dp=4, pp=1, gpus_per_node=4, microbatches=16)
+        inc = await self.incident(kind="compute_slow", before_s=1.0, after_s=2.0, gpus=[gpu])
+
+        async def tracked() -> bool:
+            return inc in self.planner.tracked
+
+        async def applied() -> bool:
+            return any(p.status == "applied" for p in await self.plans())
+
+        await self.wait(tracked, "the escalation to start")
+        await self.iterations(2.0, 4)
+        await self.wait(self.deliveries, "the S2 delivery")
+        await self.report(1, cost_s=cost_s)
+        await self.wait(applied, "the plan applied")
+        return inc
+
     async def wait(self, pred: Any, what: str, timeout_s: float = 30.0) -> Any:
         """Poll an async predicate until it returns something truthy."""
         box: list[Any] = [None]

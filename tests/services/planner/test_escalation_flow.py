@@ -5,6 +5,8 @@ expires and the ladder moves on; a job that cannot apply a plan gets its old lay
 
 from __future__ import annotations
 
+import asyncio
+
 from greyhound.core.microbatch import allocate_microbatches
 from services.common.db import repository as repo
 from services.common.db.models import WebhookDelivery
@@ -151,6 +153,29 @@ async def test_a_plan_the_job_cannot_apply_fails_and_the_old_layout_is_delivered
         assert "plan_failed" in await rig.stages(inc)
         assert (await rig.plans())[0].reason == "sampler cannot split unevenly"
         assert rig.planner.tracked[inc].esc.pending is None
+
+
+async def test_the_escalation_of_a_job_gone_silent_ends_and_its_plan_is_taken_back(
+        bench: Bench) -> None:
+    """A job that stopped in the middle of an incident (finished, or died) no longer holds its
+    escalation open, re-checked forever by every planner restored from the database."""
+    async with bench.planner(job_silent_s=SILENT_S) as rig:
+        inc = await rig.s2_applied(2, cost_s=1.0)
+        # While the job talks (a batch a second, a fifth of the silence allowed), nothing ends.
+        for _ in range(2 * int(SILENT_S)):
+            await rig.iterations(1.1, 2)
+            await asyncio.sleep(1.0)
+        assert [p.status for p in await rig.plans()] == ["applied"]
+        assert inc in rig.planner.tracked
+        # Then it says nothing more.
+        await rig.wait(lambda: _status(rig, "reverted"), "the revert of a silent job's plan")
+        assert inc not in rig.planner.tracked
+        (plan,) = await rig.plans()
+        assert plan.reason is not None and "sent no iteration" in plan.reason, plan.reason
+        assert "plan_reverted" in await rig.stages(inc)
+
+
+SILENT_S = 5.0
 
 
 def _s2() -> object:

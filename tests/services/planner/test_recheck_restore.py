@@ -36,13 +36,7 @@ async def _validate(rig: Rig, inc: str, s: Suspicion, verdict: str) -> None:
 
 async def test_a_recheck_that_finds_the_gpu_healthy_reverts_the_plan(bench: Bench) -> None:
     async with bench.planner(recheck_s=0.3) as rig:
-        await rig.layout(tp=1, dp=4, pp=1, gpus_per_node=4, microbatches=16)
-        inc = await rig.incident(kind="compute_slow", before_s=1.0, after_s=2.0, gpus=[1])
-        await rig.wait(lambda: _has(rig, inc), "the escalation to start")
-        await rig.iterations(2.0, 4)
-        await rig.wait(rig.deliveries, "the S2 delivery")
-        await rig.report(1, cost_s=0.2)
-        await rig.wait(lambda: _plan_is(rig, "applied"), "the plan applied")
+        inc = await rig.s2_applied(1, cost_s=0.2)
         # First re-check: still slow. The incident stays mitigated, the plan in force.
         first = (await rig.wait(lambda: _suspicions(rig), "a re-check"))[0]
         assert first.ranks == [1] and first.kind == "compute_slow" and first.incident_id == inc
