@@ -45,11 +45,6 @@ class Tracked:
     # the last iteration its loss counts, (rank, iteration, the batch's Unix time): a restarted
     # planner reads the job's iterations again from there, none counted twice or lost
     cursor: tuple[int, int, float] | None = None
-    # the incident's first slow iteration (the tracker's estimate): the job's earlier
-    # iterations, which a watch opened for an earlier incident of the job still keeps, are
-    # none of this incident's loss (-1: every iteration fed counts, as saved before there was
-    # this field)
-    first_iteration: int = -1
 
     def state(self) -> dict[str, Any]:
         return {"escalation": self.esc.state_dict(),
@@ -60,7 +55,6 @@ class Tracked:
                 "pending_plan": self.pending_plan, "preplan_s": self.preplan_s,
                 "under_plan": self.applied_count is not None,
                 "cursor": None if self.cursor is None else list(self.cursor),
-                "first_iteration": self.first_iteration,
                 "recovered_under_plan": self.recovered_under_plan, "resolved": self.resolved}
 
     @classmethod
@@ -76,7 +70,6 @@ class Tracked:
                    applied_count=0 if state.get("under_plan") else None,
                    cursor=None if cursor is None else (int(cursor[0]), int(cursor[1]),
                                                        float(cursor[2])),
-                   first_iteration=int(state.get("first_iteration", -1)),
                    recovered_under_plan=bool(state.get("recovered_under_plan")),
                    resolved=bool(state.get("resolved")), dirty=False)
 

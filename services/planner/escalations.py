@@ -96,12 +96,10 @@ async def start(st: PlannerState, session: AsyncSession, incident: Incident,
                      tolerance=c.tolerance, alpha=c.alpha,
                      available=build.available(layout, culprit))
     t = Tracked(incident.id, incident.job_id, esc, culprit, gpu_of_rank=state.gpu_of_rank,
-                preplan_s=detection.after_s or None if detection else None,
-                first_iteration=detection.first_iteration if detection else -1)
+                preplan_s=detection.after_s or None if detection else None)
     watch = st.watches.watch(incident.job_id,
                              incident.opened_at - timedelta(seconds=c.lookback_s))
-    # what the watch kept from this slowdown's first iteration on counts too (observe skips
-    # the earlier iterations a watch open for an earlier incident of the job still holds)
+    # the slow iterations since the watch began (at the tracker's slowdown) count too
     t.fed = watch.series.count - len(watch.series.recent)
     st.tracked[incident.id] = t
     await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
@@ -123,11 +121,9 @@ async def observe(st: PlannerState, job: str, _new: list[float] | None = None) -
             if t.esc.closed or t.incident_id not in st.tracked:
                 t.fed = watch.series.count
                 continue
-            times, t.fed = watch.series.numbered_since(t.fed), watch.series.count
+            times, t.fed = watch.series.since(t.fed), watch.series.count
             t.cursor = watch.cursor
-            for it, s in times:
-                if it < t.first_iteration:
-                    continue  # before this slowdown: another incident's, or healthy
+            for s in times:
                 decision = t.esc.observe(s)
                 t.dirty = True
                 if isinstance(decision, Apply):

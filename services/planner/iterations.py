@@ -46,7 +46,6 @@ class IterationSeries:
         self.last_iteration = -1
         self.count = 0
         self.recent: deque[float] = deque(maxlen=keep)
-        self.numbers: deque[int] = deque(maxlen=keep)  # each recent time's iteration
 
     def take(self, batch: IterationBatch) -> list[float]:
         """The new iteration times in ``batch`` of the reference rank (the lowest seen)."""
@@ -60,7 +59,6 @@ class IterationSeries:
             if r == self.rank and it > self.last_iteration:
                 self.last_iteration = it
                 out.append(float(d))
-                self.numbers.append(it)
         self.count += len(out)
         self.recent.extend(out)
         return out
@@ -69,13 +67,6 @@ class IterationSeries:
         """The times observed after the first ``count`` (as many as are still kept)."""
         n = min(self.count - count, len(self.recent))
         return list(self.recent)[len(self.recent) - n:] if n > 0 else []
-
-    def numbered_since(self, count: int) -> list[tuple[int, float]]:
-        """(iteration, time) of the times observed after the first ``count``."""
-        n = min(self.count - count, len(self.recent))
-        if n <= 0:
-            return []
-        return list(zip(list(self.numbers)[-n:], list(self.recent)[-n:], strict=True))
 
     def before(self, count: int, n: int) -> list[float]:
         """Up to ``n`` times observed just before the ``count``-th."""

@@ -82,13 +82,10 @@ class Rig:
     async def incident(self, *, kind: str, before_s: float, after_s: float,
                        gpus: Sequence[int] = (), links: Sequence[tuple[int, int]] = (),
                        gemm: dict[int, float] | None = None) -> str:
-        """An incident as far as the validator takes it: detected, localised, validated; its
-        slowdown begins with the next iteration :meth:`iterations` sends."""
-        first = self.iteration + 1
+        """An incident as far as the validator takes it: detected, localised, validated."""
         detection = Detection(event_id=uuid.uuid4().hex, ranks=[0, 1], method="bocd-v",
                               before_s=before_s, after_s=after_s, healthy_s=before_s,
-                              first_iteration=first, detected_iteration=first + 2,
-                              change="onset")
+                              first_iteration=10, detected_iteration=12, change="onset")
         culprit = Culprit(gpus=[Gpu(rank=g, node=0, host="h", device=g) for g in gpus],
                           links=[], link_ranks=[list(x) for x in links],
                           ranks=list(gpus) or sorted({r for x in links for r in x}))
