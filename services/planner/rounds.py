@@ -141,11 +141,20 @@ async def hold_limits(st: PlannerState) -> None:
             continue
         if now - t.resolved_at < c.hold_max_s:
             continue
-        async with st.locks[t.job_id], st.work.unit() as uow:
-            incident = await repo.get_incident_for_update(uow.session, t.incident_id)
-            if incident is not None:
-                await escalations.end(st, uow, t, incident, f"held {c.hold_max_s:g} s after "
-                                      "the job recovered under it; nothing can check the fault")
+        await _end(st, t, f"held {c.hold_max_s:g} s after the job recovered under it; "
+                   "nothing can check the fault")
+
+
+async def _end(st: PlannerState, t: Tracked, why: str) -> None:
+    """End ``t``'s escalation outside a handler: its job's lock, its incident's row lock, its
+    plans taken back (an escalation whose incident is gone is only forgotten)."""
+    log.info("incident %s: escalation ended: %s", t.incident_id, why)
+    async with st.locks[t.job_id], st.work.unit() as uow:
+        incident = await repo.get_incident_for_update(uow.session, t.incident_id)
+        if incident is not None:
+            await escalations.end(st, uow, t, incident, why)
+        else:
+            st.forget(t)
 
 
 async def silent_jobs(st: PlannerState) -> None:
@@ -161,15 +170,8 @@ async def silent_jobs(st: PlannerState) -> None:
         silent = watch.silent_s() if watch is not None else None
         if silent is None or silent < c.job_silent_s:
             continue
-        async with st.locks[t.job_id], st.work.unit() as uow:
-            incident = await repo.get_incident_for_update(uow.session, t.incident_id)
-            why = (f"job {t.job_id} sent no iteration for {silent:.0f} s (over "
+        await _end(st, t, f"job {t.job_id} sent no iteration for {silent:.0f} s (over "
                    f"{c.job_silent_s:g} s): it stopped or is gone")
-            log.info("incident %s: escalation ended: %s", t.incident_id, why)
-            if incident is not None:
-                await escalations.end(st, uow, t, incident, why)
-            else:
-                st.forget(t)
 
 
 async def save(st: PlannerState, *, now: bool = False) -> None:

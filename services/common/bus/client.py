@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
+from nats.js.api import StreamConfig, StreamInfo
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -203,7 +203,8 @@ async def _add_stream(js: JetStreamContext, cfg: StreamConfig,
             await asyncio.sleep(PLACEMENT_RETRY_S)
 
 
-async def _made_meanwhile(js: JetStreamContext, name: str, refusal: BadRequestError) -> Any:
+async def _made_meanwhile(js: JetStreamContext, name: str,
+                          refusal: BadRequestError) -> StreamInfo:
     """The stream info of a stream whose creation was refused as existing; the refusal itself
     where it does not exist after all (refused for another reason)."""
     try:
