@@ -53,7 +53,7 @@ def _worker(a: argparse.Namespace) -> None:
     from greyhound.core.layout import ParallelShape
     from greyhound.core.role_swap import Traffic, plan_role_swap
     from greyhound.integrations.topology import Role
-    from greyhound.integrations.torch_groups import build_groups
+    from greyhound.integrations.torch_groups import build_groups, live_gloo_workers, thread_ids
     from greyhound.integrations.torch_layout import LayoutOutcome, TorchLayoutFollower
     from greyhound.integrations.torch_state import StageState
 
@@ -139,6 +139,7 @@ def _worker(a: argparse.Namespace) -> None:
                 raise RuntimeError(f"injected: out of memory building stage {role.stage}")
             return build_stage(role)
 
+        threads_before = thread_ids()
         job = TorchLayoutFollower(shape=shape, microbatches=m_total, build_stage=stage,
                                   source=source, on_report=reports.append, groups_builder=builder,
                                   timeout_s=a.timeout)
@@ -154,6 +155,11 @@ def _worker(a: argparse.Namespace) -> None:
         everyone_stages: list[Any] = [None] * world
         dist.all_gather_object(everyone_stages, stages)
         job.close()
+        # Every group the follower made went with close(), its threads joined: one left would
+        # be torn down at interpreter shutdown, where gloo can abort (ParallelGroups.destroy).
+        if left := live_gloo_workers(besides=threads_before):
+            raise SystemExit(f"process {me}, run {name}: {left} gloo worker threads outlive "
+                             "TorchLayoutFollower.close(): a group it made is still referenced")
         return {"name": name, "losses": losses, "params": every, "stages": everyone_stages,
                 "outcomes": [asdict(o) for o in job.history],
                 "reports": [asdict(o) for o in reports], "gpu_of_rank": list(job.gpu_of_rank)}
@@ -187,6 +193,13 @@ def _worker(a: argparse.Namespace) -> None:
         a.out.write_text(json.dumps({"runs": runs, "plans": plans, "tp": 1, "dp": shape.dp,
                                      "pp": shape.pp, "swap_at": k}, default=list))
     dist.destroy_process_group()
+    # torch itself keeps the default group referenced once torch._dynamo is imported (an
+    # optimizer imports it), so its gloo workers live on into interpreter shutdown; one still
+    # releasing the last collective then aborts the process (pytorch/pytorch#190489). The
+    # follower's own groups are gone (checked in run()); the job ends without the shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- the launcher ----------------------------------------------------------------------------------

@@ -183,12 +183,19 @@ class MegatronGroups(ParallelGroups):
         restore(self.state)
 
     def destroy(self) -> None:
+        """Destroy the layout's groups and forget them (ParallelGroups.destroy says why): when
+        this is the state parallel_state runs (the follower's close), parallel_state is reset
+        as ``destroy_model_parallel`` leaves it, not left pointing at destroyed groups."""
         ps = _ps()
+        listed = self.state.get("_global_process_group_list")
         live = ps.torch.distributed.distributed_c10d._world.pg_map
-        for pg in self.state.get("_global_process_group_list") or []:
+        for pg in listed or []:
             if pg is not None and pg in live:
                 dist.destroy_process_group(pg)
-        self.state["_global_process_group_list"] = None
+        if listed is not None and getattr(ps, "_global_process_group_list", None) is listed:
+            _reset()
+        self.state = {}
+        self.tp = self.dp = self.pp = None
 
 
 def build_parallel_state(shape: ParallelShape, gpu_of_rank: Sequence[int], *,

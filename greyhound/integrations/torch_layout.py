@@ -122,8 +122,8 @@ class TorchLayoutFollower:
         check_group_order(shape, self.gpu_of_rank, self._order)
         # Votes and moves go over a group of their own, with its own timeout: a process that
         # fails half-way must not leave the others blocked for the job's (long) default one.
-        self.control = dist.new_group(list(range(shape.world)), timeout=self.timeout,
-                                      backend=backend)
+        self.control: Any = dist.new_group(list(range(shape.world)), timeout=self.timeout,
+                                           backend=backend)
         if groups is not None and groups.gpu_of_rank != self.gpu_of_rank:
             raise ValueError(f"groups built for layout {list(groups.gpu_of_rank)}, the job runs "
                              f"{list(self.gpu_of_rank)}")
@@ -137,9 +137,15 @@ class TorchLayoutFollower:
         self.history: list[LayoutOutcome] = []
 
     def close(self) -> None:
-        """Destroy the groups this follower made (the job's own default group stays)."""
+        """Destroy the groups this follower made (the job's own default group stays) and drop
+        its references to them, so that they go now and not at interpreter shutdown, where gloo
+        can abort the process (ParallelGroups.destroy); the follower is not used after this."""
+        if self.control is None:
+            return
         self.groups.destroy()
         dist.destroy_process_group(self.control)
+        self.control = None
+        self.s2.group = None
 
     @property
     def role(self) -> Role:
@@ -147,6 +153,8 @@ class TorchLayoutFollower:
 
     def next_iteration(self) -> int:
         """At an iteration boundary: agree on the delivery, apply a new version; returns m_i."""
+        if self.control is None:
+            raise RuntimeError("this TorchLayoutFollower was closed")
         start = time.perf_counter()
         delivery, problem = self._agree(self._fetch() if self.me == 0 else None)
         if delivery is not None and delivery.version > self.seen:
