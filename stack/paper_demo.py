@@ -46,6 +46,10 @@ PAPER = {"injected": 12, "detected": 12, "correct": 12, "mean_detect_s": 3.7,
          "mean_localize_s": 10.56, "throughput_healthy": 37.4, "throughput_without": 18.9,
          "throughput_with": 29.8, "speedup": 1.58}
 RECHECK_S = 10.0  # the planner's re-check of a mitigated GPU (its default: 300 s)
+# Real time for at most this long after an onset. An S3 for a 10x congestion is proposed when
+# its loss reaches the S3 cost, ~50 virtual s in, and reaches the job a few wall seconds later:
+# a 60 s window closed on it in one run, and at 8x those seconds made its S3 come at 70 s.
+REACTION_WINDOW_S = 90.0
 SEVERITY = ((1.75, "weak"), (2.5, "medium"), (float("inf"), "strong"))
 
 
@@ -228,7 +232,7 @@ def run_paper_demo(settings: Settings, *, scenario: Path | None = None, port: in
           file=out, flush=True)
     print(f"  [2/4] starting embedded NATS + Postgres and every service (data and logs in "
           f"{settings.data_dir}) ...", file=out, flush=True)
-    policy = PacePolicy(fast=fast)
+    policy = PacePolicy(fast=fast, window_s=REACTION_WINDOW_S)
     planner = PlannerSettings()
     if "GREYHOUND_PLANNER_RECHECK_S" not in os.environ:
         print(f"        the planner re-checks a GPU under an S2 plan every {RECHECK_S:g} s "
