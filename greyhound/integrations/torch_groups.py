@@ -88,7 +88,6 @@ def build_groups(shape: ParallelShape, gpu_of_rank: Sequence[int], *, timeout: t
                           mine["dp"], mine["pp"], created)
 
 
-
 def thread_ids() -> frozenset[int]:
     """This process's thread ids (empty where /proc cannot tell), for live_gloo_workers."""
     tasks = Path("/proc/self/task")
