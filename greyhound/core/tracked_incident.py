@@ -42,6 +42,10 @@ class Tracked:
     last_check_at: float = 0.0
     dirty: bool = True
     fed: int = 0  # how many of the job's iterations (IterationSeries.count) it has seen
+    # Unix time its fault began, as estimated from its detection: the job's iterations sent
+    # before it are another fault's (or healthy) and add nothing to this incident's loss.
+    # Not saved: a restored escalation's cursor is past it already.
+    onset_ts: float | None = None
     # the last iteration its loss counts, (rank, iteration, the batch's Unix time): a restarted
     # planner reads the job's iterations again from there, none counted twice or lost
     cursor: tuple[int, int, float] | None = None

@@ -23,6 +23,7 @@ from services.common.db.documents import Validation, plan_params
 from services.common.db.models import Incident, Plan
 from services.common.unit_of_work import UnitOfWork
 from services.planner.delivery import announce, deliver, job_state, note, take_back
+from services.planner.iterations import onset_lead_s
 from services.planner.state import PlannerState
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,20 @@ async def start(st: PlannerState, session: AsyncSession, incident: Incident,
                      available=build.available(layout, culprit))
     t = Tracked(incident.id, incident.job_id, esc, culprit, gpu_of_rank=state.gpu_of_rank,
                 preplan_s=detection.after_s or None if detection else None)
-    watch = st.watches.watch(incident.job_id,
-                             incident.opened_at - timedelta(seconds=c.lookback_s))
-    # the slow iterations since the watch began (at the tracker's slowdown) count too
-    t.fed = watch.series.count - len(watch.series.recent)
+    lead = c.lookback_s
+    if detection is not None:
+        # it opened when first raised: at its suspicion, if it was suspected before confirmed
+        at, suspected = detection.detected_iteration, detection.suspected_iteration
+        if suspected is not None and detection.first_iteration <= suspected < at:
+            at = suspected
+        lead = onset_lead_s(detection.first_iteration, at, detection.after_s, c.lookback_s)
+    onset = incident.opened_at - timedelta(seconds=lead)
+    watch = st.watches.watch(incident.job_id, onset)
+    # The slow iterations since the fault began count, not those before it: a watch kept from
+    # an earlier incident of the job holds that incident's slow iterations, which would have
+    # paid for this one's S3 before it was even validated (a phantom loss of 50-115 s).
+    t.onset_ts = onset.timestamp()
+    t.fed = watch.series.position_at(t.onset_ts)
     st.tracked[incident.id] = t
     await repo.save_escalation(session, t.incident_id, t.job_id, t.state())
     t.dirty = False
@@ -121,7 +132,8 @@ async def observe(st: PlannerState, job: str, _new: list[float] | None = None) -
             if t.esc.closed or t.incident_id not in st.tracked:
                 t.fed = watch.series.count
                 continue
-            times, t.fed = watch.series.since(t.fed), watch.series.count
+            times = watch.series.since(t.fed, sent_from=t.onset_ts)
+            t.fed = watch.series.count
             t.cursor = watch.cursor
             for s in times:
                 decision = t.esc.observe(s)

@@ -27,6 +27,7 @@ from services.common.db.models import Incident, Plan
 from services.common.unit_of_work import UnitOfWork
 from services.planner import escalations
 from services.planner.delivery import announce, note, take_back
+from services.planner.iterations import onset_lead_s
 from services.planner.state import PlannerState
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ async def detection(st: PlannerState, uow: UnitOfWork, det: DetectionEvent) -> N
         # A job that declared no layout gets no plan: reading its iterations would be waste.
         if await st.layout(uow.session, job) is None:
             return
-        span = max(det.detected_iteration - det.first_iteration + 3, 3) * max(det.after_s, 0.0)
-        back = min(st.config.lookback_s, max(span, 1.0))
+        back = onset_lead_s(det.first_iteration, det.detected_iteration, det.after_s,
+                            st.config.lookback_s)
         st.watches.watch(job, datetime.fromtimestamp(det.detected_ns / 1e9 - back, UTC))
         return
     if det.kind != "recovery":

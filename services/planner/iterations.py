@@ -38,6 +38,14 @@ OnTimes = Callable[[str, list[float]], Awaitable[None]]
 WATCH_GRACE_S = 600.0  # a watched job with no escalation by then is no longer watched
 
 
+def onset_lead_s(first_iteration: int, detected_iteration: int, after_s: float,
+                 lookback_s: float) -> float:
+    """How long before its detection a slowdown began: its slow iterations and three more,
+    within ``lookback_s`` (and at least a second)."""
+    span = max(detected_iteration - first_iteration + 3, 3) * max(after_s, 0.0)
+    return min(lookback_s, max(span, 1.0))
+
+
 class IterationSeries:
     """The job's iteration times as one rank sees them (pure bookkeeping, no I/O)."""
 
@@ -46,6 +54,7 @@ class IterationSeries:
         self.last_iteration = -1
         self.count = 0
         self.recent: deque[float] = deque(maxlen=keep)
+        self.stamps: deque[float] = deque(maxlen=keep)  # each kept time's batch's Unix time
 
     def take(self, batch: IterationBatch) -> list[float]:
         """The new iteration times in ``batch`` of the reference rank (the lowest seen)."""
@@ -61,12 +70,30 @@ class IterationSeries:
                 out.append(float(d))
         self.count += len(out)
         self.recent.extend(out)
+        self.stamps.extend([batch.ts] * len(out))
         return out
 
-    def since(self, count: int) -> list[float]:
-        """The times observed after the first ``count`` (as many as are still kept)."""
+    def since(self, count: int, *, sent_from: float | None = None) -> list[float]:
+        """The times observed after the first ``count`` (as many as are still kept); with
+        ``sent_from``, only those whose batch was sent then or later."""
         n = min(self.count - count, len(self.recent))
-        return list(self.recent)[len(self.recent) - n:] if n > 0 else []
+        if n <= 0:
+            return []
+        times = list(self.recent)[len(self.recent) - n:]
+        if sent_from is None:
+            return times
+        stamps = list(self.stamps)[len(self.stamps) - n:]
+        return [t for t, ts in zip(times, stamps, strict=True) if ts >= sent_from]
+
+    def position_at(self, ts: float) -> int:
+        """How many times were observed before the first kept one sent at ``ts`` or later: an
+        escalation fed from there counts the iterations since ``ts`` and none before."""
+        after = 0
+        for stamp in reversed(self.stamps):
+            if stamp < ts:
+                break
+            after += 1
+        return self.count - after
 
     def before(self, count: int, n: int) -> list[float]:
         """Up to ``n`` times observed just before the ``count``-th."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from greyhound.core.microbatch import allocate_microbatches
 from services.common.db import repository as repo
 from services.common.db.models import WebhookDelivery
@@ -182,6 +184,30 @@ def _s2() -> object:
     from greyhound.core.escalation import Strategy
 
     return Strategy.MICROBATCH
+
+
+async def test_a_second_incident_pays_only_for_its_own_slow_iterations(bench: Bench) -> None:
+    """The job's watch outlives its first incident, holding that incident's slow iterations;
+    the next incident's loss starts at its own onset, so those do not buy its S3 at once."""
+    async with bench.planner() as rig:
+        await rig.layout(tp=1, dp=2, pp=2, gpus_per_node=1, microbatches=8,
+                         dp_allreduce_bytes=4e9, pp_activation_bytes=1e7)
+        first = await rig.incident(kind="compute_slow", before_s=1.0, after_s=3.0, gpus=[1])
+        await rig.wait(lambda: _tracked(rig, first), "the first escalation")
+        await rig.iterations(3.0, 10)  # 20 s of loss: four times S3's 5 s
+        await rig.wait(lambda: _fed(rig, first, 10), "the first incident's iterations")
+        # The second fault: detected 2 iterations after it began, 0.2 s each, so it began 1 s
+        # (its floor) before it opened; the first incident's iterations are older than that.
+        await asyncio.sleep(1.5)
+        second = await rig.incident(kind="comm_slow", before_s=0.1, after_s=0.2,
+                                    links=[(0, 1)])
+        await rig.wait(lambda: _tracked(rig, second), "the second escalation")
+        t = rig.planner.tracked[second]
+        assert t.fed == 10 and t.esc.loss_s == 0.0  # nothing it did not see
+        await rig.iterations(0.2, 4)
+        await rig.wait(lambda: _fed(rig, second, 14), "the second incident's iterations")
+        assert t.esc.loss_s == pytest.approx(0.4) and t.esc.slow_iterations == 4
+        assert [p.strategy for p in await rig.plans() if p.incident_id == second] == []
 
 
 async def _tracked(rig: Rig, inc: str) -> bool:
