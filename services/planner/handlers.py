@@ -57,7 +57,12 @@ async def detection(st: PlannerState, uow: UnitOfWork, det: DetectionEvent) -> N
                 else watch.series.count - t.applied_count
             under = level(watch.series.since(t.applied_count)) \
                 if watch is not None and t.applied_count is not None else None
-            t.recovered_under_plan = recovery_is_the_plans(
+            # Once a plan for a link brought the job back, a later recovery cannot be the
+            # link's: under the plan the link carries pipeline traffic, so its congestion's
+            # end shows nowhere, while another fault's end (a GPU slowed during the plan's
+            # pause) does. Only the hold timer ends such a plan; a GPU's is re-checked.
+            kept = t.recovered_under_plan and not t.checkable
+            t.recovered_under_plan = kept or recovery_is_the_plans(
                 before_s=det.before_s, preplan_s=t.preplan_s, under_plan_s=under,
                 iterations_since=since, settle=st.config.settle_iterations,
                 unconfirmed=any(p.status == "approved" for p in plans))

@@ -210,6 +210,46 @@ async def test_a_second_incident_pays_only_for_its_own_slow_iterations(bench: Be
         assert [p.strategy for p in await rig.plans() if p.incident_id == second] == []
 
 
+async def test_a_later_recovery_under_a_link_plan_does_not_take_it_back(bench: Bench) -> None:
+    """The paper demo's second congestion: a GPU slowed during the S3 pause, so the plan's
+    recovery left the job slow, and that GPU's recovery later looked like the congestion's end.
+    Once a link's plan brought the job back, later recoveries are another fault's."""
+    async with bench.planner(settle_iterations=3) as rig:
+        await rig.layout(tp=1, dp=2, pp=2, gpus_per_node=1, microbatches=8,
+                         dp_allreduce_bytes=4e9, pp_activation_bytes=1e7)
+        inc = await rig.incident(kind="comm_slow", before_s=1.0, after_s=3.0, links=[(0, 1)])
+        await rig.wait(lambda: _tracked(rig, inc), "the escalation to start")
+        await rig.iterations(3.0, 3)  # 6 s of loss: S3's 5 s
+        (plan,) = await rig.wait(rig.plans, "an S3 proposal")
+        async with rig.ctx.db()() as session:
+            row = (await repo.plans_by_id(session, [plan.id], for_update=True))[plan.id]
+            await repo.decide_plan(session, row, decision="approve", approver="alice", comment="")
+            await session.commit()
+        await rig.wait(rig.deliveries, "the approved plan's delivery")
+        await rig.report(1, cost_s=2.0)
+        await rig.wait(lambda: _status(rig, "applied"), "the plan applied")
+        t = rig.planner.tracked[inc]
+        # the plan's recovery leaves the job slow: a GPU slowed during the pause
+        await rig.iterations(2.0, 2)
+        await rig.recovery(before_s=3.0, after_s=2.0)
+        await rig.wait(lambda: _judged(rig, inc, True), "the plan's recovery")
+        await rig.iterations(2.0, 6)  # past settle_iterations
+        await rig.wait(lambda: _fed(rig, inc, 11), "the iterations under the plan")
+        # that GPU's recovery: the congestion's end would look the same, but cannot be seen
+        await rig.iterations(1.0, 3)
+        await rig.recovery(before_s=2.0, after_s=1.0)
+        await rig.resolve(inc)
+        await rig.wait(lambda: _resolved_under_plan(rig, inc), "the incident to close under its plan")
+        assert t.recovered_under_plan
+        assert [p.status for p in await rig.plans()] == ["applied"]  # kept (hold_max_s 0)
+        assert [d.action for d in await rig.deliveries()] == ["apply"]
+
+
+async def _judged(rig: Rig, inc: str, under_plan: bool) -> bool:
+    t = rig.planner.tracked.get(inc)
+    return t is not None and t.recovered_under_plan is under_plan
+
+
 async def _tracked(rig: Rig, inc: str) -> bool:
     return inc in rig.planner.tracked
 
