@@ -23,6 +23,7 @@ from services.common.bus.contract import (
     Subjects,
 )
 from services.common.db import repository as repo
+from services.common.db.documents import PlanStep, Validation
 from services.common.runtime import ServiceContext
 from tests.services.analyzer.helpers import AGENTS, fed_localizer, register_ranks
 
@@ -160,3 +161,76 @@ async def test_a_further_slowdown_with_nothing_new_closes_as_the_known_cause(
         await feeding
         await analyzer.stop()
         await localizer.stop()
+
+
+async def _mitigated(ctx: ServiceContext, incident_id: str) -> None:
+    """The incident validated and a plan applied to it, as the validator and planner record."""
+    async with ctx.db()() as session:
+        inc = await repo.get_incident_for_update(session, incident_id)
+        assert inc is not None
+        await repo.add_timeline(session, inc, "validated",
+                                Validation(suspicion=uuid.uuid4().hex, verdict="compute_slow"))
+        await repo.add_timeline(session, inc, "mitigated",
+                                PlanStep(plan_id="p", strategy="S3", version=1, cost_s=30.0,
+                                         summary="test"))
+        await session.commit()
+
+
+async def test_a_plans_recovery_that_leaves_the_job_slow_is_localised_again(
+        ctx: ServiceContext, agents: dict[str, BusClient]) -> None:
+    """Rank 1 slowed while rank 2's plan was being applied: the tracker saw one step down (the
+    plan's) and no step up. What the plan left above 1.3x healthy is a further slowdown, named
+    for what the open incident does not name; a plan's shortfall under that is not."""
+    job = f"rest{uuid.uuid4().hex[:8]}"
+    await register_ranks(ctx, job)
+    await _agents(agents, job)
+    localizer, feed, feeding = fed_localizer(ctx, job)
+    analyzer = Analyzer(ctx, localizer.work, localizer)
+
+    async def settle() -> None:
+        for _ in range(400):
+            if not analyzer._chains and not localizer.tasks:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("localisation did not finish")
+
+    async def found() -> list[tuple[str, str, list[int], dict[str, Any]]]:
+        async with ctx.db()() as session:
+            rows = sorted(await repo.list_incidents(session, job_id=job),
+                          key=lambda r: r.opened_at)
+        return [(r.kind, r.status, r.culprit.as_json().get("compute_ranks", []),
+                 r.timeline[0].detail.as_json()) for r in rows]
+
+    try:
+        await analyzer.consume("", _det(job, "slowdown", "onset", 100, 0.031, 0.071))
+        await settle()
+        ((kind, status, ranks, _),) = await found()
+        assert (kind, status, ranks) == ("compute_slow", "localized", [2])
+        # Partial recoveries before any plan, or under one that leaves <= 1.3x, are noted.
+        await analyzer.consume("", _det(job, "recovery", "partial", 200, 0.071, 0.065))
+        assert len(await found()) == 1
+        first_id = (await _ids(ctx, job))[0]
+        await _mitigated(ctx, first_id)
+        await analyzer.consume("", _det(job, "recovery", "partial", 250, 0.065, 0.038))
+        await settle()
+        assert len(await found()) == 1
+        # Under the plan the job stays at 0.056 s, 1.8x its healthy 0.031 s: localised again.
+        await analyzer.consume("", _det(job, "recovery", "partial", 300, 0.071, 0.056))
+        await settle()
+        first, second = await found()
+        assert first[:2] == ("compute_slow", "mitigated")
+        assert second[:3] == ("compute_slow", "localized", [1]), second
+        opened_from = second[3]  # a further slowdown from the healthy level to what is left
+        assert (opened_from["change"], opened_from["before_s"], opened_from["after_s"]) == (
+            "further", 0.031, 0.056)
+    finally:
+        feed.stop()
+        await feeding
+        await analyzer.stop()
+        await localizer.stop()
+
+
+async def _ids(ctx: ServiceContext, job: str) -> list[str]:
+    async with ctx.db()() as session:
+        rows = sorted(await repo.list_incidents(session, job_id=job), key=lambda r: r.opened_at)
+    return [r.id for r in rows]
