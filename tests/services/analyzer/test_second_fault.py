@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,16 @@ async def _agents(agents: dict[str, BusClient], job: str) -> dict[str, int]:
     return served
 
 
+async def _settled(analyzer: Analyzer) -> None:
+    """Until the job's localisations, running and queued, are over."""
+    assert analyzer.localizer is not None
+    for _ in range(400):
+        if not analyzer._chains and not analyzer.localizer.tasks:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("localisation did not finish")
+
+
 def _det(job: str, kind: DetectionKind, change: str, first: int, before: float, after: float
          ) -> DetectionEvent:
     return DetectionEvent(job_id=job, kind=kind,
@@ -87,12 +98,7 @@ async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
     localizer, feed, feeding = fed_localizer(ctx, job)
     analyzer = Analyzer(ctx, localizer.work, localizer)
 
-    async def settle() -> None:
-        for _ in range(400):
-            if not analyzer._chains and not localizer.tasks:
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError("localisation did not finish")
+    settle = partial(_settled, analyzer)
 
     async def rows() -> list[dict[str, Any]]:
         async with ctx.db()() as session:
@@ -187,12 +193,7 @@ async def test_a_plans_recovery_that_leaves_the_job_slow_is_localised_again(
     localizer, feed, feeding = fed_localizer(ctx, job)
     analyzer = Analyzer(ctx, localizer.work, localizer)
 
-    async def settle() -> None:
-        for _ in range(400):
-            if not analyzer._chains and not localizer.tasks:
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError("localisation did not finish")
+    settle = partial(_settled, analyzer)
 
     async def found() -> list[tuple[str, str, list[int], dict[str, Any]]]:
         async with ctx.db()() as session:
