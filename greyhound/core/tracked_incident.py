@@ -108,3 +108,10 @@ def recovery_is_the_plans(*, before_s: float, preplan_s: float | None, under_pla
     if preplan_s is None or under_plan_s is None:
         return False
     return abs(before_s - preplan_s) < abs(before_s - under_plan_s)
+
+
+def another_fault_ended(before_s: float, risen_to: list[float], rel: float = 0.1) -> bool:
+    """Whether a recovery fell from a level another fault raised the job to (``risen_to``: the
+    slow levels of the faults found since the plan took effect), so that it was that fault's
+    end, not the end of the one the plan works around."""
+    return any(abs(before_s - level) <= rel * before_s for level in risen_to)

@@ -19,7 +19,13 @@ from functools import partial
 
 from greyhound.core.lifecycle import IllegalTransition, advance
 from greyhound.core.plan_build import STRATEGIES
-from greyhound.core.tracked_incident import Tracked, level, recovery_is_the_plans
+from greyhound.core.tracked_incident import (
+    KINDS,
+    Tracked,
+    another_fault_ended,
+    level,
+    recovery_is_the_plans,
+)
 from services.common.bus.contract import DetectionEvent, IncidentEvent, PlanReport, Subjects
 from services.common.db import repository as repo
 from services.common.db.documents import PlanStep, Validation
@@ -57,20 +63,33 @@ async def detection(st: PlannerState, uow: UnitOfWork, det: DetectionEvent) -> N
                 else watch.series.count - t.applied_count
             under = level(watch.series.since(t.applied_count)) \
                 if watch is not None and t.applied_count is not None else None
-            # Once a plan for a link brought the job back, a later recovery cannot be the
-            # link's: under the plan the link carries pipeline traffic, so its congestion's
-            # end shows nowhere, while another fault's end (a GPU slowed during the plan's
-            # pause) does. Only the hold timer ends such a plan; a GPU's is re-checked.
-            kept = t.recovered_under_plan and not t.checkable
-            t.recovered_under_plan = kept or recovery_is_the_plans(
+            judged = recovery_is_the_plans(
                 before_s=det.before_s, preplan_s=t.preplan_s, under_plan_s=under,
                 iterations_since=since, settle=st.config.settle_iterations,
                 unconfirmed=any(p.status == "approved" for p in plans))
+            if not judged and t.recovered_under_plan and not t.checkable:
+                judged = await others_end(uow, t, plans, det.before_s)
+            t.recovered_under_plan = judged
             t.dirty = True
             log.info("job %s: recovery %.3fs -> %.3fs is %s (incident %s)", job,
                      det.before_s, det.after_s,
                      "the plan's doing" if t.recovered_under_plan else "the fault's end",
                      t.incident_id)
+
+
+async def others_end(uow: UnitOfWork, t: Tracked, plans: list[Plan], before_s: float) -> bool:
+    """Whether a recovery under a link's plan, after that plan brought the job back, is the end
+    of another fault found since (one that began during the plan's pause hides in the plan's
+    recovery until the analyzer localises what was left): then the link's plan stays. Nothing
+    re-checks a link, so taking its plan back on another fault's end brings the congestion
+    back for as long as ski rental takes to pay for the plan again."""
+    since = min((p.applied_at for p in plans if p.applied_at is not None), default=None)
+    if since is None:
+        return False
+    found = await repo.list_incidents(uow.session, job_id=t.job_id, opened_after=since)
+    risen = [i.evidence.detection.after_s for i in found
+             if i.id != t.incident_id and i.kind in KINDS and i.evidence.detection is not None]
+    return another_fault_ended(before_s, risen)
 
 
 async def validated(st: PlannerState, uow: UnitOfWork, ev: IncidentEvent) -> None:
