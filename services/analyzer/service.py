@@ -341,8 +341,7 @@ class Analyzer:
         for other in open_:
             await repo.add_timeline(session, other, "detected",
                                     detail.model_copy(update={"further": incident.id}))
-        return Recorded([self._event(det, incident, "detected")], incident.id, second=True,
-                        detection=det)
+        return Recorded([self._event(det, incident, "detected")], incident.id, second=True)
 
     async def _confirm(self, session: AsyncSession, det: DetectionEvent, detail: Detection,
                        incident: Incident, severity: float, confirmed: repo.Moment) -> Recorded:
@@ -387,9 +386,11 @@ class Analyzer:
                 if rest is None:
                     return Recorded()
                 kind, severity, culprit, _ = self._classify(rest)
-                return await self._further(
+                done = await self._further(
                     session, rest, _detail_of(rest, detail), open_, kind, severity, culprit,
                     what="still slow after its plan's recovery")
+                done.detection = rest  # localised as the slowdown it is, not the recovery
+                return done
             closing = [i for i in open_ if i.id == ended]
         else:
             closing = list(open_)

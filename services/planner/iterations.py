@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from itertools import islice
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -79,11 +80,12 @@ class IterationSeries:
         n = min(self.count - count, len(self.recent))
         if n <= 0:
             return []
-        times = list(self.recent)[len(self.recent) - n:]
+        skip = len(self.recent) - n
+        times = islice(self.recent, skip, None)
         if sent_from is None:
-            return times
-        stamps = list(self.stamps)[len(self.stamps) - n:]
-        return [t for t, ts in zip(times, stamps, strict=True) if ts >= sent_from]
+            return list(times)
+        return [t for t, ts in zip(times, islice(self.stamps, skip, None), strict=True)
+                if ts >= sent_from]
 
     def position_at(self, ts: float) -> int:
         """How many times were observed before the first kept one sent at ``ts`` or later: an

@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 from nats.aio.msg import Msg
 
+from services.analyzer.profiling import CollectiveFeed
 from services.analyzer.service import Analyzer
+from services.analyzer.slow import SlowLocalizer
 from services.common.bus.client import BusClient, publish
 from services.common.bus.contract import (
     CollectiveBatch,
@@ -25,6 +27,7 @@ from services.common.bus.contract import (
 )
 from services.common.db import repository as repo
 from services.common.db.documents import PlanStep, Validation
+from services.common.db.models import Incident
 from services.common.runtime import ServiceContext
 from tests.services.analyzer.helpers import AGENTS, fed_localizer, register_ranks
 
@@ -72,6 +75,23 @@ async def _agents(agents: dict[str, BusClient], job: str) -> dict[str, int]:
     return served
 
 
+async def _started(ctx: ServiceContext, agents: dict[str, BusClient], job: str
+                   ) -> tuple[Analyzer, SlowLocalizer, CollectiveFeed, asyncio.Task[None]]:
+    """The job's ranks registered, its stand-in agents answering, an analyzer over a fed
+    localizer: (analyzer, localizer, the feed, its task)."""
+    await register_ranks(ctx, job)
+    await _agents(agents, job)
+    localizer, feed, feeding = fed_localizer(ctx, job)
+    return Analyzer(ctx, localizer.work, localizer), localizer, feed, feeding
+
+
+async def _incidents(ctx: ServiceContext, job: str) -> list[Incident]:
+    """The job's incidents, oldest first."""
+    async with ctx.db()() as session:
+        rows = await repo.list_incidents(session, job_id=job)
+    return sorted(rows, key=lambda r: r.opened_at)
+
+
 async def _settled(analyzer: Analyzer) -> None:
     """Until the job's localisations, running and queued, are over."""
     assert analyzer.localizer is not None
@@ -93,20 +113,14 @@ def _det(job: str, kind: DetectionKind, change: str, first: int, before: float, 
 async def test_second_fault_is_its_own_incident_and_partial_recovery_ends_it(
         ctx: ServiceContext, agents: dict[str, BusClient]) -> None:
     job = f"second{uuid.uuid4().hex[:8]}"
-    await register_ranks(ctx, job)
-    await _agents(agents, job)
-    localizer, feed, feeding = fed_localizer(ctx, job)
-    analyzer = Analyzer(ctx, localizer.work, localizer)
-
+    analyzer, localizer, feed, feeding = await _started(ctx, agents, job)
     settle = partial(_settled, analyzer)
 
     async def rows() -> list[dict[str, Any]]:
-        async with ctx.db()() as session:
-            found = await repo.list_incidents(session, job_id=job)
-            return [{"id": r.id, "kind": r.kind, "status": r.status, "culprit": r.culprit.as_json(),
-                     "opened": r.opened_at,
-                         "timeline": [(e.stage, e.detail.as_json()) for e in r.timeline]}
-                    for r in sorted(found, key=lambda r: r.opened_at)]
+        return [{"id": r.id, "kind": r.kind, "status": r.status, "culprit": r.culprit.as_json(),
+                 "opened": r.opened_at,
+                 "timeline": [(e.stage, e.detail.as_json()) for e in r.timeline]}
+                for r in await _incidents(ctx, job)]
 
     try:
         # Both detections arrive before the first localisation ends: the second waits for it.
@@ -188,19 +202,12 @@ async def test_a_plans_recovery_that_leaves_the_job_slow_is_localised_again(
     plan's) and no step up. What the plan left above 1.3x healthy is a further slowdown, named
     for what the open incident does not name; a plan's shortfall under that is not."""
     job = f"rest{uuid.uuid4().hex[:8]}"
-    await register_ranks(ctx, job)
-    await _agents(agents, job)
-    localizer, feed, feeding = fed_localizer(ctx, job)
-    analyzer = Analyzer(ctx, localizer.work, localizer)
-
+    analyzer, localizer, feed, feeding = await _started(ctx, agents, job)
     settle = partial(_settled, analyzer)
 
     async def found() -> list[tuple[str, str, list[int], dict[str, Any]]]:
-        async with ctx.db()() as session:
-            rows = sorted(await repo.list_incidents(session, job_id=job),
-                          key=lambda r: r.opened_at)
         return [(r.kind, r.status, r.culprit.as_json().get("compute_ranks", []),
-                 r.timeline[0].detail.as_json()) for r in rows]
+                 r.timeline[0].detail.as_json()) for r in await _incidents(ctx, job)]
 
     try:
         await analyzer.consume("", _det(job, "slowdown", "onset", 100, 0.031, 0.071))
@@ -210,7 +217,7 @@ async def test_a_plans_recovery_that_leaves_the_job_slow_is_localised_again(
         # Partial recoveries before any plan, or under one that leaves <= 1.3x, are noted.
         await analyzer.consume("", _det(job, "recovery", "partial", 200, 0.071, 0.065))
         assert len(await found()) == 1
-        first_id = (await _ids(ctx, job))[0]
+        first_id = (await _incidents(ctx, job))[0].id
         await _mitigated(ctx, first_id)
         await analyzer.consume("", _det(job, "recovery", "partial", 250, 0.065, 0.038))
         await settle()
@@ -229,9 +236,3 @@ async def test_a_plans_recovery_that_leaves_the_job_slow_is_localised_again(
         await feeding
         await analyzer.stop()
         await localizer.stop()
-
-
-async def _ids(ctx: ServiceContext, job: str) -> list[str]:
-    async with ctx.db()() as session:
-        rows = sorted(await repo.list_incidents(session, job_id=job), key=lambda r: r.opened_at)
-    return [r.id for r in rows]
