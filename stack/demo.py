@@ -7,7 +7,7 @@ tracker, the analyzer, the validator, Postgres and the REST API, from which the 
 the system found. The faults are in stack/demo_faults.py.
 
 The last line is ``RESULT {json}`` (kind, ranks, links, detected_s, localized_s,
-host_ms_in_nccl_p99, job_iterations_after, job_alive, ...), for scripts and the tests; the exit
+host_ms_in_nccl_p50/p99, job_iterations_after, job_alive, ...), for scripts and the tests; the exit
 status is 0 only when the incident named the injected fault (and, for grouped and
 bench-peer-dies, the job trained on after the validation). Host time inside NCCL is shown next
 to the GPU's time in the collectives: NCCL calls return once their work is enqueued, so the
@@ -64,6 +64,7 @@ class DemoResult:
     detected_s: float | None = None
     localized_s: float | None = None  # first timeline entry that named the injected culprit
     validated: str | None = None  # the validator's verdict, when it ran
+    host_ms_in_nccl_p50: float | None = None
     host_ms_in_nccl_p99: float | None = None
     host_calls: int = 0
     gpu_ms_in_collectives_p50: float | None = None  # iterations completed since the fault
@@ -274,6 +275,7 @@ def play(stack: Stack, fault: DemoFault, *, at: int = 100, timeout_s: float = 60
             res.pauses_shortened = totals["pauses_shortened"]
             host = host_ns_in_nccl(shm, job)
             if host.size:
+                res.host_ms_in_nccl_p50 = round(float(np.percentile(host, 50)) / 1e6, 4)
                 res.host_ms_in_nccl_p99 = round(float(np.percentile(host, 99)) / 1e6, 4)
             res.host_calls = int(host.size)
             if fault.kind != "hang":
@@ -399,7 +401,8 @@ def report(res: DemoResult, fault: DemoFault, out: TextIO | None = None) -> int:
                f"the hang was called" if fault.kind == "hang" and res.detected_s is not None
                else f"on the GPU the collectives took {res.gpu_ms_in_collectives_p50} ms "
                f"(median since the fault)")
-        print(f"        host time inside NCCL calls: p99 {res.host_ms_in_nccl_p99:.3f} ms over "
+        print(f"        host time inside NCCL calls: median {res.host_ms_in_nccl_p50:.3f} ms, "
+              f"p99 {res.host_ms_in_nccl_p99:.3f} ms over "
               f"{res.host_calls} calls, while {gpu}: NCCL calls only enqueue work, so the "
               f"system reads the GPU timeline", file=out)
     print("RESULT " + json.dumps(asdict(res)), file=out, flush=True)

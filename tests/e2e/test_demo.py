@@ -3,12 +3,15 @@ asynchronous fake through hook, agent, NATS, tracker, analyzer, validator, Postg
 judged from the RESULT line the demo prints last.
 
 Host time inside NCCL: the hook's records say how long each host call took. On the asynchronous
-fake a call only enqueues its work, so the 99th percentile stays in the tens of microseconds;
-1 ms leaves room for a preempted call on a loaded machine and is still at least 10x below what
-the faults do on the GPU: the slow GPU makes its peers wait 0.5 x 40 ms = 20 ms at every
-all-reduce, the slow link stretches the 32 MB all-reduce from ~5 ms to ~19 ms, and the hung
-collective stays pending for the whole hang floor (2 s here). So an NCCL timed on the host, as
-a synchronous one would be, fails this test, and the incident must come from the GPU timeline.
+fake a call only enqueues its work, so most calls take tens of microseconds: the median must stay
+under 1 ms. The tail is the machine's, not NCCL's: on a busy 2-core CI machine a preempted call
+took 1.76 ms at the 99th percentile (CI, 620 calls), so the p99 bound is 5 ms. Both are far below
+what a synchronous NCCL would show on the host: the healthy 32 MB all-reduce takes ~5 ms on the
+GPU (every call, so the median), the slow GPU makes its peers wait 0.5 x 40 ms = 20 ms at every
+all-reduce, the slow link stretches the all-reduce to ~19 ms, and the hung collective stays
+pending for the whole hang floor (2 s here); half the calls come after the fault, so such a p99
+is 19 ms or more. So an NCCL timed on the host fails this test, and the incident must come from
+the GPU timeline.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from stack.demo_faults import FaultKind, make_fault
 from stack.up import Stack
 from tests.e2e.conftest import HANG_FLOOR_S
 
-HOST_MS_BOUND = 1.0
+HOST_MS_MEDIAN_BOUND = 1.0
+HOST_MS_P99_BOUND = 5.0
 GPU_MS_AT_LEAST = 10.0  # what the slow GPU and the slow link cost each iteration on the GPU
 
 
@@ -54,7 +58,8 @@ def test_demo_names_the_fault(stack: Stack, capsys: pytest.CaptureFixture[str], 
     assert got["detected_s"] <= got["localized_s"] <= 60.0, out
     # The host's time inside NCCL, over enough calls to mean something, against the GPU's.
     assert got["host_calls"] >= 4 * 80, out
-    assert got["host_ms_in_nccl_p99"] < HOST_MS_BOUND, out
+    assert got["host_ms_in_nccl_p50"] < HOST_MS_MEDIAN_BOUND, out
+    assert got["host_ms_in_nccl_p99"] < HOST_MS_P99_BOUND, out
     if fault == "hang":
         assert got["validated"] is None
         assert got["detected_s"] >= HANG_FLOOR_S - 0.5, out  # pending on the GPU that long
