@@ -280,7 +280,9 @@ class ClusterModel:
         best: tuple[float, int, int] | None = None
         # A mismatch is a collective's (another op, count or type than its peers); a send and a
         # receive posted together would make "which of the two" ambiguous in the counters.
-        wanted = (Op.ALLREDUCE,) if f.kind == "hang_inconsistent" else tuple(Op)
+        wanted = ((Op.ALLREDUCE,) if f.kind == "hang_inconsistent" else
+                  {"collective": (Op.ALLREDUCE, Op.ALLGATHER), "p2p": (Op.SEND, Op.RECV)}.get(
+                      f.call, tuple(Op)))
         for i, b in enumerate(blocks):
             when = b.host_enter if by_host else b.gpu_start
             idx = np.flatnonzero((b.rank == victim) & (when >= f.start_s) & np.isin(b.op, wanted))

@@ -23,6 +23,13 @@ from greyhound.core.hang_diagnosis import HangKind
 FaultKind = Literal["gpu_slow", "cpu_contention", "link_congestion", HangKind]
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 HANG_KINDS: frozenset[HangKind] = frozenset(get_args(HangKind))
+# Which of its calls a hang takes, the first of them from its start on: any (whatever the
+# victim's host or GPU reaches first), a collective, or a pipeline send or receive. A hang in a
+# pipeline call can only be narrowed to the pair (both ends pending on each other), so a
+# scenario that wants one named rank says "collective" rather than depend on where in the
+# iteration its start falls.
+HangCall = Literal["any", "collective", "p2p"]
+HANG_CALLS: tuple[HangCall, ...] = get_args(HangCall)
 DpAlgorithm = Literal["auto", "ring", "tree"]
 
 
@@ -126,6 +133,7 @@ class FaultSpec:
     rank: int | None = None
     node: int | None = None
     nodes: tuple[int, int] | None = None
+    call: HangCall = "any"  # a hang's: which of the victim's calls it takes
 
     @property
     def end_s(self) -> float:
@@ -245,13 +253,19 @@ def _fault(raw: Any, p: str, job: JobSpec) -> FaultSpec:
     keys = {"kind", "start_s", "duration_s", target}
     if kind in ("gpu_slow", "cpu_contention", "link_congestion"):
         keys.add("factor")
+    if kind in ("hang_hardware", "hang_not_entered"):  # an inconsistent one is a collective's
+        keys.add("call")
     _only(raw, p, keys)
     q = p + "."
     start = _num(raw, "start_s", q, default=0.0)
     duration = None if raw.get("duration_s") is None else _num(raw, "duration_s", q, positive=True)
     factor = _num(raw, "factor", q, positive=True) if "factor" in keys else 1.0
     if target == "rank":
-        return FaultSpec(kind, start, duration, factor, rank=_index(raw, "rank", q, job.world))
+        call = raw.get("call", "any")
+        if call not in HANG_CALLS:
+            raise ScenarioError(q + "call", f"{call!r} is not one of {', '.join(HANG_CALLS)}")
+        return FaultSpec(kind, start, duration, factor, rank=_index(raw, "rank", q, job.world),
+                         call=call)
     if target == "node":
         return FaultSpec(kind, start, duration, factor, node=_index(raw, "node", q, job.nodes))
     pair = raw.get("nodes")

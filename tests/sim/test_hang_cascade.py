@@ -10,6 +10,7 @@ from greyhound.core.hang_diagnosis import CommCounters, LastRecords, diagnose_ha
 from greyhound.sim.events import IterationTiming, Op
 from greyhound.sim.hang_cascade import spread
 from greyhound.sim.model import ClusterModel
+from greyhound.sim.scenario import ScenarioError
 from tests.sim.helpers import job, scenario
 
 J = job(tp=2, dp=4, pp=4, gpus_per_node=4, microbatches=8, microbatch_compute_s=0.05,
@@ -32,8 +33,8 @@ def test_a_hang_reaches_only_the_ranks_that_wait_for_a_stuck_one() -> None:
     assert np.isinf(sp.blocked_at[[3, 4]]).all()
 
 
-def hung_iteration(kind: str, rank: int, start_s: float = 2.0) -> IterationTiming:
-    model = ClusterModel(scenario(J, [{"kind": kind, "rank": rank, "start_s": start_s}]))
+def hung_iteration(kind: str, rank: int, start_s: float = 2.0, **more: str) -> IterationTiming:
+    model = ClusterModel(scenario(J, [{"kind": kind, "rank": rank, "start_s": start_s, **more}]))
     t = 0.0
     while True:
         it = model.iteration(t)
@@ -116,3 +117,31 @@ def test_a_pipeline_call_that_never_returns_names_its_pipeline() -> None:
     d = found[0]
     assert d.op in ("send", "recv") and d.evidence["point_to_point"] == 1
     assert 22 in d.ranks and len(d.ranks) <= 4  # one rank per pipeline stage
+
+
+@pytest.mark.parametrize(("call", "ops"), [("collective", {"allreduce", "allgather"}),
+                                           ("p2p", {"send", "recv"})])
+def test_a_scenario_can_say_which_call_a_hang_takes(call: str, ops: set[str]) -> None:
+    """The same start as above, where the first call is a receive: a scenario that asks for a
+    collective gets the victim's next collective, and the diagnosis names the rank alone (the
+    e2e tests need that named rank whatever the iteration's phase at the fault's start)."""
+    it = hung_iteration("hang_hardware", 22, start_s=2.05, call=call)
+    ev = it.events()
+    stuck = (ev.rank == 22) & ~np.isfinite(ev.gpu_end) & np.isfinite(ev.gpu_start)
+    first = int(np.flatnonzero(stuck)[np.argmin(ev.gpu_start[stuck])])
+    assert Op(int(ev.op[first])).name.lower() in ops
+    found = diagnose_hang(*agent_view(it), now_ns=int(1e15))
+    assert [d.kind for d in found] == ["hang_hardware"]
+    if call == "collective":
+        assert found[0].ranks == [22] and not found[0].evidence.get("point_to_point")
+    else:
+        assert 22 in found[0].ranks and found[0].evidence["point_to_point"] == 1
+
+
+def test_only_a_hang_says_which_call_and_only_one_it_can_take() -> None:
+    with pytest.raises(ScenarioError, match="call"):
+        scenario(J, [{"kind": "hang_hardware", "rank": 1, "start_s": 1.0, "call": "kernel"}])
+    with pytest.raises(ScenarioError, match="call"):
+        scenario(J, [{"kind": "hang_inconsistent", "rank": 1, "start_s": 1.0, "call": "p2p"}])
+    with pytest.raises(ScenarioError, match="call"):
+        scenario(J, [{"kind": "gpu_slow", "rank": 1, "start_s": 1.0, "call": "collective"}])
