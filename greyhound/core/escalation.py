@@ -15,6 +15,17 @@ does nothing for a congested link, S3 serves both, S4 comes last. An iteration w
 tolerance of the healthy time is not slow: it adds no loss and stops the escalation (the current
 strategy is working). While a plan is awaiting application, nothing escalates further.
 
+Severity is measurable, duration is not, but its distribution is known: GREYHOUND's field study
+found compute fail-slows last 10 minutes on average and congestions 24, far past the break-even
+of a one-minute S3. With a predicted duration and a trust ``trust`` (lambda in (0, 1]) the
+escalation is the learning-augmented ski rental of Purohit, Svitkina and Kumar (NeurIPS 2018):
+when the fault is predicted to outlast the break-even (its predicted duration is longer than the
+time in which its current loss rate would pay the next overhead), it buys once
+the loss reaches lambda x overhead; otherwise at overhead / lambda. Its cost is within
+(1 + lambda) of the optimum when the prediction is right and within (1 + 1/lambda) whatever the
+duration (break-even alone: 2 and 2). ``trust=1`` (or no prediction) is Algorithm 1 as
+published.
+
 Overheads start from inputs (settings) and learn from what applying a plan actually cost: each
 observed cost moves the estimate by an exponentially weighted moving average,
 ``estimate <- (1 - alpha) estimate + alpha observed`` (alpha = 0.5 by default: one observation
@@ -83,6 +94,8 @@ class Escalation:
         tolerance: float = 0.1,
         alpha: float = 0.5,
         available: Collection[Strategy] | None = None,
+        expected_s: float | None = None,
+        trust: float = 1.0,
     ) -> None:
         if kind not in LADDERS:
             raise ValueError(f"kind must be one of {sorted(LADDERS)}, got {kind!r}")
@@ -90,6 +103,10 @@ class Escalation:
             raise ValueError(f"healthy_iteration_s must be positive, got {healthy_iteration_s!r}")
         if not (tolerance >= 0 and 0 < alpha <= 1):
             raise ValueError(f"need tolerance >= 0 and 0 < alpha <= 1, got {tolerance!r}, {alpha!r}")
+        if not 0 < trust <= 1:
+            raise ValueError(f"trust must be in (0, 1], got {trust!r}")
+        if expected_s is not None and not (math.isfinite(expected_s) and expected_s > 0):
+            raise ValueError(f"expected_s must be positive seconds or None, got {expected_s!r}")
         ladder = [s for s in LADDERS[kind] if available is None or s in available or s is Strategy.IGNORE]
         for s in ladder[1:]:
             if s not in overheads_s or not (overheads_s[s] >= 0 and math.isfinite(overheads_s[s])):
@@ -98,6 +115,8 @@ class Escalation:
         self.healthy_s = float(healthy_iteration_s)
         self.tolerance = float(tolerance)
         self.alpha = float(alpha)
+        self.expected_s = None if expected_s is None else float(expected_s)
+        self.trust = float(trust)
         self.ladder = tuple(ladder)
         self._overheads = {s: float(overheads_s[s]) for s in ladder[1:]}
         self._step = 0
@@ -131,15 +150,31 @@ class Escalation:
         if self._pending is not None or self._step + 1 >= len(self.ladder):
             return None
         nxt = self.ladder[self._step + 1]
-        if self.loss_s < self._overheads[nxt]:
+        price = self._overheads[nxt]
+        outlasts = self._outlasts(price, (iteration_s - self.healthy_s) / iteration_s)
+        threshold = (price if self.expected_s is None else
+                     price * self.trust if outlasts else price / self.trust)
+        if self.loss_s < threshold:
             return None
         was = self.strategy
         self._step += 1
         self._pending = nxt
-        return Apply(nxt, self.loss_s, self._overheads[nxt],
+        bar = f"{nxt.name}'s overhead {price:.1f} s"
+        if self.expected_s is not None and self.trust != 1.0:
+            bar = (f"{self.trust:g} x {bar} (a {self.kind} fail-slow is expected to last "
+                   f"{self.expected_s:.0f} s, past the break-even)" if outlasts else
+                   f"{bar} / {self.trust:g} (a {self.kind} fail-slow is expected to end before "
+                   f"the break-even)")
+        return Apply(nxt, self.loss_s, price,
                      f"loss {self.loss_s:.1f} s over {self.slow_iterations} slow iterations reached "
-                     f"{nxt.name}'s overhead {self._overheads[nxt]:.1f} s and {was.name} has not "
-                     f"brought the iteration back within {self.tolerance:.0%} of {self.healthy_s:.3f} s")
+                     f"{bar} and {was.name} has not brought the iteration back within "
+                     f"{self.tolerance:.0%} of {self.healthy_s:.3f} s")
+
+    def _outlasts(self, price: float, rate: float) -> bool:
+        """Purohit et al.'s test, y >= b: the predicted duration against the break-even, the
+        time at which the loss at the current rate (seconds lost per second of training) would
+        pay ``price``. Decided on the prediction alone, not on the loss so far."""
+        return self.expected_s is not None and self.expected_s * rate >= price
 
     def applied(self, strategy: Strategy, cost_s: float) -> None:
         """The plan for ``strategy`` is in force; it cost ``cost_s`` (updates the estimate)."""
@@ -161,7 +196,8 @@ class Escalation:
         """Everything the state machine holds, as JSON-able values (a restarted planner goes on
         with the loss it had counted)."""
         return {"kind": self.kind, "healthy_s": self.healthy_s, "tolerance": self.tolerance,
-                "alpha": self.alpha, "ladder": [s.name for s in self.ladder],
+                "alpha": self.alpha, "expected_s": self.expected_s, "trust": self.trust,
+                "ladder": [s.name for s in self.ladder],
                 "overheads": {s.name: v for s, v in self._overheads.items()},
                 "step": self._step, "pending": self._pending.name if self._pending else None,
                 "loss_s": self.loss_s, "slow_iterations": self.slow_iterations,
@@ -175,7 +211,8 @@ class Escalation:
             overheads = {Strategy[k]: float(v) for k, v in state["overheads"].items()}
             esc = cls(state["kind"], float(state["healthy_s"]), overheads,
                       tolerance=float(state["tolerance"]), alpha=float(state["alpha"]),
-                      available=ladder)
+                      available=ladder, expected_s=state.get("expected_s"),
+                      trust=float(state.get("trust", 1.0)))
             step, pending = int(state["step"]), state["pending"]
             if tuple(ladder) != esc.ladder or not 0 <= step < len(ladder):
                 raise ValueError(f"ladder {state['ladder']} / step {step} do not fit {state['kind']!r}")

@@ -95,7 +95,8 @@ async def start(st: PlannerState, session: AsyncSession, incident: Incident,
     c = st.config
     esc = Escalation(kind, healthy, await st.overheads(session, incident.job_id, layout),
                      tolerance=c.tolerance, alpha=c.alpha,
-                     available=build.available(layout, culprit))
+                     available=build.available(layout, culprit), expected_s=c.expected_s(kind),
+                     trust=c.trust)
     t = Tracked(incident.id, incident.job_id, esc, culprit, gpu_of_rank=state.gpu_of_rank,
                 preplan_s=detection.after_s or None if detection else None)
     lead = c.lookback_s

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from greyhound.core.escalation import FailSlowKind
 from greyhound.core.plan_build import PlanCosts
 from services.common.ownership import GivenPartition, LeaseRetryS, LeaseValidS
 
@@ -37,6 +38,20 @@ class PlannerSettings(BaseSettings):
     tolerance: float = Field(default=0.1, ge=0, le=10,
                              description="an iteration within this of healthy is not slow")
     alpha: float = Field(default=0.5, gt=0, le=1, description="weight of an observed cost")
+    trust: float = Field(
+        default=0.5, gt=0, le=1, description="how far the escalation trusts the expected "
+        "durations below (greyhound.core.escalation: a fault expected to outlast the break-even "
+        "buys the next strategy at trust x its overhead, one expected to end before it at "
+        "overhead / trust; 1: the published break-even, whatever the prediction)")
+    expected_compute_s: float = Field(
+        default=600.0, gt=0, description="how long a compute fail-slow lasts, on average "
+        "(GREYHOUND's field study: 10 minutes)")
+    expected_communication_s: float = Field(
+        default=1440.0, gt=0, description="how long a congestion lasts, on average (the field "
+        "study: sub-minute to over 100 minutes, 24 on average)")
+    expected_mixed_s: float = Field(
+        default=1440.0, gt=0, description="a compute and a link fault at once: as long as its "
+        "congestion")
     s2_policy: Policy = "automatic"
     s3_policy: Policy = "approval"
     s4_policy: Literal["approval"] = Field(
@@ -71,6 +86,11 @@ class PlannerSettings(BaseSettings):
     restart_read_bytes_per_s: float = Field(default=20e9, gt=0)
     restart_overhead_s: float = Field(default=600.0, ge=0,
                                       description="scheduling, start, NCCL init, warm-up")
+
+    def expected_s(self, kind: FailSlowKind) -> float:
+        """The predicted duration of a fail-slow of ``kind``."""
+        return {"compute": self.expected_compute_s, "communication": self.expected_communication_s,
+                "mixed": self.expected_mixed_s}[kind]
 
     def plan_costs(self) -> PlanCosts:
         """What the planning cores weigh plans with (greyhound.core.plan_build)."""

@@ -90,7 +90,9 @@ def test_failed_application_unblocks_the_ladder() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"kind": "disk"}, "kind"), ({"healthy_iteration_s": 0.0}, "positive"),
-     ({"overheads_s": {Strategy.TOPOLOGY: 1.0}}, "MICROBATCH"), ({"alpha": 0.0}, "alpha")],
+     ({"overheads_s": {Strategy.TOPOLOGY: 1.0}}, "MICROBATCH"), ({"alpha": 0.0}, "alpha"),
+     ({"trust": 0.0}, "trust"), ({"trust": 1.5}, "trust"), ({"expected_s": -1.0}, "expected_s"),
+     ({"expected_s": float("inf")}, "expected_s")],
 )
 def test_bad_configuration_is_a_value_error(kwargs: dict[str, object], message: str) -> None:
     args: dict[str, object] = {"kind": "compute", "healthy_iteration_s": HEALTHY, "overheads_s": OVERHEADS}
@@ -120,3 +122,43 @@ def test_state_round_trip_goes_on_where_it_stopped() -> None:
     bad = {**esc.state_dict(), "step": 7}
     with pytest.raises(ValueError, match="step"):
         Escalation.from_state(bad)
+
+
+def test_a_congestion_predicted_to_last_buys_s3_at_trust_times_its_overhead() -> None:
+    """Learning-augmented ski rental: a congestion expected to last 24 minutes (the field
+    study's mean) outlasts the 100 s break-even of a 60 s S3 at 0.6 s per second lost, so S3
+    comes at 0.5 x 60 s of loss, after 50 iterations instead of 100."""
+    esc = Escalation("communication", HEALTHY, OVERHEADS, expected_s=1440.0, trust=0.5)
+    [(index, decision)] = feed(esc, 1.6, 200)
+    assert isinstance(decision, Apply) and decision.strategy is Strategy.TOPOLOGY
+    assert index == 49 and decision.loss_s == pytest.approx(30.0)
+    assert "0.5 x TOPOLOGY's overhead 60.0 s" in decision.reason and "1440 s" in decision.reason
+
+
+def test_a_fault_predicted_to_end_before_the_break_even_waits_for_overhead_over_trust() -> None:
+    # expected to last 100 s: losing 0.5 s per 1.5 s iteration (1/3 s per second), 60 s are
+    # lost only after 180 s, so S3 waits for 60 / 0.5 = 120 s of loss (240 iterations), even
+    # past the break-even: a fault that outlasts the prediction costs at most (1 + 1/trust)
+    # x the optimum
+    esc = Escalation("communication", HEALTHY, OVERHEADS, expected_s=100.0, trust=0.5)
+    [(index, decision)] = feed(esc, 1.5, 400)
+    assert isinstance(decision, Apply) and index == 239
+    assert decision.loss_s == pytest.approx(120.0) and "before the break-even" in decision.reason
+
+
+@pytest.mark.parametrize("kwargs", [{"trust": 1.0, "expected_s": 1440.0}, {"trust": 0.5}])
+def test_full_trust_or_no_prediction_is_the_published_break_even(kwargs: dict[str, float]) -> None:
+    esc = Escalation("communication", HEALTHY, OVERHEADS, **kwargs)
+    [(index, decision)] = feed(esc, 1.6, 200)
+    assert index == 99 and isinstance(decision, Apply) and "expected" not in decision.reason
+
+
+def test_a_restored_escalation_keeps_its_prediction() -> None:
+    esc = Escalation("communication", HEALTHY, OVERHEADS, expected_s=1440.0, trust=0.5)
+    feed(esc, 1.6, 30)
+    again = Escalation.from_state(esc.state_dict())
+    assert again.state_dict() == esc.state_dict()
+    assert feed(again, 1.6, 30) == feed(esc, 1.6, 30) != []
+    old = {k: v for k, v in esc.state_dict().items()
+           if k not in ("expected_s", "trust")}  # written before there were predictions
+    assert Escalation.from_state(old).trust == 1.0

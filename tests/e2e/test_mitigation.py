@@ -1,11 +1,13 @@
 """Ski-rental escalation with the whole stack and the live simulator (16 GPUs, TP2 DP4 PP2):
 
-* a GPU at half speed: S2 once the loss pays for the re-balance (automatic), applied by the
-  simulated job at an iteration boundary, the incident mitigated; re-checked while it is in
-  force, reverted once the GPU is healthy again, and the incident resolved;
-* a congested DP link: no S2 for a link; S3 proposed only once the loss reaches its overhead,
-  held for an operator's approval (given here over REST with an operator token), applied with
-  its pause, and reverted when the congestion ends;
+* a GPU at half speed: S2 once the loss pays for half the re-balance (automatic; a compute
+  fail-slow is expected to last 10 minutes), applied by the simulated job at an iteration
+  boundary, the incident mitigated; re-checked while it is in force, reverted once the GPU is
+  healthy again, and the incident resolved;
+* a congested DP link: no S2 for a link; S3 proposed only once the loss reaches half its
+  overhead (the default trust in the expected duration: a congestion is expected to last 24
+  minutes, past the break-even), held for an operator's approval (given here over REST with
+  an operator token), applied with its pause, and reverted when the congestion ends;
 * the slow GPU again, the planner killed (SIGKILL) once S2 is in force and restarted: the same
   end, nothing lost or done twice (issue 13's kill -9 of each service, for the planner).
 
@@ -190,7 +192,7 @@ def test_compute_fail_slow_reaches_s2_and_is_reverted_after_it_ends(mstack: Stac
     # automatic, approved by the policy, delivered, applied with the job's reported cost
     assert s2["policy"] == "automatic" and s2["status"] == "reverted", run.describe()
     assert [a["approver"] for a in s2["approvals"]] == ["policy"]
-    assert s2["params"]["loss_s"] >= PLANNER.s2_overhead_s and s2["cost_s"] == 0.5
+    assert s2["params"]["loss_s"] >= PLANNER.trust * PLANNER.s2_overhead_s and s2["cost_s"] == 0.5
     assert s2["params"]["slow_dp_groups"] == [1]
     assert s2["params"]["microbatches"][1] < 4 and sum(s2["params"]["microbatches"]) == 16
     assert not [p for p in run.plans if p["strategy"] != "S2" and p["applied_at"]]
@@ -237,8 +239,10 @@ def test_congested_link_waits_for_the_loss_and_an_approval_then_s3_is_reverted(
     assert not _plan(run, "S2"), run.describe()  # S2 cannot help a link
     s3 = _plan(run, "S3")
     assert s3 is not None and s3["policy"] == "approval", run.describe()
-    # proposed only once the loss reached S3's overhead, and held for the operator
-    assert seen_loss and seen_loss[0] >= PLANNER.s3_overhead_s
+    # proposed only once the loss reached trust x S3's overhead, and held for the operator
+    assert PLANNER.trust == 0.5  # the default: what a user runs
+    assert seen_loss and seen_loss[0] >= PLANNER.trust * PLANNER.s3_overhead_s
+    assert "expected to last 1440 s, past the break-even" in s3["params"]["why"], s3["params"]
     assert s3["params"]["kind"] == "role_swap" and s3["params"]["links"] == [[0, 1]]
     assert [(a["decision"], a["approver"]) for a in s3["approvals"]] == [("approve", "oncall")]
     assert s3["status"] == "reverted" and s3["cost_s"] == 10.0, run.describe()

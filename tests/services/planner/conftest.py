@@ -209,8 +209,10 @@ class Rig:
         return box[0]
 
 
+# trust 1: the published break-even, which these flows count the loss against (the expected
+# durations' own flow sets the default trust)
 FAST = {"poll_s": 0.05, "s2_overhead_s": 3.0, "s3_overhead_s": 5.0, "s4_overhead_s": 1e6,
-        "recheck_s": 0.0, "hold_max_s": 0.0}
+        "recheck_s": 0.0, "hold_max_s": 0.0, "trust": 1.0}
 
 
 @dataclass

@@ -12,6 +12,7 @@ import pytest
 from greyhound.core.microbatch import allocate_microbatches
 from services.common.db import repository as repo
 from services.common.db.models import Plan, WebhookDelivery
+from services.planner.settings import PlannerSettings
 from tests.services.planner.conftest import Bench, Rig
 
 
@@ -294,3 +295,30 @@ async def _count(rig: Rig, n: int) -> list[object] | None:
 
 async def _has_events(rig: Rig, n: int) -> bool:
     return len(await _events(rig)) >= n
+
+
+@pytest.mark.parametrize(("expected_s", "iterations", "words"), [
+    (1440.0, 3, "0.5 x TOPOLOGY's overhead 5.0 s (a communication fail-slow is expected to last "
+                "1440 s, past the break-even)"),
+    (4.0, 10, "TOPOLOGY's overhead 5.0 s / 0.5 (a communication fail-slow is expected to end "
+              "before the break-even)"),
+])
+async def test_the_expected_duration_moves_s3_by_the_default_trust(
+        bench: Bench, expected_s: float, iterations: int, words: str) -> None:
+    """A congestion losing half of every 2 s iteration pays S3's 5 s in 10 s. Expected to last
+    24 minutes (the default), S3 is proposed once 0.5 x 5 s are lost, at the third slow
+    iteration; expected to last 4 s, not before 5 s / 0.5, at the tenth."""
+    trust = PlannerSettings.model_fields["trust"].default
+    assert trust == 0.5
+    async with bench.planner(trust=trust, expected_communication_s=expected_s) as rig:
+        await rig.layout(tp=1, dp=2, pp=2, gpus_per_node=1, microbatches=8,
+                         dp_allreduce_bytes=4e9, pp_activation_bytes=1e7)
+        inc = await rig.incident(kind="comm_slow", before_s=1.0, after_s=2.0, links=[(0, 1)])
+        await rig.wait(lambda: _tracked(rig, inc), "the escalation to start")
+        await rig.iterations(2.0, iterations - 1)
+        await rig.wait(lambda: _fed(rig, inc, iterations - 1), "the slow iterations")
+        assert await rig.plans() == []
+        await rig.iterations(2.0, 1)
+        (plan,) = await rig.wait(rig.plans, "an S3 proposal")
+        assert plan.strategy == "S3" and plan.params.loss_s == pytest.approx(float(iterations))
+        assert words in (plan.params.why or ""), plan.params.why

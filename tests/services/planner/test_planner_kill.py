@@ -25,7 +25,8 @@ TAKEOVER_WITHIN_S = 10.0
 SETTINGS = {"GREYHOUND_PLANNER_POLL_S": "0.05", "GREYHOUND_PLANNER_S2_OVERHEAD_S": "4",
             "GREYHOUND_PLANNER_S3_OVERHEAD_S": "5", "GREYHOUND_PLANNER_S4_OVERHEAD_S": "1000000",
             "GREYHOUND_PLANNER_RECHECK_S": "0", "GREYHOUND_PLANNER_HOLD_MAX_S": "0",
-            "GREYHOUND_PLANNER_LEASE_RETRY_S": "0.5"}
+            "GREYHOUND_PLANNER_LEASE_RETRY_S": "0.5",
+            "GREYHOUND_PLANNER_TRUST": "1"}  # the break-even: the loss is counted to 4 s
 
 
 async def _saved_loss(rig: Rig, incident: str) -> float:
