@@ -63,12 +63,14 @@ LADDERS: dict[FailSlowKind, tuple[Strategy, ...]] = {
 
 @dataclass(frozen=True, slots=True)
 class Apply:
-    """Apply ``strategy`` now: the loss so far has reached its estimated overhead."""
+    """Apply ``strategy`` now: the loss so far has reached ``threshold_s``, its estimated
+    overhead (times the trust, or over it, when a predicted duration is used)."""
 
     strategy: Strategy
     loss_s: float
     overhead_s: float
     reason: str
+    threshold_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,7 @@ class Escalation:
         return Apply(nxt, self.loss_s, price,
                      f"loss {self.loss_s:.1f} s over {self.slow_iterations} slow iterations reached "
                      f"{bar} and {was.name} has not brought the iteration back within "
-                     f"{self.tolerance:.0%} of {self.healthy_s:.3f} s")
+                     f"{self.tolerance:.0%} of {self.healthy_s:.3f} s", threshold)
 
     def _outlasts(self, price: float, rate: float) -> bool:
         """Purohit et al.'s test, y >= b: the predicted duration against the break-even, the

@@ -191,8 +191,9 @@ async def propose(st: PlannerState, t: Tracked, d: Apply) -> None:
         dashboard = st.ctx.settings.api_public_url
         await announce(session, plan, "proposed", note_text=proposal.summary,
                        dashboard=dashboard)
-        log.info("incident %s: proposed %s (%s, loss %.2fs >= overhead %.2fs): %s",
-                 t.incident_id, name, policy, d.loss_s, d.overhead_s, proposal.summary)
+        log.info("incident %s: proposed %s (%s, loss %.2fs >= %.2fs of its overhead %.2fs): %s",
+                 t.incident_id, name, policy, d.loss_s, d.threshold_s, d.overhead_s,
+                 proposal.summary)
         if policy == "automatic":
             await repo.decide_plan(session, plan, decision="approve", approver="policy",
                                    comment=f"{name} is automatic (GREYHOUND_PLANNER_"

@@ -131,7 +131,7 @@ def test_a_congestion_predicted_to_last_buys_s3_at_trust_times_its_overhead() ->
     esc = Escalation("communication", HEALTHY, OVERHEADS, expected_s=1440.0, trust=0.5)
     [(index, decision)] = feed(esc, 1.6, 200)
     assert isinstance(decision, Apply) and decision.strategy is Strategy.TOPOLOGY
-    assert index == 49 and decision.loss_s == pytest.approx(30.0)
+    assert index == 49 and decision.loss_s == pytest.approx(30.0) and decision.threshold_s == 30.0
     assert "0.5 x TOPOLOGY's overhead 60.0 s" in decision.reason and "1440 s" in decision.reason
 
 
@@ -143,7 +143,8 @@ def test_a_fault_predicted_to_end_before_the_break_even_waits_for_overhead_over_
     esc = Escalation("communication", HEALTHY, OVERHEADS, expected_s=100.0, trust=0.5)
     [(index, decision)] = feed(esc, 1.5, 400)
     assert isinstance(decision, Apply) and index == 239
-    assert decision.loss_s == pytest.approx(120.0) and "before the break-even" in decision.reason
+    assert decision.loss_s == pytest.approx(120.0) and decision.threshold_s == 120.0
+    assert "before the break-even" in decision.reason
 
 
 @pytest.mark.parametrize("kwargs", [{"trust": 1.0, "expected_s": 1440.0}, {"trust": 0.5}])
@@ -151,6 +152,7 @@ def test_full_trust_or_no_prediction_is_the_published_break_even(kwargs: dict[st
     esc = Escalation("communication", HEALTHY, OVERHEADS, **kwargs)
     [(index, decision)] = feed(esc, 1.6, 200)
     assert index == 99 and isinstance(decision, Apply) and "expected" not in decision.reason
+    assert decision.threshold_s == decision.overhead_s == 60.0
 
 
 def test_a_restored_escalation_keeps_its_prediction() -> None:
