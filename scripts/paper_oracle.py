@@ -3,9 +3,9 @@ that knows the fault schedule applies each mitigation ``--delay`` virtual second
 onset and takes it back ``--late`` seconds after its end, paying the scenario's costs.
 
 S2: the planner's exact min-max micro-batch allocation (greyhound.core.microbatch) over every
-slow GPU's DP group. S3: for each congested link (a, b), node b exchanges roles with the node at
-the same place in the other pipeline stage (node b +- nodes/2), so the link carries pipeline
-instead of DP traffic (what the planner proposed in the demo's runs: 6<->21 for link 5-6).
+slow GPU's DP group. S3: the planner's own role swap (greyhound.core.role_swap) for each
+congested link, so that the link carries pipeline instead of DP traffic (6<->21 for link 5-6,
+12<->27 for link 27-28, as the demo's runs proposed).
 
     .venv/bin/python scripts/paper_oracle.py scenarios/paper-256.yaml --delay 0
 """
@@ -17,18 +17,26 @@ from pathlib import Path
 
 import numpy as np
 
+from greyhound.core.layout import ParallelShape
 from greyhound.core.microbatch import allocate_microbatches
 from greyhound.core.plans import MicrobatchPlan, SwapNodesPlan, even_split
+from greyhound.core.role_swap import Traffic, plan_role_swap
 from greyhound.sim.model import ClusterModel
 from greyhound.sim.scenario import Scenario, load_scenario
 from greyhound.sim.throughput import offline_iterations, per_minute
 
 
 def oracle_iterations(sc: Scenario, *, delay_s: float, late_s: float, s3: bool = True,
-                      s3_delay_s: float | None = None) -> list[tuple[float, float]]:
+                      s3_delay_s: float | None = None,
+                      s3_late_s: float | None = None) -> list[tuple[float, float]]:
     j = sc.job
-    half = j.nodes // 2
     model = ClusterModel(sc)
+    traffic = Traffic(j.dp_allreduce_bytes, j.pp_activation_bytes, max(1, j.microbatches // j.dp))
+
+    def role_swap(link: tuple[int, int], factor: float) -> tuple[tuple[int, int], ...]:
+        return plan_role_swap(ParallelShape(j.tp, j.dp, j.pp), j.gpus_per_node,
+                              {link: factor}, traffic).node_pairs
+
     counts: tuple[int, ...] = even_split(j.microbatches, j.dp)
     swaps: tuple[tuple[int, int], ...] = ()
     out: list[tuple[float, float]] = []
@@ -37,16 +45,17 @@ def oracle_iterations(sc: Scenario, *, delay_s: float, late_s: float, s3: bool =
         times = np.ones(j.dp)
         want: list[tuple[int, int]] = []
         for f in sc.faults:
-            d = s3_delay_s if f.kind == "link_congestion" and s3_delay_s is not None else delay_s
+            link = f.kind == "link_congestion"
+            d = s3_delay_s if link and s3_delay_s is not None else delay_s
+            late = s3_late_s if link and s3_late_s is not None else late_s
             end = f.start_s + (f.duration_s if f.duration_s is not None else float("inf"))
-            if not f.start_s + d <= t < end + late_s:
+            if not f.start_s + d <= t < end + late:
                 continue
             if f.kind == "gpu_slow" and f.rank is not None:
                 g = (f.rank // j.tp) % j.dp
                 times[g] = max(times[g], f.factor)
             elif f.kind == "link_congestion" and f.nodes is not None and s3:
-                b = max(f.nodes)
-                want.append((b, b + half if b < half else b - half))
+                want.extend(role_swap(f.nodes, f.factor))
         new = (allocate_microbatches(times, j.microbatches).counts if (times > 1).any()
                else even_split(j.microbatches, j.dp))
         cost = 0.0
@@ -72,13 +81,17 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.0, help="virtual s after each onset")
     ap.add_argument("--late", type=float, default=0.0, help="virtual s after each end")
     ap.add_argument("--s3-delay", type=float, default=None, help="for link congestions")
+    ap.add_argument("--s3-late", type=float, default=None,
+                    help="for link congestions (inf: an S3 kept, as the planner keeps one whose "
+                    "congestion's end it cannot see under the swap)")
     ap.add_argument("--no-s3", action="store_true")
     a = ap.parse_args()
     sc = load_scenario(a.scenario)
     healthy = per_minute(offline_iterations(sc, faults=False), sc.duration_s)
     without = per_minute(offline_iterations(sc), sc.duration_s)
     with_ = per_minute(oracle_iterations(sc, delay_s=a.delay, late_s=a.late, s3=not a.no_s3,
-                                         s3_delay_s=a.s3_delay), sc.duration_s)
+                                         s3_delay_s=a.s3_delay, s3_late_s=a.s3_late),
+                        sc.duration_s)
     print(f"{sc.name}: healthy {healthy:.2f}, without {without:.2f}, oracle with {with_:.2f} "
           f"it/min, speed-up {with_ / without:.3f}")
 
