@@ -10,7 +10,8 @@ HEALTHY = 0.605
 
 
 def _demo_like(seed: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """The paper demo's job level by virtual seconds (scenarios/paper-256.yaml): healthy 0.605 s,
+    """The paper demo's job level by virtual seconds (scenarios/paper-256.yaml as it was with 4
+    micro-batches per DP group, where the bug showed): healthy 0.605 s,
     fault 1 (x1.19) from 20 s inside the 48-iteration warm-up, fault 2 (+52%) on top from 70 s
     and alone to 180 s, fault 3 (+52%) 200-290 s, the weak fault 4 (x1.2) 305-385 s. Jitter 2%
     as the scenario's. Returns the iteration times and each fault's span in iterations."""
