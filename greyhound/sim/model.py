@@ -25,8 +25,13 @@ from greyhound.sim import hang_cascade as hc
 from greyhound.sim import timeline as tl
 from greyhound.sim.events import CommTable, EventBlock, IterationTiming, Op
 from greyhound.sim.mitigation import Layout, apply
-from greyhound.sim.scenario import JobSpec, Scenario
+from greyhound.sim.scenario import HangCall, JobSpec, Scenario
 from greyhound.sim.schedule import pipeline_order, ring_allreduce_s, run_pipeline, tree_allreduce_s
+
+# The calls a hang fault may take, by its scenario's ``call``; an inconsistent hang is always an
+# all-reduce's (a mismatched op, count or type among peers).
+CALL_OPS: dict[HangCall, tuple[Op, ...]] = {
+    "any": tuple(Op), "collective": (Op.ALLREDUCE, Op.ALLGATHER), "p2p": (Op.SEND, Op.RECV)}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -280,9 +285,7 @@ class ClusterModel:
         best: tuple[float, int, int] | None = None
         # A mismatch is a collective's (another op, count or type than its peers); a send and a
         # receive posted together would make "which of the two" ambiguous in the counters.
-        wanted = ((Op.ALLREDUCE,) if f.kind == "hang_inconsistent" else
-                  {"collective": (Op.ALLREDUCE, Op.ALLGATHER), "p2p": (Op.SEND, Op.RECV)}.get(
-                      f.call, tuple(Op)))
+        wanted = (Op.ALLREDUCE,) if f.kind == "hang_inconsistent" else CALL_OPS[f.call]
         for i, b in enumerate(blocks):
             when = b.host_enter if by_host else b.gpu_start
             idx = np.flatnonzero((b.rank == victim) & (when >= f.start_s) & np.isin(b.op, wanted))
