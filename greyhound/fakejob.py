@@ -302,7 +302,10 @@ class FakeJob:
         out: list[IterTimes] = []
         if not path.exists():
             return out
-        for line in path.read_text().splitlines():
+        # The rank writes while this reads: only lines it has finished (newline-terminated) count;
+        # a half-written last one ("it=7 t0=..." without t1) is read on the next call.
+        text = path.read_text()
+        for line in text[:text.rfind("\n") + 1].splitlines():
             if not line.startswith("it="):
                 continue
             f = dict(kv.split("=", 1) for kv in line.split())

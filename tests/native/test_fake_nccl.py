@@ -596,3 +596,16 @@ def test_fake_cublas_sgemm_is_right_and_slowed(native_build: Path, cuda: ctypes.
     time.sleep(0.01)
     assert timed() > 2.5 * plain
     assert blas.cublasDestroy_v2(h) == 0
+
+
+def test_iterations_read_while_a_rank_writes_skip_its_half_written_line(tmp_path: Path) -> None:
+    """CI read a rank's output between two writes of one line ("it=.. t0=.." without t1) and
+    failed with a KeyError: only newline-terminated lines are finished iterations."""
+    job = _job(tmp_path, FakeJobSpec(world_size=1, iters=2, compute_ms=1.0))
+    out = tmp_path / "rank0.out"
+    out.write_text("it=0 t0=1 t1=2 t2=3\nit=1 t0=4")
+    assert [t.it for t in job.iterations(0)] == [0]
+    out.write_text("it=0 t0=1 t1=2 t2=3\nit=1 t0=4 t1=5 t2=6\n")
+    assert [t.it for t in job.iterations(0)] == [0, 1]
+    out.write_text("it=0 t0=1")
+    assert job.iterations(0) == []
