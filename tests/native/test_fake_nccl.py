@@ -268,7 +268,10 @@ def test_send_recv_pair_takes_the_link_time(nccl: ctypes.CDLL, cuda: ctypes.CDLL
 
 def test_collective_returns_at_once_and_runs_on_the_device(nccl: ctypes.CDLL, cuda: ctypes.CDLL) -> None:
     comms = _init_all(nccl, 2)
-    count = ctypes.c_size_t(150_000_000)  # 600 MB of float32, 2 ranks: 60 ms at 10 GB/s
+    # 6 GB of float32, 2 ranks: 600 ms at 10 GB/s (no buffer: the fake GPU only keeps the time).
+    # The host's checks below must run while the device is still at it: a busy 2-core machine may
+    # hold the test's thread for tens of ms, so the device's time is far longer than that.
+    count = ctypes.c_size_t(1_500_000_000)
     before, after = ctypes.c_void_p(), ctypes.c_void_p()
     assert cuda.cudaEventCreate(ctypes.byref(before)) == 0
     assert cuda.cudaEventCreate(ctypes.byref(after)) == 0
@@ -293,8 +296,8 @@ def test_collective_returns_at_once_and_runs_on_the_device(nccl: ctypes.CDLL, cu
         assert cuda.cudaEventElapsedTime(ctypes.byref(ms), before, after) == 0
         device_ms.append(ms.value)
     assert statistics.median(host_ms) < 1.0 and max(host_ms) < 50.0, host_ms
-    assert min(device_ms) >= 59.0 and max(device_ms) < 200.0, device_ms
-    assert min(waited_ms) > 40.0, waited_ms
+    assert min(device_ms) >= 599.0 and max(device_ms) < 2000.0, device_ms
+    assert min(waited_ms) > 400.0, waited_ms
     err = ctypes.c_int()
     for c in comms:
         assert nccl.ncclCommGetAsyncError(c, ctypes.byref(err)) == 0 and err.value == 0
