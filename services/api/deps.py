@@ -31,12 +31,26 @@ class Bus:
         return self.js
 
 
+# A read answers from one snapshot of the database. An answer takes several statements (the
+# incidents, then their timelines; an incident, then its plans and audit trail), and under
+# Postgres's default READ COMMITTED a commit landing between two of them made an incident's
+# timeline say "localized" beside the kind and status from before it (CI saw kind "slowdown",
+# status "detected"). REPEATABLE READ fixes the snapshot at the first statement; READ ONLY
+# turns a read route that wrote into an error rather than an occasional serialization failure.
+SNAPSHOT: dict[str, Any] = {"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
+READS = frozenset({"GET", "HEAD"})
+
+
 async def unit_dep(request: Request) -> AsyncIterator[UnitOfWork]:
     """One unit of work per request: it commits once the route returned without an error and
     before the answer goes out (a commit that fails is the answer), then sends what the route
-    staged (services.common.unit_of_work); an error rolls everything back."""
+    staged (services.common.unit_of_work); an error rolls everything back. A read's unit is
+    one read-only snapshot (SNAPSHOT); a write's reads what others committed before each of
+    its statements, so that it waits on the rows it locks rather than failing on them."""
     work: Work = request.app.state.work
     async with work.unit() as uow:
+        if request.method in READS:
+            await uow.session.connection(execution_options=SNAPSHOT)
         yield uow
 
 
