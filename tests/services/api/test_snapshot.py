@@ -23,8 +23,8 @@ async def test_a_localisation_committed_mid_read_is_in_none_of_the_answer(api: A
                                                                           detail: bool) -> None:
     await api.job("job-s")
     incident_id = await api.incident("job-s")
-    sessions = api.ctx.db()
-    engine = sessions.kw["bind"]
+    sessions, engine = api.ctx.db(), api.ctx.engine
+    assert engine is not None
     landed: list[str] = []
 
     async def localise() -> None:
